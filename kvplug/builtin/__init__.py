@@ -1,0 +1,1 @@
+"""kvplug's built-in components, registered through the same hooks as third-party plugins."""

@@ -1,0 +1,17 @@
+"""Built-in plugin: the ``mha`` KV pool."""
+
+from __future__ import annotations
+
+from kvplug.hookspecs import hookimpl
+from kvplug.interface import BaseKVPool, KVPoolConfig
+
+
+def create_mha(config: KVPoolConfig) -> BaseKVPool:
+    from kvplug.memory.mha_pool import MHAKVPool
+
+    return MHAKVPool(config)
+
+
+@hookimpl
+def kvplug_register_kv_pools(register):
+    register("mha", create_mha)

@@ -1,0 +1,1 @@
+"""Built-in prefix caches: ``naive`` (keeps nothing) and ``radix`` (radix tree over pages)."""

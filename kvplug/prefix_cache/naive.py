@@ -1,0 +1,72 @@
+"""``naive``: the prefix cache that never matches and keeps nothing.
+
+With it every request recomputes its whole prompt and the allocator frees all of a finished
+request's pages. It is the baseline the ``radix`` cache is measured against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvplug.interface import (
+    BaseCacheHandle,
+    BasePrefixCache,
+    InsertResult,
+    InvalidArgumentError,
+    MatchResult,
+    PrefixCacheConfig,
+    SizeInfo,
+)
+from kvplug.prefix_cache.validation import check_insert_arguments, check_token_ids
+
+
+class NaiveCacheHandle(BaseCacheHandle):
+    """A handle that covers nothing."""
+
+    def __init__(self, empty: torch.Tensor) -> None:
+        self.cached_len = 0
+        self._empty = empty
+
+    def get_matched_indices(self) -> torch.Tensor:
+        return self._empty
+
+
+class NaivePrefixCache(BasePrefixCache):
+    """Keeps nothing: ``match_prefix`` always returns length 0, ``insert_prefix`` reports 0 cached."""
+
+    def __init__(self, config: PrefixCacheConfig) -> None:
+        if config.options:
+            raise InvalidArgumentError(f"the naive prefix cache takes no options, got {sorted(config.options)}")
+        self.device = config.device
+        self.page_size = config.page_size
+        self._empty = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._handle = NaiveCacheHandle(self._empty)
+
+    def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
+        check_token_ids(input_ids, self.device)
+        return MatchResult(self._handle)
+
+    def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        if not isinstance(handle, NaiveCacheHandle):
+            raise InvalidArgumentError(f"expected a handle from this naive cache, got {type(handle).__name__}")
+
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+        check_insert_arguments(input_ids, indices, self.device, self.page_size)
+        return InsertResult(0, self._handle)
+
+    def evict(self, size: int) -> torch.Tensor:
+        if size < 0:
+            raise InvalidArgumentError(f"evict size must be >= 0, got {size}")
+        if size > 0:
+            raise InvalidArgumentError(f"cannot evict {size} tokens: the naive cache holds 0 evictable tokens")
+        return self._empty
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(evictable_size=0, protected_size=0)
+
+    def check_integrity(self) -> None:
+        pass
