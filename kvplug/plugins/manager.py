@@ -98,14 +98,17 @@ class PluginManager:
         Raises ``pluggy.PluginValidationError`` for a hook implementation whose name starts with
         ``kvplug_`` but matches no hook, or that takes an argument its hook does not offer.
         """
-        registered = self._pluggy.register(plugin, name)
-        if registered is None:
-            raise PluginRegistrationError(f"plugin {name or plugin!r} is blocked or already registered")
+        plugin_name = name or self._pluggy.get_canonical_name(plugin)
         try:
+            registered = self._pluggy.register(plugin, plugin_name)
             self._pluggy.check_pending()
         except pluggy.PluginValidationError:
-            self._pluggy.unregister(name=registered)
+            # pluggy keeps a half-registered plugin after a validation error: drop it
+            if self._pluggy.has_plugin(plugin_name):
+                self._pluggy.unregister(name=plugin_name)
             raise
+        if registered is None:
+            raise PluginRegistrationError(f"plugin {plugin_name!r} is blocked or already registered")
         if builtin:
             distribution, version = "kvplug", __version__
         self._origins[registered] = (distribution or "unknown", version or "unknown", builtin)

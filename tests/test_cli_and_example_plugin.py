@@ -1,0 +1,92 @@
+"""The ``kvplug`` command and the example third-party plugin, installed for real into a temp dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvplug
+from kvplug.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "third_party_plugin"
+
+
+def run_kvplug(*args: str, pythonpath: str | None = None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVPLUG_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, str(REPO), env.get("PYTHONPATH")]))
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def installed_example(tmp_path_factory) -> str:
+    """Build and install examples/third_party_plugin (a real wheel build) into a private directory."""
+    target = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(EXAMPLE)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(target.glob("kvplug_pagehash-0.1.0.dist-info"))
+    return str(target)
+
+
+def test_plugins_json_lists_the_installed_example(installed_example):
+    result = run_kvplug("-m", "kvplug", "plugins", "--json", pythonpath=installed_example)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["schema"] == 1 and report["interface_version"] == kvplug.INTERFACE_VERSION
+    plugins = {plugin["name"]: plugin for plugin in report["plugins"]}
+    example = plugins["pagehash"]
+    assert example["distribution"] == "kvplug-pagehash" and example["version"] == "0.1.0"
+    assert example["builtin"] is False and example["file"].endswith("kvplug_pagehash/plugin.py")
+    assert example["provides"] == {"prefix_cache": ["page-hash"]}
+    assert plugins["kvplug.builtin.prefix_caches"]["provides"]["prefix_cache"] == ["naive", "radix"]
+    assert report["load_failures"] == []
+
+
+def test_example_plugin_is_created_by_name_and_passes_the_conformance_kit(installed_example):
+    script = (
+        "import kvplug, kvplug.testing\n"
+        "cache = kvplug.create_prefix_cache('page-hash', page_size=4)\n"
+        "assert type(cache).__name__ == 'PageHashPrefixCache', type(cache)\n"
+        "from kvplug_pagehash.cache import PageHashPrefixCache\n"
+        "kvplug.testing.check_prefix_cache(PageHashPrefixCache, page_sizes=(1, 4))\n"
+        "print('conformant')\n"
+    )
+    result = run_kvplug("-c", script, pythonpath=installed_example)
+    assert result.returncode == 0, result.stderr
+    assert "conformant" in result.stdout
+
+
+def test_disabling_the_example_hides_it(installed_example):
+    result = run_kvplug(
+        "-m", "kvplug", "plugins", "--json", pythonpath=installed_example,
+        env_extra={"KVPLUG_DISABLE_PLUGINS": "pagehash"},
+    )
+    names = {plugin["name"] for plugin in json.loads(result.stdout)["plugins"]}
+    assert "pagehash" not in names and "kvplug.builtin.prefix_caches" in names
+
+
+def test_plugins_table(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:4] == ["PLUGIN", "DISTRIBUTION", "VERSION", "PROVIDES"]
+    assert "prefix_cache: naive, radix" in out and "kv_pool: mha" in out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "plugins" in capsys.readouterr().out
+
+
+def test_python_dash_m_and_version():
+    result = run_kvplug("-m", "kvplug", "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"kvplug {kvplug.__version__}"
