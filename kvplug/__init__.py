@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvplug._version import __version__
+from kvplug.backend import BackendStats, KVBackend, ModelShape, Request, create_backend
 from kvplug.hookspecs import hookimpl
 from kvplug.interface import (
     INTERFACE_VERSION,
@@ -61,6 +62,11 @@ def create_attention_backend(
 
 
 __all__ = [
+    "BackendStats",
+    "KVBackend",
+    "ModelShape",
+    "Request",
+    "create_backend",
     "INTERFACE_VERSION",
     "AttentionBatch",
     "AttentionConfig",

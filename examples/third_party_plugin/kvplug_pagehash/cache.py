@@ -107,6 +107,8 @@ class PageHashPrefixCache(kvplug.BasePrefixCache):
         return kvplug.InsertResult(cached_len, PageHashHandle(chain, self.page_size, self.device))
 
     def evict(self, size: int) -> torch.Tensor:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise kvplug.InvalidArgumentError(f"evict size must be an int >= 0, got {size!r}")
         if size > self.size_info.evictable_size:
             raise kvplug.InvalidArgumentError(
                 f"cannot evict {size} tokens: only {self.size_info.evictable_size} are evictable"

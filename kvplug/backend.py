@@ -1,0 +1,242 @@
+"""The facade a host engine talks to: ``kvplug.create_backend(...)`` -> ``KVBackend`` (SPEC §4).
+
+One object owns the pool, page table + token pool, request rows, paged allocator, prefix cache
+and attention backend, and exposes the request lifecycle::
+
+    request = backend.admit(prompt_ids)            # row, prefix match + lock, token ids
+    backend.allocate([request])                    # pages for every known token (atomic)
+    batch = backend.prepare([request], "prefill")  # AttentionBatch + backend metadata
+    input_ids = backend.input_ids(batch)           # gathered on the device from the token pool
+    ... model forward; per layer: out = backend.forward(q, k, v, layer_id, batch)
+    backend.append_tokens([request], next_ids)     # forward done; sampled id into the token pool
+    ... decode: allocate -> prepare(..., "decode") -> forward -> append_tokens, repeatedly
+    backend.finish(request)                        # prefix into the cache, tail freed, row freed
+
+Chunked prefill: ``allocate([request], [chunk_end])``, prepare, forward, then
+``cache_unfinished(request)`` for every chunk but the last (which ends with ``append_tokens``).
+Every call validates before changing anything; a failed call leaves the backend unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvplug.backend_factory import BackendParts, create_backend
+from kvplug.backend_stats import BackendStats
+from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
+from kvplug.memory.model_shape import ModelShape
+from kvplug.memory.request import Request
+from kvplug.memory.token_ids import as_token_ids
+
+__all__ = ["BackendStats", "KVBackend", "ModelShape", "Request", "create_backend"]
+
+
+class KVBackend:
+    """Pool + tables + allocator + prefix cache + attention behind one request lifecycle.
+
+    Attributes (read-only for hosts):
+        shape: the model's ``ModelShape``.
+        pool: the KV pool (``BaseKVPool``); ``pool.k_cache(layer)`` etc.
+        tables: ``PageTable``: ``tables.table`` is the page table, ``tables.token_pool`` the token pool.
+        prefix_cache: the ``BasePrefixCache``.
+        attention: the ``BaseAttentionBackend`` or ``None``; ``attention_name`` says which.
+        allocator: the ``PagedAllocator``.
+    """
+
+    def __init__(self, parts: BackendParts) -> None:
+        self.shape = parts.shape
+        self.pool = parts.pool
+        self.tables = parts.tables
+        self.rows = parts.rows
+        self.allocator = parts.allocator
+        self.prefix_cache = parts.prefix_cache
+        self.attention = parts.attention
+        self.attention_name = parts.attention_name
+        self.device = self.tables.device
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+        self._admitted = 0
+        self._finished = 0
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def max_running_reqs(self) -> int:
+        return self.tables.max_running_reqs
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.tables.max_seq_len
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
+        return self.tables.table
+
+    @property
+    def token_pool(self) -> torch.Tensor:
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
+        return self.tables.token_pool
+
+    @property
+    def running_requests(self) -> list[Request]:
+        return self.allocator.live_requests
+
+    # ------------------------------------------------------------------ lifecycle
+    def admit(self, input_ids: torch.Tensor | Sequence[int]) -> Request:
+        """Start a request: take a row, match and lock its longest cached prefix (at most
+        ``len - 1`` tokens, so at least one token is computed), point the row at the match and
+        write the token ids into the token pool.
+
+        Args:
+            input_ids: shape ``[n]`` token ids, ``1 <= n <= max_seq_len``; a 1-D integer tensor
+                (any device; converted to int32 on the backend's device) or a list of ints.
+
+        Raises ``OutOfMemoryError`` when no row is free, ``InvalidArgumentError`` for bad ids.
+        """
+        ids = as_token_ids(input_ids, self.device)
+        row = self.rows.allocate()
+        try:
+            request = self.allocator.open_request(row, ids)
+        except BaseException:
+            self.rows.free(row)
+            raise
+        self._admitted += 1
+        self._queried_tokens += request.prompt_len
+        self._hit_tokens += request.matched_len
+        return request
+
+    def allocate(self, requests: Sequence[Request], new_device_lens: Sequence[int] | None = None) -> None:
+        """Set each request's ``device_len`` (default: ``num_tokens``, every known token) and give
+        it the pages that takes, evicting cached prefixes when needed; all or nothing
+        (``OutOfMemoryError`` says how many pages were needed and available)."""
+        self.allocator.allocate(requests, new_device_lens)
+
+    def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
+        """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
+        of each) and let the attention backend plan it. ``phase``: ``"prefill"`` or ``"decode"``."""
+        from kvplug.attention.batch import build_attention_batch
+
+        phase = ForwardPhase(phase) if isinstance(phase, str) else phase
+        states = self.allocator.states
+        rows = states.rows_of(requests)
+        device_lens = states.device_len[rows]
+        unallocated = device_lens > states.allocated_len[rows]
+        if unallocated.any():
+            i = int(np.flatnonzero(unallocated)[0])
+            raise InvalidArgumentError(
+                f"request in row {rows[i]}: device_len {device_lens[i]} is past its allocated "
+                f"{states.allocated_len[rows[i]]} tokens; call allocate() first"
+            )
+        batch = build_attention_batch(self.tables.table, rows, states.cached_len[rows], device_lens, phase)
+        if self.attention is not None:
+            self.attention.prepare_metadata(batch)
+        return batch
+
+    def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
+        """Token ids of the batch's new tokens, gathered on the device: shape ``[num_tokens]``, int32."""
+        extend_lens = batch.extend_start[1:] - batch.extend_start[:-1]
+        token_rows = torch.repeat_interleave(batch.table_rows, extend_lens, output_size=batch.num_tokens)
+        return self.tables.gather_tokens_at(token_rows, batch.positions)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Store the new K/V at ``batch.out_loc`` and attend (``BaseAttentionBackend.forward``)."""
+        if self.attention is None:
+            raise InvalidArgumentError("this backend was created with attention=None; run attention in the host")
+        return self.attention.forward(q, k, v, layer_id, batch)
+
+    def append_tokens(self, requests: Sequence[Request], token_ids: torch.Tensor | Sequence[int]) -> None:
+        """After a forward that covered every known token: mark it done (``cached_len =
+        device_len``) and append one sampled token per request to the token pool (one write).
+
+        Args:
+            token_ids: shape ``[bs]``, int32 (device tensor, stays on the device) or a list of ints.
+        """
+        states = self.allocator.states
+        rows = states.rows_of(requests)
+        ids = as_token_ids(token_ids, self.device, allow_empty=True)
+        if ids.shape[0] != rows.size:
+            raise InvalidArgumentError(f"need one token id per request: {rows.size} requests, {ids.shape[0]} ids")
+        cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
+        not_ready = (device_lens != num_tokens) | (device_lens <= cached)
+        if not_ready.any():
+            i = int(np.flatnonzero(not_ready)[0])
+            raise InvalidArgumentError(
+                f"request in row {rows[i]}: append_tokens follows a forward over all known tokens "
+                f"(cached_len < device_len == num_tokens), got cached_len={cached[i]}, "
+                f"device_len={device_lens[i]}, num_tokens={num_tokens[i]}"
+            )
+        full = num_tokens >= self.max_seq_len
+        if full.any():
+            row = rows[int(np.flatnonzero(full)[0])]
+            raise InvalidArgumentError(f"request in row {row} already holds max_seq_len={self.max_seq_len} tokens; finish it")
+        # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
+        self.tables.write_flat(self.tables.token_pool, rows * self.tables.row_width + num_tokens, ids)
+        states.cached_len[rows] = device_lens
+        states.num_tokens[rows] = num_tokens + 1
+
+    def cache_unfinished(self, request: Request) -> None:
+        """After a non-final prefill chunk's forward: mark it done and move the computed
+        page-aligned prefix into the prefix cache (the request keeps using it, locked)."""
+        self.allocator.mark_computed([request])
+        self.allocator.cache_request(request, finished=False)
+
+    def finish(self, request: Request, *, computed: bool = False) -> None:
+        """End a request: its page-aligned computed prefix goes into the prefix cache, every
+        other page back to the free list, its row is freed.
+
+        ``computed=True`` says the last allocated forward (tokens ``cached_len .. device_len``)
+        ran though ``append_tokens`` was not called after it, so those tokens may be cached too.
+        Leave it ``False`` when aborting before a forward ran: caching unwritten K/V would poison
+        the cache.
+        """
+        self.allocator.check_live(request)
+        if computed:
+            self.allocator.mark_computed([request])
+        self.allocator.cache_request(request, finished=True)
+        self.rows.free(request.row)
+        self._finished += 1
+
+    @contextlib.contextmanager
+    def lazy_free(self) -> Iterator[None]:
+        """Frees made inside (``finish``, duplicate pages) are applied at the block's end."""
+        with self.allocator.lazy_free():
+            yield
+
+    # ------------------------------------------------------------------ observation
+    def stats(self) -> BackendStats:
+        allocator = self.allocator
+        free = allocator.num_free_pages
+        return BackendStats(
+            queried_tokens=self._queried_tokens,
+            cache_hit_tokens=self._hit_tokens,
+            evicted_tokens=allocator.evicted_tokens,
+            admitted_requests=self._admitted,
+            finished_requests=self._finished,
+            running_requests=self.rows.num_live,
+            num_pages=self.num_pages,
+            free_pages=free,
+            cached_pages=allocator.num_cached_pages,
+            evictable_pages=allocator.num_evictable_pages,
+            used_pages=self.num_pages - free,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if any memory invariant is broken (reads every live row)."""
+        self.rows.check_integrity()
+        assert self.rows.live_rows == {r.row for r in self.allocator.live_requests}, "rows and requests disagree"
+        self.allocator.check_integrity()
+        self.prefix_cache.check_integrity()

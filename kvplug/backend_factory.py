@@ -1,0 +1,234 @@
+"""``create_backend``: assembling a ``KVBackend``'s components from a model shape and sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from kvplug.interface import (
+    AttentionConfig,
+    BaseAttentionBackend,
+    BaseKVPool,
+    BasePrefixCache,
+    InvalidArgumentError,
+    KVPoolConfig,
+)
+from kvplug.memory.allocator import PagedAllocator
+from kvplug.memory.capacity import num_pages_for_budget, parse_memory_size
+from kvplug.memory.model_shape import ModelShape, parse_dtype
+from kvplug.memory.page_table import PageTable
+from kvplug.memory.row_manager import RowManager
+from kvplug.memory.tensor_parallel import local_kv_heads, local_qo_heads
+
+logger = logging.getLogger("kvplug.backend")
+
+if TYPE_CHECKING:
+    from kvplug.backend import KVBackend
+
+
+@dataclass(frozen=True)
+class BackendParts:
+    """The components a ``KVBackend`` wires together."""
+
+    shape: ModelShape
+    pool: BaseKVPool
+    tables: PageTable
+    rows: RowManager
+    allocator: PagedAllocator
+    prefix_cache: BasePrefixCache
+    attention: BaseAttentionBackend | None
+    attention_name: str | None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``cuda`` becomes ``cuda:<current>`` so every component compares devices equal."""
+    try:
+        resolved = torch.device(device)
+    except (TypeError, RuntimeError) as error:
+        raise InvalidArgumentError(f"device must name a torch device, got {device!r}") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device {resolved} requested but CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_attention(name: str, device: torch.device, available: list[str]) -> str:
+    """``auto``: flashinfer if importable on CUDA, else triton on CUDA, else torch."""
+    if name != "auto":
+        return name
+    chosen = "torch"
+    if device.type == "cuda":
+        for candidate, module in (("flashinfer", "flashinfer"), ("triton", "triton")):
+            if candidate in available and importlib.util.find_spec(module) is not None:
+                chosen = candidate
+                break
+    logger.info("attention='auto' on %s resolved to %r", device, chosen)
+    return chosen
+
+
+def create_backend(
+    model_config: ModelShape | Mapping[str, Any] | Any,
+    *,
+    page_size: int = 1,
+    num_pages: int | None = None,
+    memory_budget: int | str | None = None,
+    max_running_reqs: int = 256,
+    max_seq_len: int = 4096,
+    prefix_cache: Any = "radix",
+    attention: str | None = "auto",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    manager: Any = None,
+    validate: bool | None = None,
+    attention_options: Mapping[str, Any] | None = None,
+) -> "KVBackend":
+    """Build a ``KVBackend``.
+
+    Args:
+        model_config: a ``ModelShape`` or a HF config (mapping or ``PretrainedConfig``).
+        page_size: tokens per page.
+        num_pages: usable pages; exactly one of ``num_pages`` / ``memory_budget`` is required.
+        memory_budget: bytes (or ``"40GiB"``) for the pool on this rank, dummy page included.
+        max_running_reqs: page-table rows for live requests.
+        max_seq_len: longest request in tokens (prompt + generated).
+        prefix_cache: a registered name (``"radix"``, ``"naive"``, a plugin's) or a
+            ``BasePrefixCache`` instance built for this device and page size.
+        attention: a registered name, ``"P,D"``, ``"auto"`` (flashinfer if importable on CUDA,
+            else triton on CUDA, else torch), or ``None`` for a memory-only backend whose host
+            runs attention itself over ``pool`` and ``page_table``.
+        device: where the pool, tables and cache tensors live.
+        dtype: KV dtype; defaults to the model's.
+        tp_size, tp_rank: tensor parallelism; the pool keeps this rank's KV heads.
+        manager: a ``kvplug.PluginManager``; the default one if ``None``.
+        validate: let the pool check every ``out_loc`` range (a device sync per store). ``None``:
+            on for CPU, off for CUDA.
+        attention_options: passed to the attention backend as ``AttentionConfig.options``.
+    """
+    from kvplug.backend import KVBackend
+
+    parts = build_parts(
+        model_config,
+        page_size=page_size,
+        num_pages=num_pages,
+        memory_budget=memory_budget,
+        max_running_reqs=max_running_reqs,
+        max_seq_len=max_seq_len,
+        prefix_cache=prefix_cache,
+        attention=attention,
+        device=device,
+        dtype=dtype,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        manager=manager,
+        validate=validate,
+        attention_options=attention_options,
+    )
+    return KVBackend(parts)
+
+
+def build_parts(
+    model_config: Any,
+    *,
+    page_size: int,
+    num_pages: int | None,
+    memory_budget: int | str | None,
+    max_running_reqs: int,
+    max_seq_len: int,
+    prefix_cache: Any,
+    attention: str | None,
+    device: str | torch.device,
+    dtype: torch.dtype | str | None,
+    tp_size: int,
+    tp_rank: int,
+    manager: Any,
+    validate: bool | None,
+    attention_options: Mapping[str, Any] | None,
+) -> BackendParts:
+    from kvplug.plugins import default_manager
+
+    manager = manager or default_manager()
+    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_hf_config(model_config)
+    kv_dtype = shape.dtype if dtype is None else parse_dtype(dtype)
+    device = resolve_device(device)
+    kv_heads = local_kv_heads(shape.num_kv_heads, tp_size)
+    qo_heads = local_qo_heads(shape.num_qo_heads, tp_size)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise InvalidArgumentError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise InvalidArgumentError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    rows = RowManager(max_running_reqs)
+    num_pages = _num_pages(shape, kv_dtype, page_size, tp_size, num_pages, memory_budget)
+    if attention is not None and not isinstance(attention, str):
+        raise InvalidArgumentError(f"attention must be a backend name or None, got {attention!r}")
+    cache = _prefix_cache(prefix_cache, manager, device, page_size)
+
+    pool_options = {"validate": device.type != "cuda" if validate is None else bool(validate)}
+    pool_config = KVPoolConfig(
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        dtype=kv_dtype,
+        device=device,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        options=pool_options,
+    )
+    pool = manager.create_kv_pool("mha", pool_config)
+    tables = PageTable(max_running_reqs, max_seq_len, dummy_location=pool.dummy_location, device=pool.device)
+    allocator = PagedAllocator(num_pages, page_size, tables, cache)
+
+    backend, name = None, None
+    if attention is not None:
+        name = resolve_attention(attention, device, manager.available("attention"))
+        config = AttentionConfig(
+            pool=pool,
+            page_table=tables.table,
+            num_qo_heads=qo_heads,
+            num_kv_heads=kv_heads,
+            head_dim=shape.head_dim,
+            options=attention_options or {},
+        )
+        backend = manager.create_attention_backend(name, config)
+    logger.info(
+        "kvplug backend: %d pages x %d tokens on %s (%s), prefix cache %s, attention %s",
+        num_pages, page_size, device, kv_dtype, type(cache).__name__, name,
+    )
+    return BackendParts(shape, pool, tables, rows, allocator, cache, backend, name)
+
+
+def _num_pages(
+    shape: ModelShape, dtype: torch.dtype, page_size: int, tp_size: int, num_pages: int | None, budget: Any
+) -> int:
+    if (num_pages is None) == (budget is None):
+        raise InvalidArgumentError(
+            f"give exactly one of num_pages and memory_budget, got num_pages={num_pages!r}, memory_budget={budget!r}"
+        )
+    if num_pages is not None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise InvalidArgumentError(f"num_pages must be a positive int, got {num_pages!r}")
+        return num_pages
+    sized = ModelShape(shape.num_layers, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, dtype)
+    return num_pages_for_budget(sized.kv_bytes_per_token(tp_size), page_size, parse_memory_size(budget))
+
+
+def _prefix_cache(spec: Any, manager: Any, device: torch.device, page_size: int) -> BasePrefixCache:
+    if isinstance(spec, BasePrefixCache):
+        cache_page_size = getattr(spec, "page_size", page_size)
+        if cache_page_size != page_size:
+            raise InvalidArgumentError(f"prefix cache page_size {cache_page_size} != backend page_size {page_size}")
+        return spec
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"prefix_cache must be a registered name or a BasePrefixCache, got {spec!r}")
+    return manager.create_prefix_cache(spec, device=device, page_size=page_size)

@@ -1,0 +1,113 @@
+"""``kvplug capacity``: how many tokens, pages and requests a KV memory budget holds.
+
+Examples::
+
+    kvplug capacity path/to/Qwen3-0.6B --memory 40GiB --page-size 16 --context-len 4096
+    kvplug capacity --layers 28 --kv-heads 8 --head-dim 128 --memory 512MiB --json
+
+The model comes from a local HF ``config.json`` (a model directory or the file), or from
+``--layers/--kv-heads/--head-dim``; flags given together with a config override its fields.
+The budget is per tensor-parallel rank. JSON output is ``CapacityPlan.to_json()`` plus a
+``model`` object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvplug.interface import InvalidArgumentError
+from kvplug.memory.capacity import CapacityPlan, plan_capacity
+from kvplug.memory.model_shape import ModelShape, parse_dtype
+from kvplug.memory.tensor_parallel import local_kv_heads
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "capacity", help="KV bytes per token and the tokens, pages and requests a memory budget holds"
+    )
+    parser.add_argument("model", nargs="?", help="local model directory or config.json (HF format)")
+    parser.add_argument("--layers", type=int, help="attention layers (overrides the config)")
+    parser.add_argument("--kv-heads", type=int, help="global KV heads (overrides the config)")
+    parser.add_argument("--q-heads", type=int, help="query heads (default: the config's, else --kv-heads)")
+    parser.add_argument("--head-dim", type=int, help="elements per head (overrides the config)")
+    parser.add_argument("--memory", required=True, help="KV budget per rank: bytes or e.g. 40GiB, 512MiB, 1.5GB")
+    parser.add_argument("--dtype", help="KV dtype: bf16, fp16, fp32 (default: the config's, else bf16)")
+    parser.add_argument("--page-size", type=int, default=1, help="tokens per page (default 1)")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--context-len", type=int, help="request length for the concurrency estimate")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(handler=run)
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The shape from ``args.model`` and/or the explicit flags."""
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    overrides = {"num_layers": args.layers, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    if args.model:
+        base = ModelShape.from_pretrained(args.model, dtype=dtype)
+        fields = {
+            "num_layers": args.layers or base.num_layers,
+            "num_qo_heads": args.q_heads or base.num_qo_heads,
+            "num_kv_heads": args.kv_heads or base.num_kv_heads,
+            "head_dim": args.head_dim or base.head_dim,
+        }
+        return ModelShape(**fields, dtype=base.dtype)
+    missing = [f"--{name.replace('num_', '').replace('_', '-')}" for name, value in overrides.items() if value is None]
+    if missing:
+        raise InvalidArgumentError(
+            f"give a model config path, or all of --layers, --kv-heads and --head-dim (missing: {', '.join(missing)})"
+        )
+    return ModelShape(
+        num_layers=args.layers,
+        num_qo_heads=args.q_heads or args.kv_heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype or parse_dtype("bf16"),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = model_shape(args)
+    plan = plan_capacity(
+        shape, args.memory, page_size=args.page_size, tp_size=args.tp_size, context_len=args.context_len
+    )
+    if args.json:
+        model = {
+            "num_layers": shape.num_layers,
+            "num_qo_heads": shape.num_qo_heads,
+            "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "dtype": str(shape.dtype).removeprefix("torch."),
+            "tp_size": args.tp_size,
+        }
+        print(json.dumps({"model": model, **plan.to_json()}, indent=2))
+        return 0
+    print(describe(shape, plan, args.tp_size))
+    return 0
+
+
+def describe(shape: ModelShape, plan: CapacityPlan, tp_size: int) -> str:
+    dtype = str(shape.dtype).removeprefix("torch.")
+    lines = [
+        f"model: {shape.num_layers} layers, {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads, "
+        f"head_dim {shape.head_dim}, {dtype}; tp_size {tp_size} -> {local_kv_heads(shape.num_kv_heads, tp_size)} "
+        "KV heads per rank",
+        f"KV bytes per token: {plan.bytes_per_token:,} ({_human(plan.bytes_per_token)})",
+        f"memory budget per rank: {plan.memory_budget:,} bytes ({_human(plan.memory_budget)})",
+        f"pages that fit: {plan.num_pages:,} of {plan.page_size} token(s) (one more page is the dummy page)",
+        f"tokens that fit: {plan.num_tokens:,}",
+        f"pool size: {plan.pool_bytes:,} bytes ({_human(plan.pool_bytes)})",
+    ]
+    if plan.context_len is not None:
+        lines.append(f"concurrent requests at {plan.context_len:,} tokens: {plan.concurrent_requests:,}")
+    return "\n".join(lines)
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}" if unit != "B" else f"{size} B"
+        value /= 1024
+    return f"{value:.1f} TiB"

@@ -1,0 +1,246 @@
+"""The paged allocator: hands out whole pages, records them token by token in the page table.
+
+The free list holds the first token location of every free page (SPEC §1 "Paged allocation").
+Growing a request from ``allocated_len`` to ``device_len`` takes pages ``allocated_len / P ..
+ceil(device_len / P)``; a batch's pages are expanded to token locations and written into the page
+table in one scattered write. On shortage the prefix cache evicts the missing pages; when even that
+cannot cover the batch, ``OutOfMemoryError`` is raised before anything changes.
+
+Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
+(evictable or locked), or exactly one live request (pages past its locked prefix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvplug.interface import BasePrefixCache, InvalidArgumentError, OutOfMemoryError
+from kvplug.memory.free_list import FreeList
+from kvplug.memory.integrity import check_allocator
+from kvplug.memory.page_table import PageTable
+from kvplug.memory.ragged import HostInts, expand_pages, host_ints
+from kvplug.memory.request import Request, RequestStates
+
+
+class PagedAllocator:
+    """Page allocation, prefix caching of finished work, and conservation checks.
+
+    Args:
+        num_pages: pages that can be handed out (the pool's, dummy page excluded).
+        page_size: tokens per page.
+        page_table: the table rows are written into; its device is the allocator's.
+        prefix_cache: where finished prefixes go and where evictions come from (same page size).
+
+    Attributes:
+        states: per-row lengths of live requests (``Request`` objects are views of it).
+        evicted_tokens: tokens evicted from the prefix cache so far.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, page_table: PageTable, prefix_cache: BasePrefixCache) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.page_table = page_table
+        self.prefix_cache = prefix_cache
+        self.device = page_table.device
+        self.states = RequestStates(page_table.max_running_reqs)
+        self.free_list = FreeList(num_pages, page_size, self.device)
+        self._live: dict[int, Request] = {}
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_free_pages(self) -> int:
+        """Pages in the free list (pending lazy frees not included)."""
+        return len(self.free_list)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.prefix_cache.size_info.evictable_size // self.page_size
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.prefix_cache.size_info.total_size // self.page_size
+
+    @property
+    def free_page_starts(self) -> torch.Tensor:
+        """A copy of the free list: shape ``[num_free_pages]``, int32, device, multiples of page_size."""
+        return self.free_list.snapshot()
+
+    @property
+    def live_requests(self) -> list[Request]:
+        return list(self._live.values())
+
+    # ------------------------------------------------------------------ request lifecycle
+    def open_request(self, row: int, input_ids: torch.Tensor) -> Request:
+        """Match ``input_ids`` against the prefix cache, lock the match, point the row at it and
+        write ``input_ids`` into the row's token pool (``cache_request`` reads them back).
+
+        At most ``len(input_ids) - 1`` tokens are matched, so the first forward computes at least
+        one token (the one whose logits sample the next token).
+
+        Args:
+            row: a request row the caller owns (not live in this allocator).
+            input_ids: shape ``[n]``, int32, device; ``1 <= n <= max_seq_len``.
+        """
+        if row in self._live:
+            raise InvalidArgumentError(f"row {row} already belongs to a live request")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise InvalidArgumentError(f"input_ids must be a 1-D int32 tensor, got {input_ids!r:.80}")
+        n = int(input_ids.shape[0])
+        if not 1 <= n <= self.page_table.max_seq_len:
+            raise InvalidArgumentError(f"a request needs 1 to max_seq_len={self.page_table.max_seq_len} tokens, got {n}")
+        self.page_table._check_row(row, allow_dummy=False)
+        handle = self.prefix_cache.match_prefix(input_ids[: n - 1]).handle
+        matched = int(handle.cached_len)
+        self.prefix_cache.lock_handle(handle)
+        self.page_table.write_tokens(row, 0, input_ids)
+        if matched:
+            self.page_table.write_locations(row, 0, handle.get_matched_indices())
+        request = Request(self.states, row, n, matched, handle)
+        self._live[row] = request
+        return request
+
+    def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> None:
+        """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages
+        that takes, in one table write.
+
+        Evicts from the prefix cache when the free list is short. Raises ``OutOfMemoryError``
+        (saying how many pages were needed and how many are available) or
+        ``InvalidArgumentError`` with nothing changed.
+        """
+        states, size = self.states, self.page_size
+        rows = states.rows_of(requests)
+        num_tokens = states.num_tokens[rows]
+        lengths = num_tokens if new_device_lens is None else host_ints(new_device_lens, "new_device_lens")
+        if lengths.shape != rows.shape:
+            raise InvalidArgumentError(
+                f"new_device_lens needs one length per request: {rows.size} requests, {lengths.size} lengths"
+            )
+        cached = states.cached_len[rows]
+        bad = (lengths < cached) | (lengths > num_tokens)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgumentError(
+                f"request in row {rows[i]}: new device_len must lie in [cached_len={cached[i]}, "
+                f"num_tokens={num_tokens[i]}] (token ids known), got {lengths[i]}"
+            )
+        allocated = states.allocated_len[rows]
+        first_pages = allocated // size
+        last_pages = -(-lengths // size)
+        needs = np.maximum(last_pages - first_pages, 0)
+        total = int(needs.sum())
+        if total:
+            pages = self._take_pages(total, rows.size)
+            self._write_pages(rows, first_pages, needs, pages)
+        states.device_len[rows] = lengths
+        states.allocated_len[rows] = np.maximum(allocated, last_pages * size)
+
+    def mark_computed(self, requests: Sequence[Request]) -> None:
+        """The forward over ``requests`` ran: their K/V up to ``device_len`` is in the pool."""
+        rows = self.states.rows_of(requests)
+        self.states.cached_len[rows] = self.states.device_len[rows]
+
+    def cache_request(self, request: Request, *, finished: bool) -> None:
+        """Move ``request``'s computed page-aligned prefix into the prefix cache.
+
+        The cache may already hold part of it (another request inserted it meanwhile): those
+        duplicate pages are freed. Unfinished (between prefill chunks): the request keeps its
+        tail pages, locks the new handle and its row is pointed at the cache's pages.
+        Finished: every page the cache did not take goes back to the free list and the request
+        stops being live (its row is the caller's to free).
+        """
+        self.check_live(request)
+        size, row = self.page_size, request.row
+        aligned = request.cached_len // size * size
+        old_handle = request.handle
+        token_ids = self.page_table.read_tokens(row, 0, aligned)
+        # the cache may keep the tensor it is given; the row itself will be overwritten later
+        locations = self.page_table.locations(row, 0, aligned).clone()
+        result = self.prefix_cache.insert_prefix(token_ids, locations)
+        new_handle = result.handle
+        self.prefix_cache.lock_handle(old_handle, unlock=True)
+        old_len = int(old_handle.cached_len)
+        duplicate_end = max(int(result.cached_len), old_len)
+        self.free_list.release(locations[old_len:duplicate_end:size])
+        if finished:
+            kept_end = max(duplicate_end, int(new_handle.cached_len))
+            self.free_list.release(self._owned_page_starts(request, kept_end))
+            request.handle = None
+            request.finished = True
+            request._detach()
+            del self._live[row]
+            return
+        self.prefix_cache.lock_handle(new_handle)
+        if duplicate_end > old_len:
+            cached = new_handle.get_matched_indices()[old_len:duplicate_end]
+            self.page_table.write_locations(row, old_len, cached)
+        request.handle = new_handle
+
+    def check_live(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"expected a kvplug Request, got {type(request).__name__}")
+        if request.finished or self._live.get(request.row) is not request:
+            raise InvalidArgumentError(f"request in row {request.row} is not live (finished, or not from this allocator)")
+
+    # ------------------------------------------------------------------ freeing
+    def lazy_free(self) -> contextlib.AbstractContextManager[None]:
+        """Collect frees made inside the block and apply them at its end (one concatenation per
+        scheduling step). Pages freed inside are not allocatable until the outermost block exits."""
+        return self.free_list.lazy()
+
+    # ------------------------------------------------------------------ internals
+    def _take_pages(self, count: int, num_requests: int) -> torch.Tensor:
+        shortage = count - self.num_free_pages
+        if shortage > 0:
+            evictable = self.num_evictable_pages
+            if shortage > evictable:
+                pending = self.free_list.num_pending
+                raise OutOfMemoryError(
+                    f"allocation for {num_requests} request(s) needs {count} pages of {self.page_size} tokens; "
+                    f"available: {self.num_free_pages} free + {evictable} evictable from the prefix cache "
+                    f"= {self.num_free_pages + evictable} (of {self.num_pages})"
+                    + (f", plus {pending} pending lazy frees" if pending else "")
+                )
+            evicted = self.prefix_cache.evict(shortage * self.page_size)
+            self.evicted_tokens += int(evicted.shape[0])
+            # a cache holds whole pages, so each evicted page shows up once by its first location
+            self.free_list.release(evicted[evicted % self.page_size == 0], immediately=True)
+        return self.free_list.take(count)
+
+    def _write_pages(self, rows: np.ndarray, first_pages: np.ndarray, needs: np.ndarray, pages: torch.Tensor) -> None:
+        """Table cells ``[row, first_page * P ..)`` of each request get its share of ``pages``."""
+        size, width = self.page_size, self.page_table.row_width
+        total = pages.shape[0]
+        page_rows = np.repeat(rows, needs)
+        # page number of each new page: its position in the batch minus where its request's
+        # share begins, plus the request's first new page
+        share_begin = np.cumsum(needs) - needs
+        page_numbers = np.arange(total, dtype=np.int64) + np.repeat(first_pages - share_begin, needs)
+        if size == 1:
+            self.page_table.write_flat(self.page_table.table, page_rows * width + page_numbers, pages)
+            return
+        columns = (page_numbers[:, None] * size + self._page_offsets).reshape(-1)
+        flat_index = np.repeat(page_rows * width, size) + columns
+        locations = expand_pages(pages, size)
+        if width % size and columns.max() >= width:
+            # the last page of a request may reach past a row that page_size does not divide;
+            # it is owned whole, but only columns inside the row are recorded
+            inside = columns < width
+            flat_index = flat_index[inside]
+            locations = locations[torch.from_numpy(inside).to(self.device)]
+        self.page_table.write_flat(self.page_table.table, flat_index, locations)
+
+    def _owned_page_starts(self, request: Request, begin: int) -> torch.Tensor:
+        """First locations of the pages ``request`` owns from token ``begin`` (page-aligned) on."""
+        end = min(request.allocated_len, self.page_table.row_width)
+        return self.page_table.table[request.row, begin:end:self.page_size]
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless every page has exactly one owner (see module docstring)."""
+        check_allocator(self, self.free_list.snapshot(include_pending=True))

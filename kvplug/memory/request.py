@@ -1,0 +1,127 @@
+"""The memory state of running requests: per-row length arrays, and ``Request`` views onto them.
+
+Host-neutral: a host adapter keeps one ``Request`` per sequence it runs and passes it back to
+``KVBackend`` methods; it reads the lengths but never writes them.
+
+Lengths (all in tokens) of a live request::
+
+    0 ........ prefix_len ........ cached_len ........ device_len ........ num_tokens
+    |-- cache's pages --|-- this request's pages (K/V in pool) --|-- next forward --|
+    |<------------------------- allocated_len (whole pages) ----------------------->|
+
+- ``prefix_len``: tokens covered by the locked cache handle; their pages belong to the cache.
+- ``cached_len``: tokens whose K/V are in the pool.
+- ``device_len``: tokens the next forward covers; it writes K/V for ``cached_len .. device_len - 1``.
+- ``allocated_len``: tokens that have a location in the table row (a multiple of the page size).
+- ``num_tokens``: token ids written into the token pool (prompt plus appended tokens).
+
+The lengths live in numpy arrays indexed by row (``RequestStates``), so batch operations over
+hundreds of requests are a handful of vector operations plus one pass to collect row keys.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kvplug.interface import BaseCacheHandle, InvalidArgumentError
+
+LENGTH_FIELDS = ("cached_len", "device_len", "allocated_len", "num_tokens")
+ROW_BITS = 32
+ROW_MASK = (1 << ROW_BITS) - 1
+
+
+class RequestStates:
+    """Host-side arrays ``[num_rows]``, int64, one entry per page-table row.
+
+    ``key[row]`` identifies the live request in ``row`` (``generation << 32 | row``; -1 when the
+    row is free), so a stale ``Request`` whose row was reused is told apart from the new one.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.cached_len = np.zeros(num_rows, dtype=np.int64)
+        self.device_len = np.zeros(num_rows, dtype=np.int64)
+        self.allocated_len = np.zeros(num_rows, dtype=np.int64)
+        self.num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.key = np.full(num_rows, -1, dtype=np.int64)
+        self._generation = 0
+
+    def next_key(self, row: int) -> int:
+        self._generation += 1
+        return self._generation << ROW_BITS | row
+
+    def rows_of(self, requests: Sequence["Request"]) -> np.ndarray:
+        """Rows of ``requests`` (shape ``[bs]``, int64), checking each is live and appears once."""
+        try:
+            keys = np.fromiter((request.key for request in requests), dtype=np.int64, count=len(requests))
+        except (AttributeError, TypeError):
+            bad = next((r for r in requests if not isinstance(r, Request)), None)
+            raise InvalidArgumentError(f"expected a sequence of kvplug Requests, got {type(bad).__name__}") from None
+        rows = keys & ROW_MASK
+        stale = self.key[rows] != keys
+        if stale.any():
+            row = int(rows[np.flatnonzero(stale)[0]])
+            raise InvalidArgumentError(f"request in row {row} is not live (finished, or not from this backend)")
+        if rows.size > 1 and np.bincount(rows, minlength=1).max() > 1:
+            raise InvalidArgumentError(f"a request appears twice in one call: rows {rows.tolist()}")
+        return rows
+
+
+class Request:
+    """One running request: its row, its cache handle and views of its lengths.
+
+    Attributes:
+        row: its page-table / token-pool row.
+        prompt_len: tokens given at admission.
+        matched_len: tokens found in the prefix cache at admission.
+        handle: the locked prefix-cache handle (``None`` once finished).
+        finished: set by ``finish``; a finished request may not be used again.
+    """
+
+    __slots__ = ("row", "key", "prompt_len", "matched_len", "handle", "finished", "_states", "_index")
+
+    def __init__(self, states: RequestStates, row: int, prompt_len: int, matched_len: int, handle: BaseCacheHandle):
+        self.row = row
+        self.key = states.next_key(row)
+        self.prompt_len = prompt_len
+        self.matched_len = matched_len
+        self.handle: BaseCacheHandle | None = handle
+        self.finished = False
+        self._states = states
+        self._index = row
+        states.key[row] = self.key
+        for name, value in zip(LENGTH_FIELDS, (matched_len, matched_len, matched_len, prompt_len)):
+            getattr(states, name)[row] = value
+
+    cached_len = property(lambda self: int(self._states.cached_len[self._index]), doc="tokens with K/V in the pool")
+    device_len = property(lambda self: int(self._states.device_len[self._index]), doc="tokens the next forward covers")
+    allocated_len = property(lambda self: int(self._states.allocated_len[self._index]), doc="tokens with a location")
+    num_tokens = property(lambda self: int(self._states.num_tokens[self._index]), doc="token ids in the token pool")
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens whose pages belong to the prefix cache (locked by ``handle``)."""
+        return 0 if self.handle is None else int(self.handle.cached_len)
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens the next forward computes: ``device_len - cached_len``."""
+        return self.device_len - self.cached_len
+
+    def lengths(self) -> dict[str, int]:
+        """All lengths at once (for logging and tests)."""
+        return {name: getattr(self, name) for name in (*LENGTH_FIELDS, "prefix_len")}
+
+    def _detach(self) -> None:
+        """Keep the final lengths privately and release the row's entry (called on finish)."""
+        private = RequestStates(1)
+        for name in LENGTH_FIELDS:
+            getattr(private, name)[0] = getattr(self, name)
+        self._states.key[self.row] = -1
+        self._states, self._index = private, 0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value}" for name, value in self.lengths().items())
+        return f"Request(row={self.row}, {fields}, finished={self.finished})"

@@ -1,0 +1,34 @@
+"""Token ids from a host, checked and converted to kvplug's form: 1-D int32 on the pool device."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvplug.interface import InvalidArgumentError
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def as_token_ids(values: torch.Tensor | Sequence[int], device: torch.device, *, allow_empty: bool = False) -> torch.Tensor:
+    """``values`` as shape ``[n]``, int32, on ``device``.
+
+    Accepts a 1-D integer tensor on any device (an int32 tensor already on ``device`` is returned
+    as is; other integer dtypes are range-checked, which reads them) or a sequence of Python ints.
+    """
+    if isinstance(values, torch.Tensor):
+        dtype = values.dtype
+        if values.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise InvalidArgumentError(f"token ids must be a 1-D integer tensor, got shape {tuple(values.shape)}, {dtype}")
+        if dtype != torch.int32 and values.numel() and not bool(((values >= 0) & (values <= MAX_TOKEN_ID)).all()):
+            raise InvalidArgumentError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+        ids = values.to(device, torch.int32)
+    else:
+        items = list(values)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKEN_ID for v in items):
+            raise InvalidArgumentError(f"token ids must be ints in [0, {MAX_TOKEN_ID}], got {items[:8]}...")
+        ids = torch.tensor(items, dtype=torch.int32, device=device)
+    if ids.shape[0] == 0 and not allow_empty:
+        raise InvalidArgumentError("a request needs at least one token id, got none")
+    return ids

@@ -1,0 +1,309 @@
+"""The ``create_backend`` facade: construction, the request lifecycle, statistics, bad input,
+and (with the torch attention backend) prefill / prefix reuse / decode against dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvplug
+from kvplug.backend import BackendStats, KVBackend, ModelShape, create_backend
+from kvplug.backend_factory import resolve_attention
+from kvplug.interface import InvalidArgumentError, OutOfMemoryError, UnknownComponentError
+from kvplug.memory.capacity import num_pages_for_budget
+from tests.test_allocator import DictPrefixCache
+
+SHAPE = ModelShape(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def manager():
+    return kvplug.PluginManager(entry_points=False)
+
+
+def make_backend(manager, **overrides) -> KVBackend:
+    options = dict(page_size=4, num_pages=16, max_running_reqs=4, max_seq_len=64, attention=None, manager=manager)
+    options.update(overrides)
+    return create_backend(SHAPE, **options)
+
+
+def run_prefill(backend: KVBackend, request, sampled: int = 1) -> None:
+    backend.allocate([request])
+    backend.prepare([request], "prefill")
+    backend.append_tokens([request], [sampled])
+
+
+# ---------------------------------------------------------------------- construction
+
+
+def test_components_have_the_documented_shapes(manager):
+    backend = make_backend(manager, prefix_cache="naive")
+    assert backend.pool.kv_buffer.shape == (2, 2, 17, 4, 2, 8)
+    assert backend.page_table.shape == backend.token_pool.shape == (5, 64)
+    assert bool((backend.page_table[4] == 16 * 4).all())  # dummy row -> dummy page
+    assert backend.page_size == 4 and backend.num_pages == 16 and backend.max_seq_len == 64
+    assert backend.attention is None and backend.attention_name is None
+
+
+def test_memory_budget_sizes_the_pool(manager):
+    backend = make_backend(manager, num_pages=None, memory_budget="1MiB", prefix_cache="naive")
+    expected = num_pages_for_budget(SHAPE.kv_bytes_per_token(), 4, 2**20)
+    assert backend.num_pages == expected
+    assert backend.pool.kv_buffer.numel() * 4 <= 2**20
+
+
+def test_hf_config_and_dtype_override(manager):
+    config = {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 128}
+    backend = create_backend(config, num_pages=4, dtype="fp16", attention=None, prefix_cache="naive", manager=manager)
+    assert backend.pool.kv_buffer.shape == (2, 3, 5, 1, 4, 16) and backend.pool.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (dict(num_pages=None), InvalidArgumentError),
+        (dict(memory_budget="1GiB"), InvalidArgumentError),
+        (dict(page_size=0), InvalidArgumentError),
+        (dict(tp_size=3), InvalidArgumentError),
+        (dict(tp_size=2, tp_rank=2), InvalidArgumentError),
+        (dict(max_seq_len=0), InvalidArgumentError),
+        (dict(max_running_reqs=0), InvalidArgumentError),
+        (dict(prefix_cache="nope"), UnknownComponentError),
+        (dict(prefix_cache=DictPrefixCache(8)), InvalidArgumentError),
+        (dict(prefix_cache=3), InvalidArgumentError),
+        (dict(attention="nope"), UnknownComponentError),
+        (dict(device="cuda:0" if not torch.cuda.is_available() else "bogus"), InvalidArgumentError),
+    ],
+)
+def test_bad_construction_arguments(manager, overrides, error):
+    with pytest.raises(error):
+        make_backend(manager, **overrides)
+
+
+def test_tensor_parallel_backend_keeps_this_ranks_heads(manager):
+    backend = make_backend(manager, tp_size=2, tp_rank=1, prefix_cache="naive")
+    assert backend.pool.local_kv_heads == 1
+
+
+def test_auto_attention_is_torch_on_cpu_and_names_pass_through():
+    assert resolve_attention("auto", torch.device("cpu"), ["torch", "triton", "flashinfer"]) == "torch"
+    assert resolve_attention("triton", torch.device("cpu"), ["torch"]) == "triton"
+    # on CUDA a backend is chosen only if both registered and importable
+    assert resolve_attention("auto", torch.device("cuda", 0), ["torch"]) == "torch"
+
+
+# ---------------------------------------------------------------------- lifecycle and stats
+
+
+@pytest.mark.parametrize("cache", ["radix", "dict"])
+def test_shared_prefix_is_reused_and_counted(manager, cache):
+    backend = make_backend(manager, prefix_cache=DictPrefixCache(4) if cache == "dict" else "radix")
+    prompt = list(range(100, 118))  # 18 tokens
+    first = backend.admit(prompt)
+    run_prefill(backend, first)
+    first_locations = backend.page_table[first.row, :16].clone()
+    backend.finish(first)  # caches 16 tokens (4 pages), frees the 5th page
+    second = backend.admit(prompt[:17] + [7, 8])
+    assert second.matched_len == 16 and second.cached_len == 16 and second.prefix_len == 16
+    assert torch.equal(backend.page_table[second.row, :16], first_locations)
+    assert backend.token_pool[second.row, :19].tolist() == prompt[:17] + [7, 8]
+    stats = backend.stats()
+    assert isinstance(stats, BackendStats)
+    assert (stats.queried_tokens, stats.cache_hit_tokens) == (37, 16)
+    assert stats.hit_rate == pytest.approx(16 / 37)
+    assert (stats.cached_pages, stats.evictable_pages, stats.free_pages) == (4, 0, 12)
+    assert (stats.running_requests, stats.admitted_requests, stats.finished_requests) == (1, 2, 1)
+    assert stats.utilisation == pytest.approx(4 / 16) and stats.to_json()["used_pages"] == 4
+    backend.check_integrity()
+
+
+def test_decode_steps_append_tokens_and_gather_them_as_input_ids(manager):
+    backend = make_backend(manager, prefix_cache="radix")
+    request = backend.admit([5, 6, 7])
+    backend.allocate([request])
+    batch = backend.prepare([request], "prefill")
+    assert backend.input_ids(batch).tolist() == [5, 6, 7]
+    assert torch.equal(batch.out_loc, backend.page_table[request.row, :3])
+    backend.append_tokens([request], torch.tensor([42], dtype=torch.int32))
+    for token in (43, 44):
+        backend.allocate([request])
+        batch = backend.prepare([request], "decode")
+        assert backend.input_ids(batch).tolist() == [token - 1]
+        assert batch.positions.tolist() == [request.cached_len]
+        backend.append_tokens([request], [token])
+    assert (request.cached_len, request.num_tokens) == (5, 6)
+    assert backend.token_pool[request.row, :6].tolist() == [5, 6, 7, 42, 43, 44]
+    backend.finish(request)
+    assert backend.stats().cached_pages == 1  # 5 computed tokens -> one full page
+    backend.check_integrity()
+
+
+def test_chunked_prefill_caches_between_chunks(manager):
+    backend = make_backend(manager, prefix_cache="radix")
+    prompt = list(range(30))
+    request = backend.admit(prompt)
+    for chunk_end in (8, 16, 24):
+        backend.allocate([request], [chunk_end])
+        batch = backend.prepare([request], "prefill")
+        assert batch.num_tokens == 8
+        backend.cache_unfinished(request)
+        assert request.prefix_len == chunk_end and request.cached_len == chunk_end
+        backend.check_integrity()
+    follower = backend.admit(prompt[:20] + [99])
+    assert follower.matched_len == 20  # 24 cached, at most len - 1 = 20 matched
+    backend.allocate([request])
+    backend.append_tokens([request], [1])
+    backend.finish(request)
+    backend.finish(follower)
+    assert backend.stats().running_requests == 0 and backend.stats().cached_pages == 7
+    backend.check_integrity()
+
+
+def test_finish_computed_caches_the_last_forward_and_default_does_not(manager):
+    for computed, cached_pages in ((False, 0), (True, 2)):
+        backend = make_backend(manager, prefix_cache="radix", max_seq_len=8)
+        request = backend.admit(list(range(8)))
+        backend.allocate([request])
+        backend.prepare([request], "prefill")
+        with pytest.raises(InvalidArgumentError, match="max_seq_len"):
+            backend.append_tokens([request], [1])  # the row is full
+        backend.finish(request, computed=computed)
+        assert backend.stats().cached_pages == cached_pages
+        backend.check_integrity()
+
+
+def test_lazy_free_region_defers_frees(manager):
+    backend = make_backend(manager, prefix_cache="naive")
+    requests = [backend.admit(list(range(8))) for _ in range(2)]
+    backend.allocate(requests)
+    with backend.lazy_free():
+        for request in requests:
+            backend.finish(request)
+        assert backend.stats().free_pages == 12
+    assert backend.stats().free_pages == 16
+
+
+def test_a_row_reused_inside_a_lazy_region_does_not_change_the_pending_frees(manager):
+    backend = make_backend(manager, prefix_cache="naive")
+    first = backend.admit(list(range(8)))
+    backend.allocate([first])
+    with backend.lazy_free():
+        backend.finish(first)  # its pages are pending, read from its table row
+        second = backend.admit(list(range(20, 28)))
+        assert second.row == first.row
+        backend.allocate([second])  # overwrites that row with new pages
+    backend.check_integrity()
+    assert backend.stats().free_pages == 14
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_running_out_of_rows_or_pages_changes_nothing(manager):
+    backend = make_backend(manager, prefix_cache="radix", max_running_reqs=2, num_pages=4)
+    a, b = backend.admit([1, 2, 3]), backend.admit(list(range(20)))
+    before = backend.stats()
+    with pytest.raises(OutOfMemoryError, match="row"):
+        backend.admit([4, 5])
+    with pytest.raises(OutOfMemoryError, match="needs 6 pages"):
+        backend.allocate([a, b])
+    assert backend.stats() == before and a.device_len == 0 and b.allocated_len == 0
+    backend.check_integrity()
+
+
+def test_misuse_is_rejected_before_anything_changes(manager):
+    backend = make_backend(manager, prefix_cache="radix")
+    request = backend.admit([1, 2, 3, 4, 5])
+    bad_calls = {
+        "empty prompt": lambda: backend.admit([]),
+        "negative id": lambda: backend.admit([1, -2]),
+        "float ids": lambda: backend.admit(torch.tensor([1.0, 2.0])),
+        "2-D ids": lambda: backend.admit(torch.ones(2, 2, dtype=torch.int32)),
+        "prompt too long": lambda: backend.admit(list(range(65))),
+        "device_len past known tokens": lambda: backend.allocate([request], [6]),
+        "prepare before allocate": lambda: backend.prepare([request], "prefill"),
+        "append before a forward": lambda: backend.append_tokens([request], [1]),
+        "append count mismatch": lambda: backend.append_tokens([request], [1, 2]),
+        "forward without attention": lambda: backend.forward(None, None, None, 0, None),
+    }
+    for name, call in bad_calls.items():
+        snapshot = (backend.stats(), backend.page_table.clone(), backend.token_pool.clone(), request.lengths())
+        with pytest.raises(InvalidArgumentError):
+            call()
+        after = (backend.stats(), backend.page_table.clone(), backend.token_pool.clone(), request.lengths())
+        assert snapshot[0] == after[0] and snapshot[3] == after[3], name
+        assert torch.equal(snapshot[1], after[1]) and torch.equal(snapshot[2], after[2]), name
+    backend.finish(request)
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        backend.finish(request)
+    assert backend.rows.num_free == 4
+    backend.check_integrity()
+
+
+def test_int64_tensors_from_hosts_are_accepted(manager):
+    backend = make_backend(manager, prefix_cache="naive")
+    request = backend.admit(torch.tensor([3, 1, 2]))
+    assert backend.token_pool[request.row, :3].tolist() == [3, 1, 2]
+
+
+# ---------------------------------------------------------------------- attention end to end
+
+
+def _qkv(token_ids: torch.Tensor, positions: torch.Tensor, layer: int):
+    """Deterministic q/k/v per (token, position, layer), as a model with no cross-token mixing."""
+    generator = torch.Generator().manual_seed(1000 + layer)
+    tables = [torch.randn(64, heads * SHAPE.head_dim, generator=generator) for heads in (4, 2, 2)]
+    position_tables = [torch.randn(64, t.shape[1], generator=generator) for t in tables]
+    ids, pos = token_ids.long(), positions.long()
+    return [t[ids] + p[pos] for t, p in zip(tables, position_tables)]
+
+
+def _dense_attention(tokens: list[int], layer: int) -> torch.Tensor:
+    q, k, v = _qkv(torch.tensor(tokens), torch.arange(len(tokens)), layer)
+    n, d = len(tokens), SHAPE.head_dim
+    q, k, v = q.view(n, 4, d).transpose(0, 1), k.view(n, 2, d).transpose(0, 1), v.view(n, 2, d).transpose(0, 1)
+    k, v = k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(0, 1).reshape(n, 4 * d)
+
+
+def _step(backend, requests, phase, tokens_of):
+    batch = backend.prepare(requests, phase)
+    ids = backend.input_ids(batch)
+    starts = batch.extend_start_cpu.tolist()
+    for layer in range(SHAPE.num_layers):
+        q, k, v = _qkv(ids, batch.positions, layer)
+        out = backend.forward(q, k, v, layer, batch)
+        for i, request in enumerate(requests):
+            expected = _dense_attention(tokens_of[request.row][: request.device_len], layer)[request.cached_len :]
+            torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_attention_end_to_end_with_prefix_reuse_and_decode(manager):
+    pytest.importorskip("kvplug.attention.torch_backend")
+    backend = make_backend(manager, attention="auto", prefix_cache="radix")
+    assert backend.attention_name == "torch"
+    shared = [(7 * i) % 64 for i in range(13)]
+    tokens = {}
+    first = backend.admit(shared + [1, 2])
+    tokens[first.row] = shared + [1, 2]
+    backend.allocate([first])
+    _step(backend, [first], "prefill", tokens)
+    backend.append_tokens([first], [9])
+    tokens[first.row].append(9)
+    backend.cache_unfinished(first)  # no-op beyond caching: the whole prompt is computed
+    second = backend.admit(shared + [3, 4, 5])
+    tokens[second.row] = shared + [3, 4, 5]
+    assert second.matched_len == 12  # three full pages of the shared prefix, from the first request
+    backend.allocate([first, second])
+    _step(backend, [second, first], "prefill", tokens)  # an extend batch: 4 new tokens + 1 decode token
+    for token in (11, 12, 13):
+        backend.append_tokens([first, second], [token, token + 1])
+        tokens[first.row].append(token)
+        tokens[second.row].append(token + 1)
+        backend.allocate([first, second])
+        _step(backend, [first, second], "decode", tokens)
+    backend.finish(first, computed=True)
+    backend.finish(second, computed=True)
+    backend.check_integrity()

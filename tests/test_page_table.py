@@ -1,0 +1,205 @@
+"""Page table + token pool, the row manager, and the ragged index helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvplug.interface import InvalidArgumentError, OutOfMemoryError
+from kvplug.memory.page_table import PageTable, align_up
+from kvplug.memory.ragged import expand_pages, ragged_coordinates
+from kvplug.memory.row_manager import RowManager
+
+CPU = torch.device("cpu")
+
+
+def make_table(rows=4, max_seq_len=40, dummy=100) -> PageTable:
+    return PageTable(rows, max_seq_len, dummy_location=dummy, device=CPU)
+
+
+def i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize("max_seq_len,width", [(1, 32), (32, 32), (33, 64), (40, 64), (4096, 4096)])
+def test_shapes_are_rows_plus_dummy_by_aligned_length(max_seq_len, width):
+    table = make_table(rows=3, max_seq_len=max_seq_len)
+    assert table.row_width == width == align_up(max_seq_len, 32)
+    for tensor in (table.table, table.token_pool):
+        assert tensor.shape == (4, width) and tensor.dtype == torch.int32 and tensor.device == CPU
+    assert table.dummy_row == 3
+    assert bool((table.table[3] == 100).all()) and bool((table.table[:3] == 0).all())
+    assert bool((table.token_pool == 0).all())
+
+
+def test_bad_sizes_are_rejected():
+    for rows, length in ((0, 8), (2, 0), (2.5, 8), (True, 8)):
+        with pytest.raises(InvalidArgumentError):
+            PageTable(rows, length, dummy_location=0, device=CPU)
+
+
+# ---------------------------------------------------------------------- writes and reads
+
+
+def test_location_and_token_writes_land_where_asked():
+    table = make_table()
+    table.write_locations(1, 3, i32(7, 8, 9))
+    table.write_tokens(1, 0, i32(5, 6, 7, 8))
+    assert table.locations(1, 2, 7).tolist() == [0, 7, 8, 9, 0]
+    assert table.read_tokens(1, 0, 5).tolist() == [5, 6, 7, 8, 0]
+    assert table.locations(4, 0, 2).tolist() == [100, 100]  # the dummy row can be read
+
+
+def _bad_calls(table: PageTable):
+    return {
+        "write past the row": lambda: table.write_locations(0, 62, i32(1, 2, 3)),
+        "negative start": lambda: table.write_tokens(0, -1, i32(1)),
+        "dummy row write": lambda: table.write_locations(4, 0, i32(1)),
+        "row out of range": lambda: table.write_tokens(5, 0, i32(1)),
+        "bool row": lambda: table.write_tokens(True, 0, i32(1)),
+        "int64 values": lambda: table.write_tokens(0, 0, torch.tensor([1, 2])),
+        "2-D values": lambda: table.write_locations(0, 0, i32(1, 2).view(1, 2)),
+        "read past the row": lambda: table.read_tokens(0, 60, 65),
+        "reversed range": lambda: table.locations(0, 5, 4),
+        "append past the row": lambda: table.append_tokens([0, 1], [3, 64], i32(1, 2)),
+        "append to the dummy row": lambda: table.append_tokens([4], [0], i32(1)),
+        "append length mismatch": lambda: table.append_tokens([0, 1], [0], i32(1, 2)),
+        "gather past the row": lambda: table.gather_tokens([0], [60], [65]),
+        "gather negative length": lambda: table.gather_tokens([0], [5], [4]),
+        "gather bad row": lambda: table.gather_tokens([7], [0], [1]),
+        "scatter into the dummy row": lambda: table.scatter_locations(np.array([4 * 64]), i32(1)),
+        "scatter negative index": lambda: table.scatter_locations(np.array([-1]), i32(1)),
+        "scatter length mismatch": lambda: table.scatter_locations(np.array([1, 2]), i32(1)),
+        "append a float position": lambda: table.append_tokens([0], [1.5], i32(1)),
+        "gather from a device tensor": lambda: table.gather_tokens(torch.tensor([0], device="meta"), [0], [1]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls(make_table())))
+def test_bad_calls_raise_and_change_nothing(case):
+    table = make_table()
+    table.table[:4].random_(0, 50)
+    table.token_pool.random_(0, 50)
+    before = (table.table.clone(), table.token_pool.clone())
+    with pytest.raises(InvalidArgumentError):
+        _bad_calls(table)[case]()
+    assert torch.equal(table.table, before[0]) and torch.equal(table.token_pool, before[1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 64), st.integers(0, 64)), max_size=6))
+def test_gather_tokens_equals_a_per_request_reference(ranges):
+    table = make_table()
+    table.token_pool.copy_(torch.arange(table.token_pool.numel(), dtype=torch.int32).view_as(table.token_pool))
+    rows = [row for row, _, _ in ranges]
+    starts = [min(a, b) for _, a, b in ranges]
+    ends = [max(a, b) for _, a, b in ranges]
+    expected = [value for row, s, e in zip(rows, starts, ends) for value in table.token_pool[row, s:e].tolist()]
+    assert table.gather_tokens(rows, starts, ends).tolist() == expected
+
+
+def test_append_tokens_is_one_scatter_and_gather_tokens_at_reads_device_coordinates():
+    table = make_table()
+    table.append_tokens([2, 0, 3], [5, 0, 39], i32(11, 12, 13))
+    assert table.token_pool[2, 5] == 11 and table.token_pool[0, 0] == 12 and table.token_pool[3, 39] == 13
+    assert int(table.token_pool.count_nonzero()) == 3
+    assert table.gather_tokens_at(i32(3, 2, 0), i32(39, 5, 0)).tolist() == [13, 11, 12]
+
+
+def test_scatter_locations_writes_every_flat_index():
+    table = make_table()
+    table.scatter_locations(np.array([0 * 64 + 1, 0 * 64 + 63, 3 * 64 + 2]), i32(4, 5, 6))
+    assert table.table[0, 1] == 4 and table.table[0, 63] == 5 and table.table[3, 2] == 6
+    assert int(table.table[:4].count_nonzero()) == 3
+
+
+# ---------------------------------------------------------------------- ragged helpers
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 50), st.integers(0, 7)), max_size=8))
+def test_ragged_coordinates_equal_a_python_loop(ranges):
+    rows = np.array([r for r, _, _ in ranges], dtype=np.int64)
+    starts = np.array([s for _, s, _ in ranges], dtype=np.int64)
+    lengths = np.array([n for _, _, n in ranges], dtype=np.int64)
+    row_index, column_index = ragged_coordinates(rows, starts, lengths)
+    expected = [(r, s + j) for r, s, n in ranges for j in range(n)]
+    assert list(zip(row_index.tolist(), column_index.tolist())) == expected
+
+
+def test_expand_pages_turns_page_starts_into_token_locations():
+    assert expand_pages(i32(8, 0), 4).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert expand_pages(i32(3, 1), 1).tolist() == [3, 1]
+
+
+# ---------------------------------------------------------------------- row manager
+
+
+def test_row_manager_hands_out_every_row_once_then_runs_out():
+    rows = RowManager(3)
+    taken = [rows.allocate() for _ in range(3)]
+    assert sorted(taken) == [0, 1, 2] and rows.num_free == 0
+    with pytest.raises(OutOfMemoryError, match="max_running_reqs=3"):
+        rows.allocate()
+    rows.free(taken[1])
+    assert rows.allocate() == taken[1]
+
+
+@pytest.mark.parametrize("bad", [3, -1, True, "0", 1.0])
+def test_row_manager_rejects_bad_rows_without_changing_state(bad):
+    rows = RowManager(3)
+    rows.allocate()
+    state = (rows.num_free, rows.live_rows)
+    with pytest.raises(InvalidArgumentError):
+        rows.free(bad)
+    with pytest.raises(InvalidArgumentError, match="double free"):
+        rows.free(2)
+    assert (rows.num_free, rows.live_rows) == state
+    rows.check_integrity()
+
+
+class RowMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = RowManager(5)
+        self.live: set[int] = set()
+
+    @rule()
+    def allocate(self):
+        if len(self.live) == 5:
+            with pytest.raises(OutOfMemoryError):
+                self.rows.allocate()
+        else:
+            row = self.rows.allocate()
+            assert row not in self.live and 0 <= row < 5
+            self.live.add(row)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        row = data.draw(st.sampled_from(sorted(self.live)))
+        self.rows.free(row)
+        self.live.remove(row)
+
+    @rule(row=st.integers(-2, 6))
+    def free_a_row_that_is_not_live(self, row):
+        if row in self.live:
+            return
+        with pytest.raises(InvalidArgumentError):
+            self.rows.free(row)
+
+    @invariant()
+    def matches_the_model(self):
+        assert self.rows.live_rows == self.live and self.rows.num_free == 5 - len(self.live)
+        self.rows.check_integrity()
+
+
+TestRowMachine = RowMachine.TestCase
+TestRowMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
