@@ -1,0 +1,82 @@
+"""Installing kvplug into transformers' continuous batching: the two replaced internals.
+
+1. ``continuous_api.PagedAttentionCache``, the class ``ContinuousBatchingManager`` instantiates
+   when it builds its batch processor, becomes a factory returning ``KVPlugPagedCache``.
+2. ``ContinuousBatchingManager.switch_to_cb_friendly_attn``, which picks the ``paged|...``
+   attention function when a manager is created, selects ``paged|kvplug`` instead (and, like the
+   original, remembers the model's implementation so ``stop()`` restores it).
+
+Both are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
+``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
+--continuous-batching`` — goes through kvplug once installed. ``uninstall`` puts the originals back.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvplug_transformers.attention import ATTENTION_NAME, register_attention_function
+from kvplug_transformers.compat import TransformersModules, require_transformers
+
+
+@dataclass
+class _Originals:
+    modules: TransformersModules
+    cache_class: Any
+    switch_attention: Callable
+
+
+_lock = threading.Lock()
+_installed: _Originals | None = None
+
+
+def is_installed() -> bool:
+    return _installed is not None
+
+
+def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
+    """Route transformers' continuous batching to kvplug; ``make_cache`` receives
+    ``PagedAttentionCache``'s arguments plus ``group_layers_by_attn_type=`` and returns the cache.
+    Installing again only replaces ``make_cache``."""
+    global _installed
+    with _lock:
+        modules = _installed.modules if _installed is not None else require_transformers()
+        register_attention_function(modules.modeling_utils)
+        manager_class = modules.continuous_api.ContinuousBatchingManager
+        if _installed is None:
+            _installed = _Originals(
+                modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn
+            )
+        group_layers = modules.cache.group_layers_by_attn_type
+
+        def kvplug_paged_attention_cache(*args: Any, **kwargs: Any) -> Any:
+            return make_cache(*args, group_layers_by_attn_type=group_layers, **kwargs)
+
+        modules.continuous_api.PagedAttentionCache = kvplug_paged_attention_cache
+        manager_class.switch_to_cb_friendly_attn = _switch_to_kvplug_attention
+        return modules
+
+
+def uninstall_patches() -> None:
+    """Restore transformers' own cache and attention selection (the ``paged|kvplug`` name stays
+    registered so models still set to it fail with kvplug's explanation, not a KeyError)."""
+    global _installed
+    with _lock:
+        if _installed is None:
+            return
+        modules = _installed.modules
+        modules.continuous_api.PagedAttentionCache = _installed.cache_class
+        modules.continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = _installed.switch_attention
+        _installed = None
+
+
+def _switch_to_kvplug_attention(manager: Any, model: Any) -> None:
+    """Replacement for ``ContinuousBatchingManager.switch_to_cb_friendly_attn``."""
+    current = model.config._attn_implementation
+    if current != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+        # keep the first original across repeated switches, as transformers does
+        if getattr(manager, "_original_attn_impl", None) is None:
+            manager._original_attn_impl = current

@@ -1,0 +1,249 @@
+"""``KVPlugPagedCache``: what transformers' continuous batching gets instead of ``PagedAttentionCache``.
+
+transformers' scheduler keeps running unchanged; it talks to this object through the methods
+``PagedAttentionCache`` offers it, and each maps onto kvplug (``kvplug.backend.KVBackend``):
+
+====================================  ==========================================================
+transformers calls                    kvplug does
+====================================  ==========================================================
+``search_prefix_match(id, prompt)``   look the prompt up; on a hit ``admit`` (row, prefix locked)
+``allocate_blocks(n, id, have)``      ``admit`` if not yet; promise pages up to ``(have + n) * P``
+``extend_read_and_write_indices``     record the request's ``(past, new)`` tokens for this step
+attention, first layer of a step      ``allocate`` to the step's lengths, ``prepare`` the batch
+attention, every layer                ``forward`` (store K/V at ``out_loc``, attend)
+``mark_shareable_blocks_as_complete`` commit the step: ``append_tokens`` / ``cache_unfinished``
+``free_blocks(id)``                   ``finish``: computed prefix into the prefix cache, row freed
+====================================  ==========================================================
+
+transformers' block size is kvplug's page size, its block count kvplug's page count; pages the
+prefix cache could evict count as free. Step and page bookkeeping live in ``StepTracker``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvplug.backend import KVBackend, create_backend
+from kvplug.interface import InvalidArgumentError
+
+from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
+from kvplug_transformers.settings import KVPlugSettings
+from kvplug_transformers.step_tracker import StepTracker
+
+logger = logging.getLogger("kvplug_transformers")
+
+
+class _NoBlockTables:
+    """What transformers' offloading manager reads as ``group_cache_managers[i].block_table``:
+    kvplug lends it no block ids, so it never copies KV to its CPU pool (it soft-resets instead,
+    and the re-prefill then hits kvplug's prefix cache)."""
+
+    block_table: dict[str, list[int]] = {}
+
+
+class KVPlugPagedCache:
+    """A kvplug-backed stand-in for ``transformers...continuous_batching.PagedAttentionCache``.
+
+    Built by transformers with ``PagedAttentionCache``'s arguments plus the adapter's settings.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        continuous_batching_config: Any,
+        device: torch.device | str,
+        distributed_helper: Any,
+        tp_plan: dict,
+        dtype: torch.dtype = torch.float16,
+        *,
+        settings: KVPlugSettings,
+        group_layers_by_attn_type: Any,
+        on_stats: Any = None,
+    ) -> None:
+        if getattr(distributed_helper, "tp_size", 1) > 1:
+            raise InvalidArgumentError("kvplug_transformers does not support tensor parallelism yet (tp_size > 1)")
+        _, group_types = group_layers_by_attn_type(config)
+        if set(group_types) != {"full_attention"}:
+            raise InvalidArgumentError(
+                f"kvplug_transformers supports models whose layers are all full attention; this model has "
+                f"{sorted(set(group_types))} layers (sliding-window / hybrid models: use the native cache)"
+            )
+        cb = continuous_batching_config
+        self.plan: PoolPlan = plan_pool(
+            settings,
+            model_shape(config, dtype),
+            device,
+            context_len=model_context_len(config),
+            cb_num_blocks=cb.num_blocks,
+            cb_block_size=cb.block_size,
+            cb_max_batch_tokens=cb.max_batch_tokens,
+            max_memory_percent=cb.max_memory_percent,
+        )
+        self.backend: KVBackend = create_backend(
+            config,
+            page_size=self.plan.page_size,
+            num_pages=self.plan.num_pages,
+            max_running_reqs=self.plan.max_running_reqs,
+            max_seq_len=self.plan.max_seq_len,
+            prefix_cache=settings.prefix_cache,
+            attention=settings.attention,
+            device=device,
+            dtype=dtype,
+            **dict(settings.backend_options),
+        )
+        self.settings = settings
+        self._disable_unsupported_features(cb)
+        logger.info(
+            "kvplug KV pool built: %s; prefix cache %s, attention %s",
+            self.plan.describe(), settings.prefix_cache, self.backend.attention_name,
+        )
+        self._init_transformers_attributes(config, dtype, device)
+        self.steps = StepTracker(self.backend, on_stats=on_stats)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _disable_unsupported_features(self, cb: Any) -> None:
+        """Turn off what would bypass kvplug: the flash decode fast path (its own block table),
+        CUDA graphs / torch.compile of the step (kvplug plans on the host per step), async double
+        buffering (it prepares step N+1 while N runs) and transformers' CPU offload pool."""
+        requested = []
+        if any(cb.cuda_graph_booleans):
+            requested.append("use_cuda_graph")
+        if cb.use_async_batching:
+            requested.append("use_async_batching")
+        if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
+            requested.append("compile")
+        if requested:
+            logger.warning("kvplug_transformers: turning off %s (not supported with the kvplug cache yet)", requested)
+        cb.use_cuda_graph = (False, False)
+        cb.use_async_batching = False
+        cb.varlen_compile_config = None
+        cb.decode_compile_config = None
+        cb.max_blocks_per_request = 0
+        cb.cpu_offload_space = 0.0
+
+    def _init_transformers_attributes(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+        pool, plan = self.backend.pool, self.plan
+        self.config = config
+        self.dtype = dtype
+        self.device = pool.device
+        self.num_key_value_heads = pool.local_kv_heads
+        self.head_dim = pool.head_dim
+        self.block_size = plan.page_size
+        self.num_blocks = plan.num_pages
+        self.num_pages = plan.num_tokens  # transformers' "pages" are tokens
+        self.max_batch_tokens = plan.max_batch_tokens
+        self.max_blocks_per_request = 0
+        self.num_groups = 1
+        self.num_full_attention_groups = 1
+        self.num_sliding_attention_groups = 0
+        self.sliding_windows = {layer: 1 for layer in range(pool.num_layers)}
+        self.layer_index_to_group_indices = {layer: (0, layer) for layer in range(pool.num_layers)}
+        self.allow_block_sharing = True
+        self.use_prefix_sharing = True
+        self.read_trash_index = self.write_trash_index = self.sentinel_index = pool.dummy_location
+        flat = ((pool.num_pages + 1) * pool.page_size, pool.local_kv_heads, pool.head_dim)
+        self.key_cache = [pool.k_cache(layer).view(flat) for layer in range(pool.num_layers)]
+        self.value_cache = [pool.v_cache(layer).view(flat) for layer in range(pool.num_layers)]
+        self.group_cache_managers = [_NoBlockTables()]
+
+    # ------------------------------------------------------------------ scheduler-facing
+    @property
+    def _total_prefix_length(self) -> int:
+        """transformers' own hit counter (tokens matched at admission)."""
+        return self.backend.stats().cache_hit_tokens
+
+    def get_num_free_blocks(self) -> int:
+        """Pages not yet promised to a request: free or evictable, minus outstanding reservations."""
+        self.steps.flush()
+        return max(self.steps.unpromised_pages(), 0)
+
+    def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
+        return num_requested_blocks
+
+    def will_allocation_be_successful(self, num_requested_blocks: int, allocated_blocks: int) -> bool:
+        return num_requested_blocks <= self.get_num_free_blocks()
+
+    def blocks_in_use(self, request_id: str) -> int:
+        tracked = self.steps.get(request_id)
+        return 0 if tracked is None else -(-tracked.capacity // self.block_size)
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """The cached prefix of a waiting request, in tokens: a multiple of the page size, at
+        most ``len(prompt_ids) - 1``. A hit admits the request (row taken, prefix locked)."""
+        self.steps.flush()
+        return self.steps.match(request_id, prompt_ids)
+
+    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
+        """Promise the request ``allocated_blocks + n_blocks`` pages in all; ``None`` (nothing
+        changed) when the pool cannot supply them even after evicting cached prefixes, or when
+        no page-table row is free for a request not admitted yet."""
+        self.steps.flush()
+        target = min((allocated_blocks + n_blocks) * self.block_size, self.backend.max_seq_len)
+        return n_blocks if self.steps.reserve(request_id, target) else None
+
+    def free_blocks(self, request_id: str) -> None:
+        self.steps.flush()
+        self.steps.finish(request_id)
+
+    def free_all_requests(self) -> None:
+        self.steps.flush()
+        self.steps.finish_all()
+
+    def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
+        """Called after every forward for each request it covered: the step's K/V are written."""
+        self.steps.record_commit(state)
+
+    def extend_read_and_write_indices(
+        self, request_id: str, past_length: int, query_length: int, read_index: Any, write_index: list
+    ) -> None:
+        """Record the request for this step. No index lists are built: ``paged|kvplug`` reads
+        kvplug's page table, so transformers' per-token read/write indices stay empty."""
+        self.steps.flush()
+        self.steps.add_to_step(write_index, request_id, past_length, query_length)
+
+    def get_seqlens_k(self, past_length: int, query_length: int) -> dict[str, int]:
+        return {"full_attention": past_length + query_length}
+
+    def fill_block_table(self, *args: Any) -> None:
+        raise InvalidArgumentError("the flash decode fast path is disabled with kvplug (max_blocks_per_request=0)")
+
+    def update(self, *args: Any, **kwargs: Any):
+        raise InvalidArgumentError(
+            "the kvplug cache serves attention through attn_implementation='paged|kvplug' only; "
+            "got a call from another paged attention implementation"
+        )
+
+    def compute_max_num_forks(self, source_request_id: str) -> int:
+        """No in-place fork: parallel samples are re-admitted as new requests and hit the prefix cache."""
+        return 0
+
+    def fork_request(self, source_request_id: str, destination_request_ids: list[str]):
+        raise InvalidArgumentError("kvplug does not fork requests in place (compute_max_num_forks is 0)")
+
+    # ------------------------------------------------------------------ attention-facing
+    def attention_forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """Store K/V and attend for one layer of the current step.
+
+        Args:
+            q: shape ``[num_tokens, num_qo_heads, head_dim]``, pool dtype, device.
+            k, v: shape ``[num_tokens, num_kv_heads, head_dim]``, pool dtype, device.
+            scaling: the model's softmax scale (``None``: ``head_dim ** -0.5``).
+
+        Returns:
+            shape ``[num_tokens, num_qo_heads * head_dim]``, pool dtype, device.
+        """
+        batch = self.steps.current_batch()
+        attention = self.backend.attention
+        backend_scale = getattr(attention, "scale", None) or self.head_dim**-0.5
+        if scaling is not None and abs(scaling - backend_scale) > 1e-12 * backend_scale:
+            q = q * (scaling / backend_scale)  # the backend applies its own scale; fold in the ratio
+        return self.backend.forward(q, k, v, layer_id, batch)
+
+    def stats(self):
+        """The backend's ``BackendStats`` now."""
+        return self.backend.stats()

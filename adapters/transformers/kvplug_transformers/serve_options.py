@@ -1,0 +1,90 @@
+"""``ServeOptions``: the arguments of ``kvplug serve`` as the host receives them, and their
+translation for the native (transformers-only) comparison run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvplug.interface import InvalidArgumentError
+from kvplug.memory.model_shape import ModelShape
+
+from kvplug_transformers.planning import CPU_DEFAULT_BUDGET, CPU_DEFAULT_FRACTION, DEFAULT_BATCH_TOKENS, free_memory
+
+NATIVE_MIN_BLOCK_SIZE = 4  # transformers' PagedAttentionCache refuses smaller blocks
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """See ``kvplug serve --help``; ``model=None`` means the embedded default model."""
+
+    model: str | None = None
+    kv_backend: str = "kvplug"
+    prefix_cache: str = "radix"
+    attention: str = "auto"
+    page_size: int = 16
+    max_running_reqs: int = 64
+    kv_memory: int | float | None = None
+    max_seq_len: int | None = None
+    max_batch_tokens: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    stats_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kv_backend not in ("kvplug", "native"):
+            raise InvalidArgumentError(f"kv_backend must be 'kvplug' or 'native', got {self.kv_backend!r}")
+
+    def kvplug_settings(self) -> dict[str, Any]:
+        """The ``KVPlugSettings`` fields these options set."""
+        return {
+            "prefix_cache": self.prefix_cache,
+            "attention": self.attention,
+            "page_size": self.page_size,
+            "max_running_reqs": self.max_running_reqs,
+            "kv_memory": self.kv_memory,
+            "max_seq_len": self.max_seq_len,
+            "max_batch_tokens": self.max_batch_tokens,
+        }
+
+
+def native_cb_options(opts: ServeOptions, shape: ModelShape, context_len: int) -> dict[str, Any]:
+    """``transformers.cli.serve.Serve`` keyword arguments sizing transformers' own cache like kvplug's.
+
+    The page size becomes the block size; a byte budget becomes a block count; a fraction
+    becomes ``max_memory_percent``; the step size is kvplug's default unless given. On CPU without
+    ``--kv-memory`` the budget is kvplug's CPU default (transformers would otherwise take most of
+    the RAM).
+    """
+    if opts.page_size < NATIVE_MIN_BLOCK_SIZE:
+        raise InvalidArgumentError(
+            f"--kv-backend native needs --page-size >= {NATIVE_MIN_BLOCK_SIZE} (transformers' minimum block size), "
+            f"got {opts.page_size}"
+        )
+    on_cpu = opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available())
+    # transformers would size the step from free memory, and its eager/sdpa paged path allocates a
+    # [step, pool + step] mask: take kvplug's default step size instead
+    batch_tokens = opts.max_batch_tokens or DEFAULT_BATCH_TOKENS["cpu" if on_cpu else "cuda"]
+    options: dict[str, Any] = {"cb_block_size": opts.page_size, "cb_max_batch_tokens": batch_tokens}
+    budget = opts.kv_memory
+    if budget is None and on_cpu:
+        budget = min(CPU_DEFAULT_BUDGET, int(free_memory(torch.device("cpu")) * CPU_DEFAULT_FRACTION))
+    if isinstance(budget, float):
+        options["cb_max_memory_percent"] = budget
+    elif isinstance(budget, int):
+        block_bytes = opts.page_size * shape.kv_bytes_per_token()
+        num_blocks = budget // block_bytes
+        max_seq_len = opts.max_seq_len or context_len
+        if num_blocks * opts.page_size < max_seq_len:
+            raise InvalidArgumentError(
+                f"the KV pool is too small for one request: {budget:,} bytes hold {num_blocks * opts.page_size:,} "
+                f"tokens ({num_blocks:,} blocks of {opts.page_size}, {block_bytes:,} bytes each) but one request may "
+                f"need max_seq_len={max_seq_len:,} tokens; raise --kv-memory or lower --max-seq-len"
+            )
+        options["cb_num_blocks"] = num_blocks
+    return options

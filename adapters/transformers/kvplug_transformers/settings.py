@@ -1,0 +1,75 @@
+"""``KVPlugSettings``: how the adapter builds kvplug for a transformers continuous-batching run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from kvplug.interface import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class KVPlugSettings:
+    """Choices for the kvplug backend the adapter builds when transformers creates its paged cache.
+
+    Attributes:
+        prefix_cache: prefix cache by name (``kvplug.available("prefix_cache")``: ``radix``, ``naive``, ...).
+        attention: attention backend by name, ``"P,D"`` for a prefill/decode pair, or ``"auto"``
+            (torch on CPU; the best available GPU backend on CUDA).
+        page_size: tokens per KV page. transformers' ``ContinuousBatchingConfig.block_size`` is
+            ignored: the scheduler is told the kvplug page size instead.
+        kv_memory: pool budget, bytes (int) or a fraction of free device memory (float in (0, 1]).
+        num_pages: pool pages; overrides ``kv_memory``. With neither, the pool is sized from
+            ``ContinuousBatchingConfig.num_blocks`` if set, else from free memory (CUDA: the
+            config's ``max_memory_percent``; CPU: min(1 GiB, 25 % of available RAM)).
+        max_running_reqs: page-table rows, i.e. requests holding KV at once.
+        max_seq_len: longest request in tokens (``None``: the model's ``max_position_embeddings``).
+            The pool must hold at least one request of this length.
+        max_batch_tokens: tokens per forward step (``None``: the ContinuousBatchingConfig's, else
+            2048 on CPU and 8192 on CUDA).
+        backend_options: extra keyword options for ``kvplug.create_backend``.
+    """
+
+    prefix_cache: str = "radix"
+    attention: str = "auto"
+    page_size: int = 16
+    kv_memory: int | float | None = None
+    num_pages: int | None = None
+    max_running_reqs: int = 128
+    max_seq_len: int | None = None
+    max_batch_tokens: int | None = None
+    backend_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_cache", "attention"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidArgumentError(f"{name} must be a non-empty component name, got {value!r}")
+        for name in ("page_size", "max_running_reqs"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_pages", "max_seq_len", "max_batch_tokens"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        memory = self.kv_memory
+        if memory is not None:
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+                raise InvalidArgumentError(f"kv_memory must be bytes (int) or a fraction (float), got {memory!r}")
+            if isinstance(memory, float) and not 0.0 < memory <= 1.0:
+                raise InvalidArgumentError(f"kv_memory as a fraction must lie in (0, 1], got {memory!r}")
+            if isinstance(memory, int) and memory < 1:
+                raise InvalidArgumentError(f"kv_memory in bytes must be positive, got {memory!r}")
+        if not isinstance(self.backend_options, Mapping):
+            raise InvalidArgumentError(f"backend_options must be a mapping, got {self.backend_options!r}")
+
+    def updated(self, **changes: Any) -> "KVPlugSettings":
+        """A copy with ``changes`` applied; unknown names are an error listing the valid ones."""
+        known = {item.name for item in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise InvalidArgumentError(f"unknown kvplug setting(s) {unknown}; expected some of {sorted(known)}")
+        return replace(self, **changes)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,124 @@
+"""Cache statistics across the kvplug caches transformers builds (one per batch processor).
+
+A cache reports a ``kvplug.backend_stats.BackendStats`` snapshot after every step; a
+``CacheRecord`` keeps the latest one (so counters survive the cache, which transformers drops when
+``generate_batch`` returns) and ``HostStats`` sums the records.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+COUNTERS = ("queried_tokens", "cache_hit_tokens", "evicted_tokens", "admitted_requests", "finished_requests")
+POOL_FIELDS = ("running_requests", "num_pages", "free_pages", "cached_pages", "evictable_pages", "used_pages")
+
+
+class CacheRecord:
+    """The latest statistics of one kvplug cache (updated from the generation thread)."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.latest: Any = None
+        self.plan: Any = None
+        self.attention: str | None = None
+        self._baseline: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._cache: weakref.ref | None = None
+
+    def attach(self, cache: Any) -> None:
+        self._cache = weakref.ref(cache)
+        self.plan = cache.plan
+        self.attention = cache.backend.attention_name
+        self.latest = cache.stats()
+
+    def update(self, stats: Any) -> None:
+        self.latest = stats  # one reference swap: readers on other threads see old or new, whole
+
+    @property
+    def alive(self) -> bool:
+        return self._cache is not None and self._cache() is not None
+
+    def rebase(self) -> None:
+        """Count from zero again (``TransformersHost.reset_stats``)."""
+        if self.latest is not None:
+            self._baseline = {name: getattr(self.latest, name) for name in COUNTERS}
+
+    def counters(self) -> dict[str, int]:
+        if self.latest is None:
+            return dict.fromkeys(COUNTERS, 0)
+        return {name: getattr(self.latest, name) - self._baseline[name] for name in COUNTERS}
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """kvplug statistics of a transformers host.
+
+    Attributes:
+        caches: kvplug caches built (one per continuous-batching processor), live ones in ``live_caches``.
+        queried_tokens: prompt tokens admitted; ``cache_hit_tokens`` of them came from the prefix cache.
+        evicted_tokens: tokens the prefix cache evicted to make room.
+        admitted_requests, finished_requests: request counts.
+        running_requests, num_pages, free_pages, cached_pages, evictable_pages, used_pages: the
+            live caches' pools now (summed).
+        prefix_cache, attention: names in use by the most recent cache (``None`` before any).
+    """
+
+    caches: int
+    live_caches: int
+    queried_tokens: int
+    cache_hit_tokens: int
+    evicted_tokens: int
+    admitted_requests: int
+    finished_requests: int
+    running_requests: int
+    num_pages: int
+    free_pages: int
+    cached_pages: int
+    evictable_pages: int
+    used_pages: int
+    prefix_cache: str | None
+    attention: str | None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def utilisation(self) -> float:
+        """Used pages over pages, across live caches (0.0 when none is alive)."""
+        return self.used_pages / self.num_pages if self.num_pages else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate, "utilisation": self.utilisation}
+
+    def describe(self) -> str:
+        return (
+            f"kvplug cache: {self.cache_hit_tokens:,}/{self.queried_tokens:,} prompt tokens hit "
+            f"({self.hit_rate:.1%}), {self.evicted_tokens:,} tokens evicted, utilisation {self.utilisation:.1%} "
+            f"({self.used_pages:,}/{self.num_pages:,} pages, {self.cached_pages:,} cached), "
+            f"{self.running_requests} running, {self.finished_requests:,} finished"
+        )
+
+    @classmethod
+    def combine(cls, records: Iterable[CacheRecord]) -> "HostStats":
+        records = list(records)
+        totals = dict.fromkeys(COUNTERS, 0)
+        pool = dict.fromkeys(POOL_FIELDS, 0)
+        live = 0
+        for record in records:
+            for name, value in record.counters().items():
+                totals[name] += value
+            if record.alive and record.latest is not None:
+                live += 1
+                for name in POOL_FIELDS:
+                    pool[name] += getattr(record.latest, name)
+        last = records[-1] if records else None
+        return cls(
+            caches=len(records),
+            live_caches=live,
+            **totals,
+            **pool,
+            prefix_cache=last.settings.prefix_cache if last else None,
+            attention=last.attention if last else None,
+        )

@@ -1,0 +1,250 @@
+"""``StepTracker``: transformers' request ids and steps, mapped onto kvplug requests and batches.
+
+A continuous-batching step, as transformers drives it (one background thread, synchronous):
+
+1. scheduling: ``match`` (prefix lookup, admission on a hit) and ``reserve`` (capacity, admission
+   on a miss) per candidate request;
+2. batch preparation: ``add_to_step`` per scheduled request, with the step's ``(past, new)``;
+3. forward: the first attention call builds the step's ``AttentionBatch`` (``current_batch``),
+   allocating kvplug pages for exactly the tokens the step computes;
+4. update: ``record_commit`` per covered request (its K/V are now written), then maybe ``finish``.
+
+transformers reserves blocks *ahead* of the tokens it knows, kvplug allocates pages only for known
+tokens. ``reserve`` therefore records a promise: the pages a request may still claim. The
+invariant ``sum(promised pages) <= free + evictable pages`` makes every step's allocation succeed;
+an admission whose prefix lock would break it is declined (the request keeps waiting). A request
+is admitted to kvplug (row, lock, statistics) only once transformers schedules it or a prefix hit
+makes it active, so requests waiting for memory hold nothing.
+
+``flush`` (called first by every other entry point) applies commits in one batch: sampled ids
+go into kvplug's token pool with one write, finished prefills into the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kvplug.backend import KVBackend
+from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError, OutOfMemoryError
+from kvplug.memory.request import Request
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One transformers request and its kvplug request.
+
+    Attributes:
+        request_id: transformers' id.
+        request: the kvplug request (row, lengths, locked prefix).
+        capacity: tokens transformers believes the request holds (its blocks x page size).
+        promised: pages of ``capacity`` kvplug has not allocated yet.
+        forward_done: its last forward ran but produced no token to append, so those K/V may
+            still be cached at finish.
+    """
+
+    request_id: str
+    request: Request
+    capacity: int
+    promised: int = 0
+    forward_done: bool = False
+
+
+class StepTracker:
+    """Maps transformers' per-request calls onto ``KVBackend`` (see module docstring)."""
+
+    def __init__(self, backend: KVBackend, on_stats: Callable[[Any], None] | None = None) -> None:
+        self.backend = backend
+        self.page_size = backend.page_size
+        self._tracked: dict[str, Tracked] = {}
+        self._promised_total = 0
+        self._step_marker: object | None = None
+        self._step: list[tuple[Tracked, int, int]] = []
+        self._batch: AttentionBatch | None = None
+        self._commits: list[Any] = []
+        self._waiting_prompts: dict[str, list[int]] = {}
+        self._declined: set[str] = set()
+        self._on_stats = on_stats
+
+    def get(self, request_id: str) -> Tracked | None:
+        return self._tracked.get(request_id)
+
+    # ------------------------------------------------------------------ page accounting
+    def available_pages(self) -> int:
+        """Pages an allocation could obtain now: free plus evictable from the prefix cache."""
+        allocator = self.backend.allocator
+        return allocator.num_free_pages + allocator.num_evictable_pages
+
+    def unpromised_pages(self) -> int:
+        """Pages transformers may still reserve: available minus promises already made."""
+        return self.available_pages() - self._promised_total
+
+    def _set_promise(self, tracked: Tracked, pages: int) -> None:
+        self._promised_total += pages - tracked.promised
+        tracked.promised = pages
+
+    def _pages_short_of(self, tracked: Tracked, capacity: int) -> int:
+        return max(-(-capacity // self.page_size) - tracked.request.allocated_len // self.page_size, 0)
+
+    # ------------------------------------------------------------------ scheduling
+    def match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """A waiting request's cached prefix, in tokens. A hit admits it at once (row taken, prefix
+        locked: transformers counts matched blocks as the request's); a miss only remembers the
+        prompt for ``reserve``. A hit is declined (0) when no row is free or its lock would leave
+        promised pages uncovered."""
+        self._declined.discard(request_id)
+        self._waiting_prompts.pop(request_id, None)
+        if request_id in self._tracked:
+            raise InvalidArgumentError(f"request {request_id} is already running in kvplug; it cannot wait for a match")
+        if len(prompt_ids) > self.backend.max_seq_len:
+            raise InvalidArgumentError(
+                f"request {request_id} has {len(prompt_ids)} prompt tokens; the kvplug cache was built with "
+                f"max_seq_len={self.backend.max_seq_len}"
+            )
+        ids = torch.tensor(prompt_ids[:-1], dtype=torch.int32, device=self.backend.device)
+        if int(self.backend.prefix_cache.match_prefix(ids).handle.cached_len) == 0:
+            self._waiting_prompts[request_id] = prompt_ids
+            return 0
+        tracked = self._admit(request_id, prompt_ids)
+        if tracked is not None and self.unpromised_pages() < 0:
+            self._release(tracked)  # its lock made cached pages unevictable that promises count on
+            tracked = None
+        if tracked is None:
+            self._declined.add(request_id)  # transformers will now treat it as unmatched: keep it waiting
+            return 0
+        return tracked.request.matched_len
+
+    def reserve(self, request_id: str, capacity: int) -> bool:
+        """Promise the request pages up to ``capacity`` tokens, admitting it first if ``match``
+        missed; ``False`` (nothing changed) when the pool cannot cover every promise or no row
+        is free."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            prompt = self._waiting_prompts.get(request_id)
+            if prompt is None or request_id in self._declined:
+                return False
+            if -(-capacity // self.page_size) > self.unpromised_pages():
+                return False
+            tracked = self._admit(request_id, prompt)
+            if tracked is None:
+                return False
+            del self._waiting_prompts[request_id]
+        extra = self._pages_short_of(tracked, capacity) - tracked.promised
+        if extra > self.unpromised_pages():
+            return False
+        self._set_promise(tracked, tracked.promised + max(extra, 0))
+        tracked.capacity = max(tracked.capacity, capacity)
+        return True
+
+    def _admit(self, request_id: str, prompt_ids: list[int]) -> Tracked | None:
+        try:
+            request = self.backend.admit(prompt_ids)
+        except OutOfMemoryError:
+            return None  # every row runs a request: transformers keeps this one waiting
+        tracked = Tracked(request_id, request, capacity=request.matched_len)
+        self._tracked[request_id] = tracked
+        return tracked
+
+    # ------------------------------------------------------------------ the step
+    def add_to_step(self, marker: object, request_id: str, past: int, new: int) -> None:
+        """Add a request to the step being prepared. ``marker`` is an object transformers creates
+        afresh for every step (its write-index list), so a new marker starts a new step."""
+        if marker is not self._step_marker:
+            self._step_marker, self._step, self._batch = marker, [], None
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            raise InvalidArgumentError(f"request {request_id} was scheduled without being admitted to kvplug")
+        request = tracked.request
+        if past != request.cached_len or past + new > min(request.num_tokens, tracked.capacity):
+            raise InvalidArgumentError(
+                f"request {request_id}: transformers computes tokens {past}..{past + new - 1} but kvplug holds "
+                f"K/V for {request.cached_len} of its {request.num_tokens} known tokens, "
+                f"capacity {tracked.capacity}"
+            )
+        self._step.append((tracked, past, new))
+
+    def current_batch(self) -> AttentionBatch:
+        """The step's ``AttentionBatch``, built on the first attention call of the step."""
+        if self._batch is None:
+            if not self._step:
+                raise InvalidArgumentError("paged|kvplug attention was called with no scheduled requests")
+            device = self.backend.device
+            if device.type == "cuda":
+                # scheduling wrote the tables on the default stream; transformers runs the forward on
+                # its own compute stream, which does not wait for the default one by itself
+                torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+            requests = [tracked.request for tracked, _, _ in self._step]
+            # covered by the step's promises, so this never has to fail
+            self.backend.allocate(requests, [past + new for _, past, new in self._step])
+            for tracked, _, _ in self._step:
+                self._set_promise(tracked, self._pages_short_of(tracked, tracked.capacity))
+            phase = ForwardPhase.DECODE if all(new == 1 for _, _, new in self._step) else ForwardPhase.PREFILL
+            self._batch = self.backend.prepare(requests, phase)
+        return self._batch
+
+    # ------------------------------------------------------------------ after the forward
+    def record_commit(self, state: Any) -> None:
+        """``state`` (transformers' RequestState) was covered by the forward that just ran."""
+        self._commits.append(state)
+
+    def flush(self) -> None:
+        """Apply recorded commits: append sampled tokens (one write), cache finished prefills."""
+        if not self._commits:
+            return
+        commits, self._commits = self._commits, []
+        steps = {tracked.request_id: (tracked, new) for tracked, _, new in self._step}
+        appended: list[Tracked] = []
+        token_ids: list[int] = []
+        unfinished: list[Tracked] = []
+        for state in commits:
+            entry = steps.get(state.request_id)
+            if entry is None or entry[0] is not self._tracked.get(state.request_id):
+                continue  # not part of this step's kvplug batch (already finished and forgotten)
+            tracked, new = entry
+            request = tracked.request
+            prompt_len, position = len(state.initial_tokens), request.num_tokens
+            if prompt_len + len(state.generated_tokens) > position:
+                appended.append(tracked)
+                if position < prompt_len:
+                    token_ids.append(state.initial_tokens[position])
+                else:
+                    token_ids.append(state.generated_tokens[position - prompt_len])
+                if new > 1:
+                    unfinished.append(tracked)  # a prefill finished: share its prompt right away
+            elif request.device_len < request.num_tokens:
+                unfinished.append(tracked)  # a prefill chunk: K/V written, no token sampled
+            else:
+                tracked.forward_done = True
+        if appended:
+            self.backend.append_tokens([tracked.request for tracked in appended], token_ids)
+        for tracked in unfinished:
+            self.backend.cache_unfinished(tracked.request)
+        self._report()
+
+    # ------------------------------------------------------------------ ending requests
+    def finish(self, request_id: str) -> None:
+        self._waiting_prompts.pop(request_id, None)
+        self._declined.discard(request_id)
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            self._release(tracked)
+            self._report()
+
+    def finish_all(self) -> None:
+        self._waiting_prompts.clear()
+        self._declined.clear()
+        for tracked in list(self._tracked.values()):
+            self._release(tracked)
+        self._step_marker, self._step, self._batch = None, [], None
+        self._report()
+
+    def _release(self, tracked: Tracked) -> None:
+        self._set_promise(tracked, 0)
+        del self._tracked[tracked.request_id]
+        self.backend.finish(tracked.request, computed=tracked.forward_done)
+
+    def _report(self) -> None:
+        if self._on_stats is not None:
+            self._on_stats(self.backend.stats())
