@@ -1,0 +1,200 @@
+"""``kvplug bench prefix-cache``: per-call host latency of prefix caches (SPEC §7), side by side.
+
+Workloads, at each page size (default 1 and 16):
+
+- ``shared-prefix``: 1,000 requests of 2,048 shared + 512 unique tokens; each request does
+  match+lock, reads the matched indices, inserts its whole prompt, then unlocks;
+- ``conversation``: 200 conversations x 8 turns x 256 tokens, turn by turn; each turn matches
+  the conversation so far (the previous turns are cached) and inserts it extended by one turn;
+- ``evict``: ``evict(256)`` repeatedly on a tree of 10,000 leaves (100 groups of a 128-token
+  prefix with 100 leaves of 32 tokens each); 50 timed calls leave over 9,500 leaves.
+
+Every call is timed on its own (``perf_counter_ns``, cyclic GC paused during the timed loop);
+inputs are built in each implementation's native form before timing. SGLang's RadixCache runs
+the same workloads in the same process when it imports (see ``sglang_anchor``), and
+``speedups`` are SGLang's latency divided by kvplug's. ``--quick`` shrinks every size ~20x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvplug._version import __version__
+from kvplug.bench.prefix_cache_drivers import CacheDriver, KvplugDriver
+from kvplug.bench.timing import format_table, gc_paused, summarize_ns
+
+SUITE = "prefix-cache"
+SCHEMA = 1
+VOCAB = 32_000
+FULL = dict(requests=1000, shared=2048, unique=512, conversations=200, turns=8, turn_tokens=256,
+            groups=100, leaves_per_group=100, group_prefix=128, leaf_tokens=32, evict_tokens=256, evict_calls=50)
+QUICK = dict(requests=50, shared=256, unique=64, conversations=10, turns=4, turn_tokens=64,
+             groups=10, leaves_per_group=50, group_prefix=64, leaf_tokens=32, evict_tokens=64, evict_calls=10)
+# SPEC §7 bars for the radix cache on the full-size workloads: (workload, operation) -> p50 bar in us
+BARS_US = {("shared-prefix", "match+lock"): 10.0, ("shared-prefix", "insert"): 15.0, ("evict", "evict"): 100.0}
+MIN_SPEEDUP = 5.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--page-sizes", default="1,16", help="comma-separated page sizes (default 1,16)")
+    parser.add_argument("--caches", default="radix", help="comma-separated kvplug prefix caches (default radix)")
+    parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's RadixCache even if it imports")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+Timings = dict[str, list[int]]
+
+
+def _time(timings: Timings, operation: str, call: Callable[[], Any]) -> Any:
+    start = time.perf_counter_ns()
+    result = call()
+    timings.setdefault(operation, []).append(time.perf_counter_ns() - start)
+    return result
+
+
+def shared_prefix(driver: CacheDriver, sizes: dict, rng: np.random.Generator) -> tuple[Timings, dict]:
+    shared = rng.integers(0, VOCAB, sizes["shared"], dtype=np.int32)
+    length = sizes["shared"] + sizes["unique"]
+    items = []
+    for request in range(sizes["requests"]):
+        ids = np.concatenate([shared, rng.integers(0, VOCAB, sizes["unique"], dtype=np.int32)])
+        items.append(driver.prepare(ids, np.arange(request * length, (request + 1) * length, dtype=np.int32)))
+    timings: Timings = {}
+    hits = []
+    with gc_paused():
+        for item in items:
+            matched = _time(timings, "match+lock", lambda: driver.match_lock(item))
+            _time(timings, "indices", lambda: driver.matched_indices(matched))
+            _time(timings, "insert", lambda: driver.insert(item))
+            driver.unlock(matched)
+            hits.append(driver.cached_len(matched))
+    return timings, {"hit_tokens_mean": float(np.mean(hits)), "cached_tokens": driver.total_tokens()}
+
+
+def conversation(driver: CacheDriver, sizes: dict, rng: np.random.Generator) -> tuple[Timings, dict]:
+    length = sizes["turns"] * sizes["turn_tokens"]
+    turns: list[list[Any]] = [[] for _ in range(sizes["turns"])]
+    for index in range(sizes["conversations"]):
+        ids = rng.integers(0, VOCAB, length, dtype=np.int32)
+        locations = np.arange(index * length, (index + 1) * length, dtype=np.int32)
+        for turn in range(1, sizes["turns"] + 1):
+            end = turn * sizes["turn_tokens"]
+            turns[turn - 1].append(driver.prepare(ids[:end], locations[:end]))
+    timings: Timings = {}
+    hits = []
+    with gc_paused():
+        for items in turns:
+            for item in items:
+                matched = _time(timings, "match+lock", lambda: driver.match_lock(item))
+                _time(timings, "insert", lambda: driver.insert(item))
+                driver.unlock(matched)
+                hits.append(driver.cached_len(matched))
+    return timings, {"hit_tokens_mean": float(np.mean(hits)), "cached_tokens": driver.total_tokens()}
+
+
+def evict(driver: CacheDriver, sizes: dict, rng: np.random.Generator) -> tuple[Timings, dict]:
+    sequence = sizes["group_prefix"] + sizes["leaf_tokens"]
+    location = 0
+    for _ in range(sizes["groups"]):
+        prefix = rng.integers(0, VOCAB, sizes["group_prefix"], dtype=np.int32)
+        for _ in range(sizes["leaves_per_group"]):
+            ids = np.concatenate([prefix, rng.integers(0, VOCAB, sizes["leaf_tokens"], dtype=np.int32)])
+            driver.insert(driver.prepare(ids, np.arange(location, location + sequence, dtype=np.int32)))
+            location += sequence
+    leaves = sizes["groups"] * sizes["leaves_per_group"]
+    if driver.total_tokens() < sizes["evict_tokens"] * sizes["evict_calls"]:  # e.g. naive keeps nothing
+        return {}, {"leaves_before": leaves, "skipped": f"{driver.name} holds {driver.total_tokens()} tokens"}
+    timings: Timings = {}
+    freed = []
+    with gc_paused():
+        for _ in range(sizes["evict_calls"]):
+            freed.append(_time(timings, "evict", lambda: driver.evict(sizes["evict_tokens"])))
+    return timings, {"leaves_before": leaves, "freed_tokens_mean": float(np.mean(freed))}
+
+
+WORKLOADS = {"shared-prefix": shared_prefix, "conversation": conversation, "evict": evict}
+
+
+def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | None) -> list[CacheDriver]:
+    drivers: list[CacheDriver] = [KvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
+    if sglang_version:
+        from kvplug.bench.sglang_anchor import SGLangRadixDriver
+
+        drivers.append(SGLangRadixDriver(page_size))
+    return drivers
+
+
+def _speedups(rows: list[dict]) -> list[dict]:
+    anchors = {(r["workload"], r["page_size"], r["operation"]): r for r in rows if r["cache"] == "sglang-radix"}
+    speedups = []
+    for row in rows:
+        anchor = anchors.get((row["workload"], row["page_size"], row["operation"]))
+        if anchor is None or row is anchor:
+            continue
+        speedups.append({
+            "workload": row["workload"], "page_size": row["page_size"], "operation": row["operation"],
+            "cache": row["cache"], "sglang_p50_us": anchor["p50_us"], "sglang_p99_us": anchor["p99_us"],
+            "p50_speedup": round(anchor["p50_us"] / row["p50_us"], 2),
+            "p99_speedup": round(anchor["p99_us"] / row["p99_us"], 2),
+        })
+    return speedups
+
+
+def _bars(rows: list[dict], speedups: list[dict], full_size: bool) -> list[dict]:
+    """SPEC §7 verdicts for ``kvplug-radix`` (meaningful only at full size)."""
+    ratio = {(s["workload"], s["page_size"], s["operation"]): s["p50_speedup"] for s in speedups
+             if s["cache"] == "kvplug-radix"}
+    verdicts = []
+    for row in rows:
+        bar = BARS_US.get((row["workload"], row["operation"]))
+        if bar is None or row["cache"] != "kvplug-radix":
+            continue
+        speedup = ratio.get((row["workload"], row["page_size"], row["operation"]))
+        verdicts.append({
+            "workload": row["workload"], "page_size": row["page_size"], "operation": row["operation"],
+            "p50_us": row["p50_us"], "bar_us": bar, "speedup": speedup, "bar_speedup": MIN_SPEEDUP,
+            "met": full_size and row["p50_us"] <= bar and (speedup is None or speedup >= MIN_SPEEDUP),
+        })
+    return verdicts
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = QUICK if getattr(args, "quick", False) else FULL
+    page_sizes = [int(size) for size in args.page_sizes.split(",") if size]
+    sglang_version, sglang_missing = (None, "disabled by --no-sglang") if args.no_sglang else _sglang_status()
+    rows: list[dict] = []
+    for page_size in page_sizes:
+        for workload, function in WORKLOADS.items():
+            for driver in _drivers(args, page_size, sglang_version):
+                timings, facts = function(driver, sizes, np.random.default_rng(args.seed))
+                for operation, samples in timings.items():
+                    rows.append({"workload": workload, "page_size": page_size, "operation": operation,
+                                 "cache": driver.name, **summarize_ns(samples), **facts})
+    speedups = _speedups(rows)
+    bars = _bars(rows, speedups, full_size=sizes is FULL)
+    print(format_table(rows, ["workload", "page_size", "operation", "cache", "n", "p50_us", "p99_us", "mean_us"]))
+    if speedups:
+        print("\nspeed-up over SGLang's RadixCache (SGLang us / kvplug us):")
+        print(format_table(speedups, ["workload", "page_size", "operation", "cache", "p50_speedup", "p99_speedup"]))
+    else:
+        print(f"\nSGLang's RadixCache not measured: {sglang_missing}")
+    return {
+        "suite": SUITE, "schema": SCHEMA, "kvplug_version": __version__, "quick": sizes is QUICK, "sizes": sizes,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+                        "cpu_count": os.cpu_count(), "platform": platform.platform(), "sglang": sglang_version,
+                        "sglang_missing": sglang_missing},
+        "results": rows, "speedups": speedups, "bars": bars,
+    }
+
+
+def _sglang_status() -> tuple[str | None, str | None]:
+    from kvplug.bench.sglang_anchor import sglang_status
+
+    return sglang_status()

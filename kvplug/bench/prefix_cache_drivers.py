@@ -1,0 +1,89 @@
+"""One driver per prefix-cache implementation benchmarked by ``kvplug bench prefix-cache``.
+
+A driver turns workload data into the implementation's native inputs ahead of time (``prepare``,
+never timed) and exposes the calls a scheduler makes, each timed on its own by the workloads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvplug
+
+
+class CacheDriver(ABC):
+    """The scheduler-side calls of one prefix cache, over inputs prepared in its native form."""
+
+    name: str
+
+    @abstractmethod
+    def prepare(self, token_ids: np.ndarray, locations: np.ndarray) -> Any:
+        """Native inputs for one sequence. ``token_ids``, ``locations``: shape ``[n]``, int32, cpu."""
+
+    @abstractmethod
+    def match_lock(self, item: Any) -> Any:
+        """Match the sequence and lock the result; returns what ``unlock`` needs."""
+
+    @abstractmethod
+    def matched_indices(self, matched: Any) -> Any:
+        """The matched prefix's locations as one tensor (what the scheduler copies to its table row)."""
+
+    @abstractmethod
+    def cached_len(self, matched: Any) -> int:
+        """Tokens matched (for checking both sides did the same work; not timed)."""
+
+    @abstractmethod
+    def insert(self, item: Any) -> Any:
+        """Insert the whole sequence with its locations."""
+
+    @abstractmethod
+    def unlock(self, matched: Any) -> None:
+        """Release the lock taken by ``match_lock``."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens``; returns how many were freed."""
+
+    @abstractmethod
+    def total_tokens(self) -> int:
+        """Tokens held (evictable + protected)."""
+
+
+class KvplugDriver(CacheDriver):
+    """A prefix cache built by name through ``kvplug.create_prefix_cache`` (built-in or plugin)."""
+
+    def __init__(self, name: str, page_size: int, device: str = "cpu") -> None:
+        self.name = f"kvplug-{name}"
+        self.device = torch.device(device)
+        self.cache = kvplug.create_prefix_cache(name, page_size=page_size, device=device)
+
+    def prepare(self, token_ids: np.ndarray, locations: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.from_numpy(np.ascontiguousarray(token_ids, dtype=np.int32)).to(self.device)
+        return ids, torch.from_numpy(np.ascontiguousarray(locations, dtype=np.int32)).to(self.device)
+
+    def match_lock(self, item: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        handle = self.cache.match_prefix(item[0]).handle
+        self.cache.lock_handle(handle)
+        return handle
+
+    def matched_indices(self, matched: Any) -> torch.Tensor:
+        return matched.get_matched_indices()
+
+    def cached_len(self, matched: Any) -> int:
+        return matched.cached_len
+
+    def insert(self, item: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        return self.cache.insert_prefix(item[0], item[1])
+
+    def unlock(self, matched: Any) -> None:
+        self.cache.lock_handle(matched, unlock=True)
+
+    def evict(self, num_tokens: int) -> int:
+        return int(self.cache.evict(num_tokens).shape[0])
+
+    def total_tokens(self) -> int:
+        return self.cache.size_info.total_size

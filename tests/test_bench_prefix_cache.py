@@ -1,0 +1,70 @@
+"""Smoke test of ``kvplug bench prefix-cache --quick`` and of the bench CLI's suite discovery.
+
+Timings are never asserted (benchmarks are not timed tests); the JSON shape and the work done are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvplug.bench import discover_suites
+from kvplug.cli import main
+
+
+def test_prefix_cache_suite_writes_the_documented_json(tmp_path, capsys):
+    out = tmp_path / "prefix_cache.json"
+    assert main(["bench", "prefix-cache", "--quick", "--page-sizes", "1,4", "--no-sglang", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["suite"] == "prefix-cache" and data["schema"] == 1 and data["quick"] is True
+    assert data["environment"]["sglang"] is None and data["environment"]["sglang_missing"] == "disabled by --no-sglang"
+    assert data["speedups"] == []
+    rows = {(row["workload"], row["page_size"], row["operation"], row["cache"]): row for row in data["results"]}
+    expected_operations = {
+        "shared-prefix": ("match+lock", "indices", "insert"),
+        "conversation": ("match+lock", "insert"),
+        "evict": ("evict",),
+    }
+    assert set(rows) == {
+        (workload, page_size, operation, "kvplug-radix")
+        for workload, operations in expected_operations.items()
+        for page_size in (1, 4)
+        for operation in operations
+    }
+    sizes = data["sizes"]
+    for row in rows.values():
+        assert row["n"] > 0 and 0 < row["p50_us"] <= row["p99_us"], row
+    for page_size in (1, 4):
+        shared = rows[("shared-prefix", page_size, "match+lock", "kvplug-radix")]
+        requests = sizes["requests"]
+        assert shared["n"] == requests  # every request but the first hits the whole shared prefix
+        assert shared["hit_tokens_mean"] == pytest.approx(sizes["shared"] * (requests - 1) / requests, abs=page_size)
+        evict = rows[("evict", page_size, "evict", "kvplug-radix")]
+        assert evict["n"] == sizes["evict_calls"] and evict["freed_tokens_mean"] >= sizes["evict_tokens"]
+    assert [bar["met"] for bar in data["bars"]] == [False] * len(data["bars"])  # quick sizes never claim a bar
+    assert "shared-prefix" in capsys.readouterr().out
+
+
+def test_suites_are_discovered_by_their_suite_attribute():
+    suites, failures = discover_suites()
+    assert "prefix-cache" in suites and not failures
+    for name, module in suites.items():
+        assert module.SUITE == name and callable(module.run)
+
+
+def test_a_cuda_suite_is_skipped_cleanly_without_cuda(tmp_path, monkeypatch, capsys):
+    from kvplug.bench import prefix_cache
+    from kvplug.cli import bench
+
+    monkeypatch.setattr(prefix_cache, "REQUIRES_CUDA", True, raising=False)
+    monkeypatch.setattr(bench, "_cuda_available", lambda: False)
+    out = tmp_path / "skipped.json"
+    assert main(["bench", "prefix-cache", "--quick", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"suite": "prefix-cache", "skipped": "needs a CUDA device; none is available"}
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_bench_without_a_suite_prints_help(capsys):
+    assert main(["bench"]) == 2
+    assert "prefix-cache" in capsys.readouterr().out

@@ -1,0 +1,240 @@
+"""Radix-specific behaviour: tree shape, splits, lock propagation, cascading and incremental eviction,
+bad input, devices. The contract itself is covered by the conformance kit (test_conformance.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvplug
+from kvplug.interface import InvalidArgumentError
+from kvplug.prefix_cache import radix_candidates
+from kvplug.prefix_cache.radix import RadixPrefixCache
+from kvplug.prefix_cache.radix_keys import as_int32
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def ids(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def span(start: int, count: int) -> torch.Tensor:
+    return torch.arange(start, start + count, dtype=torch.int32)
+
+
+def radix(page_size: int = 1, device: str = "cpu") -> RadixPrefixCache:
+    cache = kvplug.create_prefix_cache("radix", page_size=page_size, device=device)
+    assert isinstance(cache, RadixPrefixCache)
+    return cache
+
+
+def tree(cache: RadixPrefixCache, node=None) -> dict:
+    """The tree as nested dicts: {token ids of the edge: (locations, lock_ref, subtree)}."""
+    node = node or cache._root
+    return {
+        tuple(as_int32(child.key).tolist()): (
+            as_int32(child.value).tolist(),
+            child.lock_ref,
+            tree(cache, child),
+        )
+        for child in node.children.values()
+    }
+
+
+def snapshot(cache: RadixPrefixCache):
+    def walk(node):
+        return [
+            (child.key, child.value, child.lock_ref, child.last_access, child.heap_seq, walk(child))
+            for child in node.children.values()
+        ]
+
+    return walk(cache._root), tuple(cache.size_info), len(cache._candidates), cache._clock
+
+
+def test_diverging_insert_splits_the_edge_and_keeps_values():
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 1, 2, 2, 3, 3), span(10, 6))
+    assert cache.insert_prefix(ids(1, 1, 2, 2, 4, 4), span(20, 6)).cached_len == 4
+    assert tree(cache) == {
+        (1, 1, 2, 2): ([10, 11, 12, 13], 0, {(3, 3): ([14, 15], 0, {}), (4, 4): ([24, 25], 0, {})})
+    }
+    assert cache.size_info == (8, 0)
+    cache.check_integrity()
+
+
+def test_a_partial_match_splits_so_the_handle_ends_on_a_node():
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 1, 2, 2, 3, 3), span(10, 6))
+    handle = cache.match_prefix(ids(1, 1, 2, 2, 9)).handle  # the odd token is a partial page
+    assert handle.cached_len == 4 and handle.get_matched_indices().tolist() == [10, 11, 12, 13]
+    assert tree(cache) == {(1, 1, 2, 2): ([10, 11, 12, 13], 0, {(3, 3): ([14, 15], 0, {})})}
+    assert handle is cache._root.children[ids(1, 1).numpy().tobytes()]  # the handle is the upper node
+    cache.check_integrity()
+
+
+def test_a_mismatch_inside_a_page_rounds_the_match_down():
+    cache = radix(page_size=4)
+    cache.insert_prefix(ids(1, 2, 3, 4, 5, 6, 7, 8), span(0, 8))
+    assert cache.match_prefix(ids(1, 2, 3, 4, 5, 6, 0, 8)).handle.cached_len == 4
+    assert cache.match_prefix(ids(1, 2, 3, 0)).handle.cached_len == 0
+
+
+def test_locks_propagate_to_the_root_and_splits_copy_them():
+    cache = radix()
+    cache.insert_prefix(ids(1, 2), span(0, 2))
+    deep = cache.insert_prefix(ids(1, 2, 3, 4), span(10, 4)).handle
+    cache.lock_handle(deep)
+    assert tree(cache) == {(1, 2): ([0, 1], 1, {(3, 4): ([12, 13], 1, {})})}
+    cache.match_prefix(ids(1, 2, 3, 9))  # splits the locked edge
+    assert tree(cache) == {(1, 2): ([0, 1], 1, {(3,): ([12], 1, {(4,): ([13], 1, {})})})}
+    assert cache.size_info == (0, 4) and cache._root.lock_ref == 0
+    cache.lock_handle(deep, unlock=True)
+    assert cache.size_info == (4, 0)
+    cache.check_integrity()
+
+
+def test_eviction_cascades_from_leaves_to_parents_that_become_leaves():
+    cache = radix()
+    cache.insert_prefix(ids(1), span(0, 1))
+    cache.insert_prefix(ids(1, 2), span(0, 2))
+    cache.insert_prefix(ids(1, 2, 3), span(0, 3))  # a chain of three one-token nodes
+    assert cache.evict(1).tolist() == [2]
+    assert cache.evict(2).tolist() == [1, 0]  # the parent became a leaf and follows in the same call
+    assert cache.size_info == (0, 0) and tree(cache) == {}
+    cache.check_integrity()
+
+
+def test_a_parent_uncovered_by_eviction_keeps_its_own_recency():
+    cache = radix()
+    cache.insert_prefix(ids(1, 2), span(0, 2))  # tick 1
+    cache.match_prefix(ids(1))  # tick 2: splits, the upper node [1] is newer than its child [2]
+    cache.insert_prefix(ids(5), span(10, 1))  # tick 3
+    cache.match_prefix(ids(1))  # tick 4
+    assert cache.evict(1).tolist() == [1]  # leaf [2], tick 1
+    assert cache.evict(1).tolist() == [10]  # then [5] (tick 3) before the uncovered parent [1] (tick 4)
+    assert cache.evict(1).tolist() == [0]
+
+
+def test_evicting_from_many_leaves_pops_only_what_it_evicts(monkeypatch):
+    cache = radix(page_size=4)
+    for leaf in range(3000):
+        cache.insert_prefix(ids(7, 7, 7, 7, leaf, leaf, leaf, leaf), span(8 * leaf, 8))
+    cache.check_integrity()
+    pops = []
+    real_heappop = radix_candidates.heappop
+    monkeypatch.setattr(radix_candidates, "heappop", lambda heap: pops.append(1) or real_heappop(heap))
+    monkeypatch.setattr(radix_candidates, "heapify", lambda heap: pytest.fail("evict rebuilt the heap"))
+    freed = cache.evict(16)
+    assert sorted(freed.tolist()) == [8 * leaf + offset for leaf in range(4) for offset in range(4, 8)]
+    assert len(pops) == 4  # one per evicted leaf: no scan, no rebuild
+    monkeypatch.undo()
+    cache.check_integrity()
+
+
+def test_refreshing_the_same_leaf_keeps_the_candidate_heap_bounded():
+    cache = radix()
+    for leaf in range(10):
+        cache.insert_prefix(ids(leaf), span(leaf, 1))
+    for _ in range(5000):
+        cache.match_prefix(ids(3))  # each refresh of a candidate pushes a new heap entry
+    assert cache._candidates.heap_entries <= 2 * len(cache._candidates) + 64
+    assert cache.evict(9).tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # [3] is the most recently used
+    cache.check_integrity()
+
+
+def test_unlocking_makes_a_leaf_a_candidate_again():
+    cache = radix()
+    handle = cache.insert_prefix(ids(1, 2), span(0, 2)).handle
+    cache.lock_handle(handle)
+    assert len(cache._candidates) == 0
+    with pytest.raises(InvalidArgumentError, match="only 0 are evictable"):
+        cache.evict(1)
+    cache.lock_handle(handle, unlock=True)
+    assert len(cache._candidates) == 1 and cache.evict(1).tolist() == [0, 1]
+
+
+def test_matched_indices_are_a_copy_and_strided_inputs_work():
+    cache = radix()
+    cache.insert_prefix(torch.arange(0, 20, 2, dtype=torch.int32)[::2], span(0, 5))  # a strided view
+    indices = cache.match_prefix(ids(0, 4, 8)).handle.get_matched_indices()
+    indices.fill_(-1)
+    assert cache.match_prefix(ids(0, 4, 8)).handle.get_matched_indices().tolist() == [0, 1, 2]
+
+
+def test_options_are_rejected():
+    with pytest.raises(InvalidArgumentError, match="takes no options"):
+        kvplug.create_prefix_cache("radix", capacity=3)
+
+
+NAIVE = kvplug.create_prefix_cache("naive")
+BAD_CALLS = {
+    "insert int64 ids": lambda c: c.insert_prefix(ids(1, 2, 3, 4).long(), span(0, 4)),
+    "insert int64 locations": lambda c: c.insert_prefix(ids(1, 2, 3, 4), span(0, 4).long()),
+    "insert a partial page": lambda c: c.insert_prefix(ids(1, 2, 3), span(0, 3)),
+    "insert unequal lengths": lambda c: c.insert_prefix(ids(1, 2, 3, 4), span(0, 2)),
+    "insert 2-D": lambda c: c.insert_prefix(ids(1, 2, 3, 4).view(2, 2), span(0, 4).view(2, 2)),
+    "insert on another device": lambda c: c.insert_prefix(torch.empty(2, dtype=torch.int32, device="meta"), span(0, 2)),
+    "insert a list": lambda c: c.insert_prefix([1, 2], span(0, 2)),
+    "match int64": lambda c: c.match_prefix(ids(1, 2).long()),
+    "evict -1": lambda c: c.evict(-1),
+    "evict a float": lambda c: c.evict(1.5),
+    "evict True": lambda c: c.evict(True),
+    "evict too much": lambda c: c.evict(c.size_info.evictable_size + 1),
+    "unlock an unlocked prefix": lambda c: c.lock_handle(c.unlocked_handle, unlock=True),
+    "lock a foreign handle": lambda c: c.lock_handle(radix(2).match_prefix(ids(1, 2)).handle),
+    "lock a handle of another kind": lambda c: c.lock_handle(NAIVE.match_prefix(ids()).handle),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_CALLS))
+def test_bad_input_raises_and_leaves_the_tree_unchanged(what):
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 2, 3, 4), span(0, 4))
+    cache.insert_prefix(ids(1, 2, 5, 6), span(10, 4))
+    cache.lock_handle(cache.match_prefix(ids(1, 2, 3, 4)).handle)
+    cache.unlocked_handle = cache.match_prefix(ids(1, 2, 5, 6)).handle
+    before = snapshot(cache)
+    with pytest.raises(InvalidArgumentError):
+        BAD_CALLS[what](cache)
+    assert snapshot(cache) == before
+    cache.check_integrity()
+
+
+def test_stale_handles_are_rejected():
+    cache = radix()
+    evicted = cache.insert_prefix(ids(1, 2), span(0, 2)).handle
+    cache.evict(2)
+    with pytest.raises(InvalidArgumentError, match="was evicted"):
+        cache.lock_handle(evicted)
+    before_reset = cache.insert_prefix(ids(3), span(5, 1)).handle
+    cache.reset()
+    with pytest.raises(InvalidArgumentError, match="reset"):
+        cache.lock_handle(before_reset)
+    empty = cache.match_prefix(ids(9)).handle
+    cache.lock_handle(empty)  # a handle covering nothing locks nothing
+    cache.lock_handle(empty, unlock=True)
+    assert cache.size_info == (0, 0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_cache_returns_locations_on_the_device():
+    cache = radix(page_size=2, device="cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    inserted = cache.insert_prefix(ids(1, 2, 3, 4).to(cuda), span(0, 4).to(cuda))
+    assert inserted.handle.get_matched_indices().device == cuda
+    matched = cache.match_prefix(ids(1, 2, 3, 9).to(cuda)).handle
+    assert matched.get_matched_indices().device == cuda and matched.get_matched_indices().tolist() == [0, 1]
+    freed = cache.evict(4)
+    assert freed.device == cuda and sorted(freed.tolist()) == [0, 1, 2, 3]
+    with pytest.raises(InvalidArgumentError, match="must be on"):
+        cache.match_prefix(ids(1, 2))  # a CPU tensor for a CUDA cache
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_cache_passes_the_kit():
+    from kvplug.testing import check_prefix_cache
+
+    check_prefix_cache(RadixPrefixCache, page_sizes=(1, 16), device="cuda")
