@@ -1,0 +1,84 @@
+"""Page-table rows to the CSR page lists that FlashInfer-style kernels take, on the device.
+
+For a view of the pool with page size ``S`` (1 for the token view, P for the page view), request
+``i`` owns ``pages_i = ceil(device_len_i / S)`` pages whose indices are
+``page_table[row_i, j * S] // S`` for ``j < pages_i``. Only O(batch) work happens on the host; the
+O(tokens) gather is four device ops, no Python loop and no sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvplug.attention.batch import host_buffer
+from kvplug.interface import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class PagedIndices:
+    """Attributes:
+        indptr: shape ``[bs + 1]``, int32, cpu; exclusive prefix sum of pages per request.
+        last_page_len: shape ``[bs]``, int32, cpu; tokens in each request's last page (1..S).
+        indices: shape ``[indptr[-1]]``, int32, table device; page numbers of the view.
+    """
+
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    indices: torch.Tensor
+
+
+class PagedIndexBuilder:
+    """Builds ``PagedIndices`` over ``page_table`` for a view with ``view_page_size`` tokens a page.
+
+    Args:
+        page_table: shape ``[rows, row_width]``, int32, contiguous, device.
+        view_page_size: 1 (token view) or the pool's page size (page view).
+    """
+
+    def __init__(self, page_table: torch.Tensor, view_page_size: int) -> None:
+        if not page_table.is_contiguous():
+            raise InvalidArgumentError("page_table must be contiguous")
+        self.page_table = page_table
+        self.view_page_size = int(view_page_size)
+        self._flat_table = page_table.view(-1)
+        self._strided_arange = torch.empty(0, dtype=torch.int32, device=page_table.device)
+
+    def _page_offsets(self, total: int) -> torch.Tensor:
+        """``[0, S, 2S, ...]`` of length ``total``: shape ``[total]``, int32, device."""
+        if self._strided_arange.numel() < total:
+            size = 1 << max(total - 1, 1).bit_length()
+            self._strided_arange = torch.arange(
+                0, size * self.view_page_size, self.view_page_size, dtype=torch.int32, device=self.page_table.device
+            )
+        return self._strided_arange[:total]
+
+    def build(self, table_rows: torch.Tensor, device_lens_cpu: torch.Tensor) -> PagedIndices:
+        """Args:
+            table_rows: shape ``[bs]``, int32, device.
+            device_lens_cpu: shape ``[bs]``, int32, cpu; each >= 1.
+        """
+        size = self.view_page_size
+        lens = device_lens_cpu.numpy().astype(np.int64, copy=False)
+        bs = lens.shape[0]
+        pages = (lens + size - 1) // size
+        host_tensor = host_buffer(4 * bs + 1, self.page_table.device)
+        host = host_tensor.numpy()
+        indptr = host[: bs + 1]
+        indptr[0] = 0
+        np.cumsum(pages, out=indptr[1:])
+        host[bs + 1 : 2 * bs + 1] = lens - (pages - 1) * size  # last_page_len
+        host[2 * bs + 1 : 3 * bs + 1] = pages
+        # table index of request i's page j is row_i * width + S * (global page - indptr_i)
+        host[3 * bs + 1 :] = -size * indptr[:-1]
+        total = int(indptr[-1])
+        on_device = host_tensor[2 * bs + 1 :].to(self.page_table.device, non_blocking=True)
+        base = torch.add(on_device[bs:], table_rows, alpha=self.page_table.shape[1])
+        table_index = torch.repeat_interleave(base, on_device[:bs], output_size=total)
+        table_index += self._page_offsets(total)
+        indices = self._flat_table.index_select(0, table_index)
+        if size > 1:
+            indices = indices.div_(size, rounding_mode="floor")
+        return PagedIndices(host_tensor[: bs + 1], host_tensor[bs + 1 : 2 * bs + 1], indices)
