@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from kvplug.devices import resolve_device
 from kvplug.interface import (
     AttentionConfig,
     BaseAttentionBackend,
@@ -42,20 +43,6 @@ class BackendParts:
     prefix_cache: BasePrefixCache
     attention: BaseAttentionBackend | None
     attention_name: str | None
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``cuda`` becomes ``cuda:<current>`` so every component compares devices equal."""
-    try:
-        resolved = torch.device(device)
-    except (TypeError, RuntimeError) as error:
-        raise InvalidArgumentError(f"device must name a torch device, got {device!r}") from error
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidArgumentError(f"device {resolved} requested but CUDA is not available")
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
 
 
 def resolve_attention(name: str, device: torch.device, available: list[str]) -> str:
@@ -157,7 +144,7 @@ def build_parts(
     manager = manager or default_manager()
     shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_hf_config(model_config)
     kv_dtype = shape.dtype if dtype is None else parse_dtype(dtype)
-    device = resolve_device(device)
+    device = resolve_device(device, require_available=True)
     kv_heads = local_kv_heads(shape.num_kv_heads, tp_size)
     qo_heads = local_qo_heads(shape.num_qo_heads, tp_size)
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:

@@ -321,7 +321,8 @@ def test_cuda_bf16_gpu_attention_backends_serve_generate_batch(checkpoint, atten
             top = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().topk(2)
             if float(top.values[0] - top.values[1]) > 0.1:  # well above bf16 rounding of these logits
                 clear_winners[index] = int(top.indices[0])
-    assert len(clear_winners) >= len(PROMPTS) // 2
+    # on the H200 only 1 of 10 prompts had a top-2 gap > 0.1 with these random weights
+    assert clear_winners, "no prompt has a clear eager bf16 winner: the check below would be vacuous"
     host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
     tokens, stats = _generate_on_kvplug(model, host, attention=attention)
     assert {index: tokens[index][0] for index in clear_winners} == clear_winners

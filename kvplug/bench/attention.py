@@ -173,8 +173,8 @@ def bench_decode(args: argparse.Namespace, bandwidth: float) -> list[dict[str, A
                 backend = kvplug.create_attention_backend(label.split("[")[0], setup.config(**options))
                 batch = dataclasses.replace(setup.batch)  # each backend keeps its own metadata
                 backend.prepare_metadata(batch)
-                calls[label] = lambda i, b=backend, m=batch: b._attend(setup.q, i % layers, m)
-                calls[f"{label}+store"] = lambda i, b=backend, m=batch: b.forward(setup.q, setup.k, setup.v, i % layers, m)
+                calls[label] = lambda i, b=backend, m=batch, s=setup: b._attend(s.q, i % layers, m)
+                calls[f"{label}+store"] = lambda i, b=backend, m=batch, s=setup: b.forward(s.q, s.k, s.v, i % layers, m)
             eager = {label: device_time_us(fn, args.calls, args.repeats) for label, fn in calls.items()}
             graph = {label: _graph_time_or_nan(fn, args) for label, fn in calls.items()}
             for label in calls:

@@ -94,11 +94,9 @@ class PrefixCacheConfig:
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
-        try:
-            device = torch.device(self.device)
-        except (TypeError, RuntimeError) as error:
-            raise ValueError(f"device must name a torch device, got {self.device!r}") from error
-        object.__setattr__(self, "device", device)
+        from kvplug.devices import resolve_device  # kvplug.devices imports the interface's errors
+
+        object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "options", _frozen_mapping(self.options))
 
 

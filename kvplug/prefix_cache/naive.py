@@ -17,7 +17,7 @@ from kvplug.interface import (
     PrefixCacheConfig,
     SizeInfo,
 )
-from kvplug.prefix_cache.validation import check_insert_arguments, check_token_ids, resolve_device
+from kvplug.prefix_cache.validation import check_insert_arguments, check_token_ids
 
 
 class NaiveCacheHandle(BaseCacheHandle):
@@ -37,7 +37,7 @@ class NaivePrefixCache(BasePrefixCache):
     def __init__(self, config: PrefixCacheConfig) -> None:
         if config.options:
             raise InvalidArgumentError(f"the naive prefix cache takes no options, got {sorted(config.options)}")
-        self.device = resolve_device(config.device)
+        self.device = config.device
         self.page_size = config.page_size
         self._empty = torch.empty(0, dtype=torch.int32, device=self.device)
         self._handle = NaiveCacheHandle(self._empty)

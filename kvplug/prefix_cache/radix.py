@@ -28,7 +28,7 @@ from kvplug.interface import (
     PrefixCacheConfig,
     SizeInfo,
 )
-from kvplug.prefix_cache.radix_arguments import checked_evict_size, is_valid_tensor, reject, resolved_device
+from kvplug.prefix_cache.radix_arguments import checked_evict_size, is_valid_tensor, reject
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_integrity import check_radix_tree
 from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, locations_tensor, shared_page_bytes, tensor_bytes
@@ -47,7 +47,7 @@ class RadixPrefixCache(BasePrefixCache):
     def __init__(self, config: PrefixCacheConfig) -> None:
         if config.options:
             raise InvalidArgumentError(f"the radix prefix cache takes no options, got {sorted(config.options)}")
-        self.device = resolved_device(config.device)
+        self.device = config.device  # PrefixCacheConfig names the CUDA index
         self.page_size = config.page_size
         self._on_cpu = self.device.type == "cpu"
         self._page_bytes = config.page_size * BYTES_PER_TOKEN

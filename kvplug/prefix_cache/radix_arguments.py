@@ -12,13 +12,6 @@ from kvplug.interface import InvalidArgumentError
 from kvplug.prefix_cache.validation import check_insert_arguments, check_token_ids
 
 
-def resolved_device(device: torch.device) -> torch.device:
-    """``cuda`` means the current CUDA device: name its index so device checks compare equal."""
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def is_valid_tensor(tensor: torch.Tensor, device: torch.device, on_cpu: bool) -> bool:
     """Shape ``[n]``, int32, dense (its memory is read directly), on ``device``; no error raised."""
     return (

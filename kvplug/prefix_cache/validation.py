@@ -34,9 +34,3 @@ def check_insert_arguments(
             f"inserted length must be a multiple of the page size {page_size}, got {input_ids.shape[0]}"
         )
 
-
-def resolve_device(device: torch.device) -> torch.device:
-    """``cuda`` means the current CUDA device: name its index so device checks compare equal."""
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
