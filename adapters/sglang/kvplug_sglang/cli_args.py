@@ -1,0 +1,134 @@
+"""``--kv-backend``, ``--prefix-cache`` and ``--kvplug-attention`` on SGLang's server parser.
+
+``add_kvplug_arguments(parser)`` runs right after ``ServerArgs.add_cli_args(parser)``: it adds the
+three arguments and wraps that parser's ``parse_known_args`` (which ``parse_args`` calls), so the
+parsed namespace is checked as a whole and translated into SGLang's own fields before
+``ServerArgs.from_cli_args`` reads it (see ``names.py`` for the translation). Conflicting flags are
+rejected through ``parser.error``: exit status 2 with the usage line, like any argparse error.
+
+Name checks ask kvplug's plugin manager, so third-party prefix caches and attention backends
+installed as kvplug plugins are accepted, and an unknown name is rejected with the list of
+available names and the plugin that provides each.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Optional
+
+from kvplug.interface import UnknownComponentError
+from kvplug.plugins import PluginManager, default_manager
+
+from kvplug_sglang import names
+
+KV_BACKENDS = ("native", "kvplug")
+# SGLang fields that --kv-backend kvplug sets; the user may set them only to the same value
+_ATTENTION_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+_CUDA_GRAPH_FIELDS = ("cuda_graph_backend_decode", "cuda_graph_backend_prefill")
+_CUDA_GRAPH_OFF = "disabled"
+
+
+def _name_checker(kind: str, manager: Callable[[], PluginManager], extra: tuple[str, ...] = ()) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        parts = [part.strip() for part in value.split(",")] if kind == "attention" else [value]
+        if kind == "attention" and len(parts) > 2:
+            raise argparse.ArgumentTypeError(f"expected NAME or 'PREFILL,DECODE', got {value!r}")
+        for part in parts:
+            if part in extra:
+                continue
+            try:
+                manager().registry.get(kind, part)
+            except UnknownComponentError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+        return ",".join(parts)
+
+    check.__name__ = f"kvplug {kind} name"
+    return check
+
+
+def add_kvplug_arguments(
+    parser: argparse.ArgumentParser, manager: Callable[[], PluginManager] = default_manager
+) -> None:
+    """Add kvplug's arguments to SGLang's server ``parser`` and install the namespace translation."""
+    group = parser.add_argument_group("kvplug", "Run SGLang's KV cache on kvplug (kvplug-sglang plugin).")
+    group.add_argument(
+        "--kv-backend",
+        choices=KV_BACKENDS,
+        default="native",
+        help="'kvplug' runs the KV pool, req-to-token table, prefix cache and attention on kvplug; "
+        "'native' (default) leaves SGLang's own.",
+    )
+    group.add_argument(
+        "--prefix-cache",
+        type=_name_checker("prefix_cache", manager),
+        default=None,
+        metavar="NAME",
+        help=f"kvplug prefix cache by name (default {names.DEFAULT_PREFIX_CACHE!r}); any cache a kvplug plugin "
+        "registers. Needs --kv-backend kvplug.",
+    )
+    group.add_argument(
+        "--kvplug-attention",
+        type=_name_checker("attention", manager, extra=(names.DEFAULT_ATTENTION,)),
+        default=None,
+        metavar="NAME",
+        help="kvplug attention backend: auto (default), torch, triton, flashinfer, fa3 or 'PREFILL,DECODE'. "
+        "Needs --kv-backend kvplug.",
+    )
+    original = parser.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None):
+        parsed, extras = original(args, namespace)
+        problem = translate_namespace(parsed, parser)
+        if problem:
+            parser.error(problem)
+        return parsed, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def translate_namespace(ns: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> str:
+    """Write ``--kv-backend kvplug``'s choices into SGLang's fields of ``ns``; return an error message
+    for conflicting flags (``""`` when there is none). ``ns`` is unchanged when there is a conflict."""
+    kv_backend = getattr(ns, "kv_backend", "native")
+    prefix_cache = getattr(ns, "prefix_cache", None)
+    attention = getattr(ns, "kvplug_attention", None)
+    if kv_backend != "kvplug":
+        given = [flag for flag, value in (("--prefix-cache", prefix_cache), ("--kvplug-attention", attention)) if value]
+        if given:
+            return (
+                f"{' and '.join(given)} select kvplug components: add --kv-backend kvplug "
+                "(or use --radix-cache-backend kvplug:NAME for a kvplug prefix cache with SGLang's own pools)"
+            )
+        return ""
+    radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE)
+    attention_backend = names.attention_backend_name(attention or names.DEFAULT_ATTENTION)
+    current = getattr(ns, "radix_cache_backend", None)
+    if current not in (None, radix_backend):
+        return f"--kv-backend kvplug uses --radix-cache-backend {radix_backend}; got --radix-cache-backend {current}"
+    for field in _ATTENTION_FIELDS:
+        value = getattr(ns, field, None)
+        if value is not None and value != attention_backend:
+            flag = "--" + field.replace("_", "-")
+            return (
+                f"--kv-backend kvplug runs kvplug attention ({flag} {attention_backend}); got {flag} {value}. "
+                "Choose the kvplug attention backend with --kvplug-attention NAME"
+            )
+    for field in _CUDA_GRAPH_FIELDS:
+        value = getattr(ns, field, None)
+        if value is not None and str(value) != _CUDA_GRAPH_OFF:
+            flag = "--" + field.replace("_", "-")
+            return f"--kv-backend kvplug does not support SGLang CUDA graphs yet; got {flag} {value}"
+    ns.radix_cache_backend = radix_backend
+    ns.attention_backend = attention_backend
+    for field in _CUDA_GRAPH_FIELDS:
+        if hasattr(ns, field):
+            setattr(ns, field, _parsed_value(parser, field, _CUDA_GRAPH_OFF))
+    return ""
+
+
+def _parsed_value(parser: Optional[argparse.ArgumentParser], dest: str, text: str) -> Any:
+    """``text`` as the parser's own ``type=`` for ``dest`` would have converted it."""
+    for action in getattr(parser, "_actions", ()):
+        if action.dest == dest and callable(action.type):
+            return action.type(text)
+    return text

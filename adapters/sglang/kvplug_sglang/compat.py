@@ -1,0 +1,85 @@
+"""The SGLang version gate and the table of what is wired, per SGLang version.
+
+Everything this plugin touches inside SGLang was read from the releases in ``SUPPORTED_VERSIONS``:
+the plugin loader (``sglang.srt.plugins``), ``ServerArgs.add_cli_args`` / ``from_cli_args``, the
+radix-cache registry, the attention registry and its CLI choices, ``KVCacheConfigurator``'s pool
+builders, and the prefix-cache API (``MatchPrefixParams``, ``InsertParams``, ``EvictParams``,
+``checkpoint``, lock receipts). SGLang changes these between releases, so any other version is
+refused: the plugin then installs nothing and SGLang runs natively, with a logged error saying
+why. ``KVPLUG_SGLANG_ALLOW_UNTESTED=1`` installs anyway, for people porting the plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import metadata
+from typing import Mapping
+
+from kvplug.interface import KVPlugError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.5.23",)
+ALLOW_UNTESTED_ENV = "KVPLUG_SGLANG_ALLOW_UNTESTED"
+INSTALL_HINT = "pip install sglang==0.5.23"
+
+#: What the plugin wires into each supported SGLang release (the README's table is this one).
+WIRED: Mapping[str, Mapping[str, str]] = {
+    "0.5.23": {
+        "--kv-backend / --prefix-cache / --kvplug-attention": "yes (ServerArgs.add_cli_args + from_cli_args hooks)",
+        "kvplug prefix caches as --radix-cache-backend kvplug:NAME": "yes, full-attention models",
+        "attention backend kvplug[:NAME]": "yes, eager extend/decode/mixed; no CUDA graphs",
+        "KV pool (MHA) storage from kvplug": "yes (KVCacheConfigurator._resolve_kv_pool_class hook)",
+        "req-to-token table with kvplug's dummy row": "yes (KVCacheConfigurator._build_default_req_pool hook)",
+        "CUDA-graph capture with kvplug attention": "no: --kv-backend kvplug disables SGLang's CUDA graphs",
+        "hybrid SWA / Mamba / MLA / hierarchical cache / EAGLE bigram keys / FP8 KV": "no: refused with an error",
+        "--enable-memory-saver": "no: kvplug's pool is allocated outside SGLang's memory-saver region",
+    },
+}
+
+
+class UnsupportedSGLangError(KVPlugError, ImportError):
+    """SGLang is missing, or its version is not one the plugin was written for."""
+
+
+def installed_sglang_version() -> str | None:
+    """The installed SGLang distribution's version, or ``None`` when SGLang is not installed."""
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported(version: str | None) -> bool:
+    return version in SUPPORTED_VERSIONS
+
+
+def untested_allowed(env: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if env is None else env).get(ALLOW_UNTESTED_ENV, "") not in ("", "0")
+
+
+def require_supported_sglang(version: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """Return the SGLang version if the plugin may install into it, else raise.
+
+    Raises:
+        UnsupportedSGLangError: SGLang is not installed, or its version is not in
+            ``SUPPORTED_VERSIONS`` and ``KVPLUG_SGLANG_ALLOW_UNTESTED`` is not set.
+    """
+    version = installed_sglang_version() if version is None else version
+    if version is None:
+        raise UnsupportedSGLangError(f"SGLang is not installed; the kvplug SGLang plugin needs it: {INSTALL_HINT}")
+    if is_supported(version):
+        return version
+    if untested_allowed(env):
+        logger.warning(
+            "kvplug-sglang: SGLang %s is untested (supported: %s); installing anyway because %s is set",
+            version,
+            ", ".join(SUPPORTED_VERSIONS),
+            ALLOW_UNTESTED_ENV,
+        )
+        return version
+    raise UnsupportedSGLangError(
+        f"kvplug-sglang supports SGLang {', '.join(SUPPORTED_VERSIONS)}, found {version}: {INSTALL_HINT} "
+        f"(or set {ALLOW_UNTESTED_ENV}=1 to try this version anyway)"
+    )

@@ -1,0 +1,75 @@
+"""The functions the plugin attaches to SGLang through ``sglang.srt.plugins.hook_registry``.
+
+``HOOKS`` lists ``(target, hook type, function)``; ``sglang_plugin.register`` registers them and
+SGLang's ``load_plugins`` applies them in every process:
+
+- after ``ServerArgs.add_cli_args(parser)``: add ``--kv-backend``, ``--prefix-cache`` and
+  ``--kvplug-attention`` (``cli_args``);
+- around ``KVCacheConfigurator._resolve_kv_pool_class`` (SGLang's seat for the platform's
+  ``get_kv_pool_cls`` hook): the MHA pool class becomes ``KvplugMHATokenToKVPool``;
+- around ``KVCacheConfigurator._build_default_req_pool``: the table becomes ``KvplugReqToTokenPool``.
+
+The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
+``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from kvplug_sglang import names
+
+logger = logging.getLogger(__name__)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_ATTENTION_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def kvplug_pools_selected(server_args: Any) -> bool:
+    """True when ``server_args`` runs kvplug attention, which reads kvplug's pools."""
+    return names.uses_kvplug_attention(getattr(server_args, field, None) for field in _ATTENTION_FIELDS)
+
+
+def after_add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
+    from kvplug_sglang.cli_args import add_kvplug_arguments
+
+    add_kvplug_arguments(parser)
+
+
+def around_resolve_kv_pool_class(original: Callable[..., type], configurator: Any, *args: Any, **kwargs: Any) -> type:
+    pool_class = original(configurator, *args, **kwargs)
+    kind = kwargs.get("kind", args[0] if args else None)
+    if not kvplug_pools_selected(configurator.server_args):
+        return pool_class
+    from kvplug_sglang.pools import KvplugMHATokenToKVPool
+
+    default = kwargs.get("default", args[1] if len(args) > 1 else None)
+    if kind != "mha" or pool_class is not default:
+        raise NotImplementedError(
+            f"--kv-backend kvplug provides MHA/GQA KV pools only; this model needs a {kind!r} pool "
+            f"({getattr(pool_class, '__name__', pool_class)})"
+        )
+    return KvplugMHATokenToKVPool
+
+
+def around_build_default_req_pool(original: Callable[..., Any], configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    pool = original(configurator, *args, **kwargs)
+    if not kvplug_pools_selected(configurator.server_args):
+        return pool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from kvplug_sglang.pools import KvplugReqToTokenPool
+
+    if type(pool) is not ReqToTokenPool:
+        raise NotImplementedError(f"--kv-backend kvplug cannot replace SGLang's {type(pool).__name__} table")
+    replacement = KvplugReqToTokenPool.like(pool)
+    del pool  # SGLang's table is dropped; the kvplug one has one more (dummy) row
+    return replacement
+
+
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", after_add_cli_args),
+    (f"{_CONFIGURATOR}._resolve_kv_pool_class", "AROUND", around_resolve_kv_pool_class),
+    (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
+)

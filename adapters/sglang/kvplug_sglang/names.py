@@ -1,0 +1,55 @@
+"""How kvplug components are named inside SGLang.
+
+Every choice is carried by SGLang's own server-argument fields, so it reaches every SGLang process
+(scheduler, TP workers) through SGLang's own pickling of ``ServerArgs``, with no side channel:
+
+- prefix cache ``NAME`` -> ``--radix-cache-backend kvplug:NAME`` (one SGLang radix-cache backend
+  is registered per kvplug prefix-cache name, third-party ones included);
+- kvplug attention ``auto`` -> ``--attention-backend kvplug``; any other kvplug attention ``NAME``
+  (``torch``, ``triton``, ``flashinfer``, ``fa3``, ``"P,D"``) -> ``--attention-backend kvplug:NAME``.
+
+An attention backend named ``kvplug...`` is also what switches SGLang's KV pool and req-to-token
+table to kvplug's (``hooks.py``): kvplug attention reads kvplug's table layout.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+PREFIX = "kvplug"
+SEPARATOR = ":"
+DEFAULT_PREFIX_CACHE = "radix"
+DEFAULT_ATTENTION = "auto"
+
+
+def radix_cache_backend_name(prefix_cache: str) -> str:
+    """SGLang ``--radix-cache-backend`` value for kvplug prefix cache ``prefix_cache``."""
+    return f"{PREFIX}{SEPARATOR}{prefix_cache}"
+
+
+def prefix_cache_of(radix_cache_backend: Optional[str]) -> Optional[str]:
+    """The kvplug prefix-cache name inside a ``--radix-cache-backend`` value, or ``None``."""
+    if radix_cache_backend and radix_cache_backend.startswith(PREFIX + SEPARATOR):
+        return radix_cache_backend[len(PREFIX + SEPARATOR) :]
+    return None
+
+
+def attention_backend_name(kvplug_attention: str) -> str:
+    """SGLang ``--attention-backend`` value that runs kvplug attention backend ``kvplug_attention``."""
+    if kvplug_attention == DEFAULT_ATTENTION:
+        return PREFIX
+    return f"{PREFIX}{SEPARATOR}{kvplug_attention}"
+
+
+def kvplug_attention_of(attention_backend: Optional[str]) -> Optional[str]:
+    """The kvplug attention name inside an ``--attention-backend`` value, or ``None``."""
+    if attention_backend == PREFIX:
+        return DEFAULT_ATTENTION
+    if attention_backend and attention_backend.startswith(PREFIX + SEPARATOR):
+        return attention_backend[len(PREFIX + SEPARATOR) :]
+    return None
+
+
+def uses_kvplug_attention(attention_backends: Iterable[Optional[str]]) -> bool:
+    """True when any of SGLang's attention-backend fields selects a kvplug backend."""
+    return any(kvplug_attention_of(name) is not None for name in attention_backends)

@@ -1,0 +1,250 @@
+"""Any kvplug prefix cache behind SGLang 0.5.23's prefix-cache API (``--radix-cache-backend kvplug:NAME``).
+
+``KvplugPrefixCache`` is an ``sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache``: SGLang's
+scheduler calls it exactly as it calls its own ``RadixCache``, and it translates each call onto a
+``kvplug.BasePrefixCache`` (one per namespace, see ``cache_spaces``):
+
+- ``match_prefix(MatchPrefixParams)`` -> ``match_prefix(token ids)``; the kvplug handle (wrapped in a
+  ``CacheNode``) is what SGLang stores as ``req.last_node``;
+- ``inc_lock_ref`` / ``dec_lock_ref`` (and SGLang's ``lock`` / ``unlock`` receipts built on them)
+  -> ``lock_handle(handle[, unlock=True])``;
+- ``checkpoint(req, up_to=...)`` (unfinished *and* finished requests; SGLang's ``release_kv_cache``
+  frees what the tree did not take) -> ``insert_prefix`` of the request's page-aligned tokens and
+  row locations, freeing the duplicates another request cached meanwhile and repointing the row at
+  the cached copy, then moving the request's lock to the inserted prefix;
+- ``evict(EvictParams)`` -> ``evict(n)``, the freed locations going back to SGLang's allocator.
+
+Semantics follow SGLang's ``RadixCache``: page-aligned keys, a request's prompt boundary split off
+so that evicting its output keeps its prompt, best-effort eviction (never more than is evictable).
+Keys and values cross to the host (kvplug caches here live on the CPU), and matched locations go
+back to the allocator's device as int64, as SGLang's own values are.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from typing import Any, Callable, Optional
+
+import torch
+
+from kvplug.interface import BasePrefixCache as KvplugBasePrefixCache
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from kvplug_sglang.cache_spaces import CacheNode, CacheSpace, CacheSpaces
+
+_NO_TOKENS = torch.empty(0, dtype=torch.int32)
+
+
+class KvplugPrefixCache(BasePrefixCache):
+    """SGLang prefix cache backed by kvplug prefix caches built by ``factory()`` (e.g. ``radix``).
+
+    Args:
+        params: SGLang's ``CacheInitParams`` (pools, page size, eviction policy, ...).
+        factory: builds one empty kvplug prefix cache on the CPU with ``params.page_size``.
+        name: the kvplug prefix-cache name, for messages.
+    """
+
+    # SGLang reads these off any tree cache; kvplug caches hold full-attention KV only
+    sliding_window_size: Optional[int] = None
+
+    def __init__(self, params: CacheInitParams, factory: Callable[[], KvplugBasePrefixCache], name: str) -> None:
+        if params.is_eagle:
+            raise NotImplementedError(
+                f"kvplug prefix cache {name!r}: EAGLE speculative decoding keys the radix tree by token "
+                "bigrams, which kvplug prefix caches (keyed by token ids) do not support"
+            )
+        policy = (params.eviction_policy or "lru").lower()
+        if policy != "lru":
+            raise ValueError(
+                f"kvplug prefix cache {name!r} evicts by its own policy (LRU for 'radix'); "
+                f"--radix-eviction-policy must be 'lru', got {params.eviction_policy!r}"
+            )
+        self.name = name
+        self.disable = params.disable
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.is_eagle = False
+        device = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
+        self.device = torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
+        self._empty_indices = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._spaces = CacheSpaces(factory)
+        if params.enable_metrics:
+            self.init_metrics_collector()
+
+    # ------------------------------------------------------------------ tree-wide
+    @property
+    def root_node(self) -> CacheNode:
+        return self._spaces.get((None, None), touch=False).root
+
+    def root_node_handle(self, extra_key: Optional[str] = None) -> CacheNode:
+        return self._spaces.get((extra_key, None), touch=False).root
+
+    def is_root(self, node: CacheNode) -> bool:
+        return node.cached_len == 0
+
+    def reset(self) -> None:
+        self._spaces.reset()
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    def dfs_weight_order(self, node_handles: Any) -> list[int]:
+        # kvplug caches expose no tree to walk: keep arrival order (the dfs-weight policy degrades to FCFS)
+        return list(range(len(node_handles)))
+
+    # ------------------------------------------------------------------ matching and inserting
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key = params.key
+        space = self._space(key)
+        ids = self._key_ids(key)
+        node = space.root
+        if not self.disable and ids.numel():
+            node = CacheNode(space, space.cache.match_prefix(ids).handle)
+        return MatchResult(
+            device_prefix_len=node.cached_len, last_device_node=node, last_host_node=node, best_match_node=node
+        )
+
+    def touch_prefix(self, key: RadixKey) -> None:
+        ids = self._key_ids(key)
+        if not self.disable and ids.numel():
+            self._space(key).cache.match_prefix(ids)
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Cache ``params.key`` (page-aligned) at ``params.value`` (shape ``[n]``, int64, any device).
+        Without a value the token ids stand in for locations (SGLang's simulation convention)."""
+        space = self._space(params.key)
+        ids = self._key_ids(params.key)
+        if self.disable or ids.numel() == 0:
+            return InsertResult(prefix_len=0, last_device_node=space.root)
+        value = ids if params.value is None else params.value[: ids.numel()].to("cpu", torch.int32)
+        result = space.cache.insert_prefix(ids, value)
+        return InsertResult(prefix_len=result.cached_len, last_device_node=CacheNode(space, result.handle))
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        if self.disable:
+            return
+        key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, cache_salt=req.cache_salt)
+        space = self._space(key)
+        ids = self._key_ids(key)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        locations = row[: ids.numel()].to("cpu", torch.int32)
+        result = space.cache.insert_prefix(ids, locations)
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, ids.numel())
+        # split at the page-aligned prompt end, so evicting the output leaves the prompt cached
+        prompt_len = len(req.origin_input_ids) // self.page_size * self.page_size
+        if 0 < prompt_len < ids.numel() and result.handle.cached_len == ids.numel():
+            space.cache.insert_prefix(ids[:prompt_len], locations[:prompt_len])
+        protected = req.kv.cache_protected_len
+        if result.cached_len > protected:  # another request cached these first: free our copies
+            self.token_to_kv_pool_allocator.free_segment(row[protected : result.cached_len], start_pos=protected)
+        held = result.handle.cached_len
+        if held < protected:
+            raise RuntimeError(
+                f"kvplug prefix cache {self.name!r} holds {held} tokens of request {req.rid} after inserting "
+                f"{ids.numel()}, less than the {protected} it had locked"
+            )
+        if held > protected:
+            cached = result.handle.get_matched_indices()[protected:held]
+            self.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, held)), cached.to(row.device))
+        req.kv.cache_protected_len = held
+        node = CacheNode(space, result.handle)
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+
+    def path_device_indices(self, node: CacheNode) -> torch.Tensor:
+        """Locations of ``node``'s prefix: shape ``[cached_len]``, int64, the allocator's device."""
+        if node.cached_len == 0:
+            return self._empty_indices
+        return node.handle.get_matched_indices().to(self.device, torch.int64)
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: CacheNode) -> IncLockRefResult:
+        return IncLockRefResult(delta=self._lock(node, unlock=False))
+
+    def dec_lock_ref(self, node: CacheNode, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        return DecLockRefResult(delta=self._lock(node, unlock=True))
+
+    def _lock(self, node: CacheNode, *, unlock: bool) -> int:
+        """Lock or unlock ``node``; returns the change of the evictable size (SGLang's ``delta``)."""
+        if self.disable or node.cached_len == 0:
+            return 0
+        cache = node.space.cache
+        before = cache.size_info.evictable_size
+        cache.lock_handle(node.handle, unlock=unlock)
+        return cache.size_info.evictable_size - before
+
+    # ------------------------------------------------------------------ eviction and sizes
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Evict up to ``params.num_tokens`` unlocked tokens (at least that many while there are)."""
+        wanted = params.num_tokens
+        if self.disable or wanted <= 0:
+            return EvictResult()
+        start = time.perf_counter()
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        for space in self._spaces.least_recently_used_first():
+            take = min(wanted - num_freed, space.cache.size_info.evictable_size)
+            if take > 0:
+                freed.append(space.cache.evict(take))
+                num_freed += freed[-1].numel()
+            if num_freed >= wanted:
+                break
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed).to(self.device, torch.int64))
+        self.update_eviction_metrics(num_freed, start)
+        return EvictResult(num_tokens_evicted=num_freed)
+
+    def evictable_size(self) -> int:
+        return self._spaces.evictable_size()
+
+    def protected_size(self) -> int:
+        return self._spaces.protected_size()
+
+    def full_evictable_size(self) -> int:
+        return self.evictable_size()
+
+    def full_protected_size(self) -> int:
+        return self.protected_size()
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    def sanity_check(self) -> None:
+        for space in self._spaces:
+            space.cache.check_integrity()
+
+    def pretty_print(self) -> None:
+        for space in self._spaces:
+            print(f"kvplug prefix cache {self.name!r} namespace {space.namespace!r}: {space.cache.size_info}")
+
+    # ------------------------------------------------------------------ keys
+    def _space(self, key: RadixKey) -> CacheSpace:
+        return self._spaces.get((key.extra_key, key.cache_salt))
+
+    def _key_ids(self, key: RadixKey) -> torch.Tensor:
+        """The page-aligned key as token ids: shape ``[n]``, int32, cpu."""
+        if key.is_bigram:
+            raise NotImplementedError(f"kvplug prefix cache {self.name!r} cannot key by token bigrams (EAGLE)")
+        tokens = key.raw_token_ids()
+        length = len(tokens) // self.page_size * self.page_size
+        if length == 0:
+            return _NO_TOKENS
+        if isinstance(tokens, array) and tokens.typecode == "q":
+            return torch.frombuffer(tokens, dtype=torch.int64, count=length).to(torch.int32)
+        return torch.as_tensor(list(tokens[:length]), dtype=torch.int64).to(torch.int32)
