@@ -1,0 +1,230 @@
+"""``kvplug bench e2e``: end-to-end serving through the transformers host, radix vs naive vs native.
+
+A Qwen3-shaped model with random weights (built in-process, nothing downloaded) generates with
+transformers' continuous batching (``generate_batch``) on kvplug with the ``radix`` and ``naive``
+prefix caches and on transformers' own paged cache (``native``, its block sharing on), on three
+workloads:
+
+- ``shared-prefix``: requests = one of a few system prompts + a unique question, all submitted at
+  once; one run per concurrency level (requests per step);
+- ``no-prefix``: the same lengths, every token random: what radix costs when nothing hits;
+- ``multi-turn``: chats growing turn by turn (prompt = previous prompt + answer + new question),
+  one round per turn, one manager (one prefix cache) across the turns.
+
+Reported per run: requests/s, output and total (prompt + output) tokens/s over the serving time
+(first submission to last finish), TTFT and per-request latency p50/p99 (from submission, so they
+include queueing) and kvplug's prefix-cache hit rate. Variants alternate within each repeat and
+figures are medians over repeats; ratios radix/naive and radix/native sit side by side.
+
+Sizes: ``--device cuda`` defaults to the issue's sizes on ``qwen3-0.6b`` in bf16 (256 requests,
+8 system prompts of 2,048 tokens, 256-token questions, 128 output tokens); CPU defaults to
+``qwen3-tiny`` in fp32 at sizes that finish in minutes on 2 cores; ``--quick`` is a smoke run.
+Every size has its own flag. Needs the transformers adapter (``pip install ./adapters/transformers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from kvplug._version import __version__
+from kvplug.bench.e2e_model import DEFAULT_SHAPE, MODEL_SHAPES, build_model, default_dtype, describe_shape
+from kvplug.bench.e2e_runner import NATIVE, RunConfig, VariantRunner
+from kvplug.bench.e2e_workloads import PRESETS, WORKLOADS, E2ESizes, Workload, build_workload
+from kvplug.bench.timing import format_table
+from kvplug.devices import resolve_device
+
+SUITE = "e2e"
+SCHEMA = 1
+BASELINES = ("naive", NATIVE)
+MEDIAN_FIELDS = ("serve_s", "wall_s", "req_per_s", "output_tok_per_s", "total_tok_per_s", "ttft_p50_ms",
+                 "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms")
+# SPEC §7: radix >= 3x naive's throughput with shared prefixes, and costs < 2 % when nothing hits
+BARS = {"shared-prefix": ("radix/naive throughput >= 3.0", 3.0), "no-prefix": ("radix/naive throughput >= 0.98", 0.98)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SIZE_FLAGS = ("requests", "system_prompts", "system_tokens", "question_tokens", "output_tokens",
+              "conversations", "turns", "max_batch_tokens")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="default: qwen3-0.6b on CUDA, qwen3-tiny on CPU")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--variants", default="radix,naive,native",
+                        help="kvplug prefix caches by name, and 'native' for transformers' own cache")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {','.join(WORKLOADS)}")
+    parser.add_argument("--concurrency", default=None, help="comma-separated requests per step (shared-prefix levels)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--attention", default="auto", help="kvplug attention backend (default auto)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per variant, medians reported (default 3; quick 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    for name in SIZE_FLAGS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides the preset")
+
+
+def resolve_sizes(args: argparse.Namespace, device: torch.device) -> tuple[str, E2ESizes]:
+    preset = "quick" if getattr(args, "quick", False) else ("gpu" if device.type == "cuda" else "cpu")
+    concurrency = None
+    if args.concurrency:
+        concurrency = tuple(sorted({int(level) for level in args.concurrency.split(",") if level}))
+    sizes = PRESETS[preset].updated(concurrency=concurrency, **{name: getattr(args, name) for name in SIZE_FLAGS})
+    if min(sizes.concurrency) < 1 or min(getattr(sizes, name) for name in SIZE_FLAGS) < 1:
+        raise ValueError(f"every size must be positive, got {sizes}")
+    return preset, sizes
+
+
+def run_config(sizes: E2ESizes, workload: Workload, concurrency: int, page_size: int, attention: str) -> RunConfig:
+    """A pool that holds ``concurrency`` requests of the longest length plus every distinct
+    system prompt, so no variant is starved of memory: the cache policy is what differs."""
+    pages_per_request = -(-sizes.longest_request // page_size)
+    prefix_pages = sizes.system_prompts * -(-sizes.system_tokens // page_size)
+    rows = min(concurrency, len(workload.first_round))
+    return RunConfig(concurrency=rows, page_size=page_size, num_pages=rows * pages_per_request + prefix_pages + 1,
+                     max_seq_len=pages_per_request * page_size, max_batch_tokens=sizes.max_batch_tokens,
+                     output_tokens=sizes.output_tokens, attention=attention)
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    row = dict(runs[0])
+    for name in MEDIAN_FIELDS:
+        row[name] = round(statistics.median(run[name] for run in runs), 3)
+    serve = [run["serve_s"] for run in runs]
+    row["serve_s_spread"] = round((max(serve) - min(serve)) / statistics.median(serve), 4)
+    row["repeats"] = len(runs)
+    return row
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """radix over each baseline, per workload and concurrency: throughput (>1 is better) and
+    TTFT p50 (<1 is better)."""
+    by_key = {(row["workload"], row["concurrency"], row["variant"]): row for row in rows}
+    result = []
+    for (workload, concurrency, variant), row in by_key.items():
+        if variant != "radix":
+            continue
+        for baseline in BASELINES:
+            other = by_key.get((workload, concurrency, baseline))
+            if other is None:
+                continue
+            result.append({
+                "workload": workload, "concurrency": concurrency, "ratio": f"radix/{baseline}",
+                "throughput": round(row["output_tok_per_s"] / other["output_tok_per_s"], 3),
+                "ttft_p50": round(row["ttft_p50_ms"] / other["ttft_p50_ms"], 3),
+                "latency_p50": round(row["latency_p50_ms"] / other["latency_p50_ms"], 3),
+            })
+    return result
+
+
+def bars(ratio_rows: list[dict[str, Any]], at_issue_sizes: bool) -> list[dict[str, Any]]:
+    verdicts = []
+    for row in ratio_rows:
+        bar = BARS.get(row["workload"])
+        if bar is None or row["ratio"] != "radix/naive":
+            continue
+        verdicts.append({"workload": row["workload"], "concurrency": row["concurrency"], "bar": bar[0],
+                         "measured": row["throughput"], "met": row["throughput"] >= bar[1],
+                         "at_issue_sizes": at_issue_sizes})
+    return verdicts
+
+
+def _require_adapter() -> None:
+    try:
+        import kvplug_transformers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError("kvplug bench e2e needs the transformers host adapter and transformers 5.17.x: "
+                           "pip install ./adapters/transformers") from error
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _require_adapter()
+    device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), require_available=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = args.model_shape or DEFAULT_SHAPE[device.type if device.type in DEFAULT_SHAPE else "cpu"]
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
+    preset, sizes = resolve_sizes(args, device)
+    repeats = args.repeats or (1 if preset == "quick" else 3)
+    variants = [name for name in args.variants.split(",") if name]
+    workload_names = [name for name in args.workloads.split(",") if name]
+    started = time.perf_counter()
+    model = build_model(shape, device, dtype)
+    vocab = model.config.vocab_size
+    workloads = [build_workload(name, sizes, vocab, args.seed) for name in workload_names]
+    plan = [(workload, level) for workload in workloads
+            for level in (sizes.concurrency if workload.name == "shared-prefix" else sizes.concurrency[-1:])]
+    _warm_up(model, variants, sizes, args)
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    total, done = len(plan) * repeats * len(variants), 0
+    for workload, level in plan:
+        config = run_config(sizes, workload, level, args.page_size, args.attention)
+        for repeat in range(repeats):
+            # rotate the order each repeat so no variant always runs first (warmest / coldest caches)
+            order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
+            for variant in order:
+                figures = VariantRunner(model, variant, config).run(workload)
+                _release_pool(device)
+                done += 1
+                _progress(f"[{done}/{total}] {workload.name} concurrency {config.concurrency} {variant} "
+                          f"repeat {repeat + 1}: {figures['serve_s']:.2f} s, {figures['output_tok_per_s']:.1f} out tok/s")
+                row = {"workload": workload.name, "concurrency": config.concurrency, "variant": variant, **figures}
+                runs.setdefault((workload.name, config.concurrency, variant), []).append(row)
+    rows = [_median_row(group) for group in runs.values()]
+    ratio_rows = ratios(rows)
+    verdicts = bars(ratio_rows, at_issue_sizes=preset == "gpu" and shape == "qwen3-0.6b")
+    print(format_table(rows, ["workload", "concurrency", "variant", "req_per_s", "output_tok_per_s", "total_tok_per_s",
+                              "ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms", "hit_rate",
+                              "serve_s_spread"]))
+    print("\nratios (throughput: higher is better for radix; ttft / latency: lower is better):")
+    print(format_table(ratio_rows, ["workload", "concurrency", "ratio", "throughput", "ttft_p50", "latency_p50"]))
+    return {
+        "suite": SUITE, "schema": SCHEMA, "kvplug_version": __version__, "quick": preset == "quick",
+        "preset": preset, "sizes": sizes.to_json(), "repeats": repeats, "variants": variants,
+        "model": {"shape": shape, **describe_shape(shape), "dtype": str(dtype).removeprefix("torch."),
+                  "device": str(device), "page_size": args.page_size, "attention": args.attention},
+        "environment": _environment(device),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "results": rows, "runs": [run for group in runs.values() for run in group],
+        "ratios": ratio_rows, "bars": verdicts,
+    }
+
+
+def _release_pool(device: torch.device) -> None:
+    """Free the finished run's KV pool before the next variant allocates its own (GPU pools of
+    tens of GB must not coexist)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _warm_up(model: Any, variants: list[str], sizes: E2ESizes, args: argparse.Namespace) -> None:
+    """One small generation per variant first, so one-time costs (lazy imports, kernel selection,
+    allocator growth) land in no measured run."""
+    warm = E2ESizes(requests=2, system_prompts=1, system_tokens=2 * args.page_size, question_tokens=8,
+                    output_tokens=2, concurrency=(2,), conversations=2, turns=1, max_batch_tokens=sizes.max_batch_tokens)
+    workload = build_workload("shared-prefix", warm, model.config.vocab_size, args.seed + 99)
+    config = run_config(warm, workload, 2, args.page_size, args.attention)
+    for variant in variants:
+        VariantRunner(model, variant, config).run(workload)
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}

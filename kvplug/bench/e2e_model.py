@@ -1,0 +1,72 @@
+"""Random-weight Qwen3-shaped models for ``kvplug bench e2e``, built in-process from a config.
+
+Nothing is downloaded: the weights are drawn from a fixed seed, so the generated tokens are
+meaningless but the compute and the KV traffic per token are those of the named shape.
+``qwen3-0.6b`` is the real geometry (28 layers, 16 query / 8 KV heads of 128, hidden 1024,
+vocabulary 151,936); ``qwen3-tiny`` keeps the Qwen3 structure at a size a 2-core CPU finishes
+in minutes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class ModelShapeSpec(NamedTuple):
+    """The Qwen3 config fields that fix a model's cost (everything else is Qwen3's default)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+MODEL_SHAPES = {
+    "qwen3-0.6b": ModelShapeSpec(1024, 3072, 28, 16, 8, 128, 151_936, 40_960),
+    "qwen3-tiny": ModelShapeSpec(256, 768, 4, 4, 2, 64, 4096, 8192),
+}
+DEFAULT_SHAPE = {"cpu": "qwen3-tiny", "cuda": "qwen3-0.6b"}
+SEED = 20261129
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (what a server runs), fp32 on CPU (bf16 matmuls are slow there)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_model(shape_name: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """A ``Qwen3ForCausalLM`` with random weights, in eval mode, on ``device`` in ``dtype``.
+
+    ``initializer_range`` is widened so greedy decoding does not collapse onto one token, which
+    would make every answer (and so every multi-turn prompt) the same.
+    """
+    import transformers
+
+    if shape_name not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {shape_name!r}; expected one of {sorted(MODEL_SHAPES)}")
+    spec = MODEL_SHAPES[shape_name]
+    config = transformers.Qwen3Config(
+        **spec._asdict(),
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = transformers.Qwen3ForCausalLM(config)
+    return model.to(dtype=dtype).eval()
+
+
+def describe_shape(shape_name: str) -> dict[str, int]:
+    return MODEL_SHAPES[shape_name]._asdict()
