@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from kvplug.attention.batch import build_attention_batch, build_decode_batch
 from kvplug.backend_factory import BackendParts, create_backend
 from kvplug.backend_stats import BackendStats
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
@@ -33,6 +34,9 @@ from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids
 
 __all__ = ["BackendStats", "KVBackend", "ModelShape", "Request", "create_backend"]
+
+# ForwardPhase(value) goes through Enum's lookup machinery, about 1 us: a dict for the usual spellings
+_PHASES: dict = {phase.value: phase for phase in ForwardPhase} | {phase: phase for phase in ForwardPhase}
 
 
 class KVBackend:
@@ -126,26 +130,37 @@ class KVBackend:
     def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
         """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
         of each) and let the attention backend plan it. ``phase``: ``"prefill"`` or ``"decode"``."""
-        from kvplug.attention.batch import build_attention_batch
-
-        phase = ForwardPhase(phase) if isinstance(phase, str) else phase
+        if not isinstance(phase, (str, ForwardPhase)) or phase not in _PHASES:
+            raise InvalidArgumentError(f"phase must be 'prefill', 'decode' or a ForwardPhase, got {phase!r}")
+        phase = _PHASES[phase]
         states = self.allocator.states
-        rows = states.rows_of(requests)
-        device_lens = states.device_len[rows]
-        unallocated = device_lens > states.allocated_len[rows]
-        if unallocated.any():
-            i = int(np.flatnonzero(unallocated)[0])
+        rows, row_starts = states.batch_rows(requests)
+        cached, device_lens = states.cached_len[rows], states.device_len[rows]
+        # rows are live and distinct, cached_len <= device_len <= allocated_len and device_len <=
+        # max_seq_len by construction: only the number of new tokens is left to check
+        extend = device_lens - cached
+        bad = extend != 1 if phase is ForwardPhase.DECODE else extend < 1
+        if np.count_nonzero(bad):
+            i = int(bad.nonzero()[0][0])
+            wanted = "exactly one new token (decode)" if phase is ForwardPhase.DECODE else "at least one new token"
             raise InvalidArgumentError(
-                f"request in row {rows[i]}: device_len {device_lens[i]} is past its allocated "
-                f"{states.allocated_len[rows[i]]} tokens; call allocate() first"
+                f"request in row {rows[i]}: a {phase.value} forward needs {wanted}, got cached_len={cached[i]}, "
+                f"device_len={device_lens[i]}; call allocate() first"
             )
-        batch = build_attention_batch(self.tables.table, rows, states.cached_len[rows], device_lens, phase)
+        if phase is ForwardPhase.DECODE:
+            batch = build_decode_batch(self.tables.table, rows, cached, flat_table=self.tables.flat_table, row_starts=row_starts)
+        else:
+            batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
         if self.attention is not None:
             self.attention.prepare_metadata(batch)
         return batch
 
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
         """Token ids of the batch's new tokens, gathered on the device: shape ``[num_tokens]``, int32."""
+        if batch.is_decode:
+            # one token per request: flat index row * width + position, one fused op and one gather
+            flat_index = torch.add(batch.positions, batch.table_rows, alpha=self.tables.row_width)
+            return self.tables.token_pool.view(-1).index_select(0, flat_index)
         extend_lens = batch.extend_start[1:] - batch.extend_start[:-1]
         token_rows = torch.repeat_interleave(batch.table_rows, extend_lens, output_size=batch.num_tokens)
         return self.tables.gather_tokens_at(token_rows, batch.positions)
@@ -166,12 +181,27 @@ class KVBackend:
             token_ids: shape ``[bs]``, int32 (device tensor, stays on the device) or a list of ints.
         """
         states = self.allocator.states
-        rows = states.rows_of(requests)
-        ids = as_token_ids(token_ids, self.device, allow_empty=True)
-        if ids.shape[0] != rows.size:
-            raise InvalidArgumentError(f"need one token id per request: {rows.size} requests, {ids.shape[0]} ids")
+        rows, row_starts = states.batch_rows(requests)
+        if type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == self.device:
+            ids = token_ids  # the usual case, sampled ids already in kvplug's form (dim checked below)
+        else:
+            ids = as_token_ids(token_ids, self.device, allow_empty=True)
+        if ids.dim() != 1 or ids.shape[0] != rows.size:
+            raise InvalidArgumentError(
+                f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
+            )
         cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
         not_ready = (device_lens != num_tokens) | (device_lens <= cached)
+        if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
+            self._reject_append(rows, cached, device_lens, num_tokens, not_ready)
+        # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
+        self.tables.write_flat(self.tables.token_pool, row_starts + num_tokens, ids)
+        states.cached_len[rows] = device_lens
+        states.num_tokens[rows] = num_tokens + 1
+
+    def _reject_append(
+        self, rows: np.ndarray, cached: np.ndarray, device_lens: np.ndarray, num_tokens: np.ndarray, not_ready: np.ndarray
+    ) -> None:
         if not_ready.any():
             i = int(np.flatnonzero(not_ready)[0])
             raise InvalidArgumentError(
@@ -179,14 +209,8 @@ class KVBackend:
                 f"(cached_len < device_len == num_tokens), got cached_len={cached[i]}, "
                 f"device_len={device_lens[i]}, num_tokens={num_tokens[i]}"
             )
-        full = num_tokens >= self.max_seq_len
-        if full.any():
-            row = rows[int(np.flatnonzero(full)[0])]
-            raise InvalidArgumentError(f"request in row {row} already holds max_seq_len={self.max_seq_len} tokens; finish it")
-        # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
-        self.tables.write_flat(self.tables.token_pool, rows * self.tables.row_width + num_tokens, ids)
-        states.cached_len[rows] = device_lens
-        states.num_tokens[rows] = num_tokens + 1
+        row = rows[int(np.flatnonzero(num_tokens >= self.max_seq_len)[0])]
+        raise InvalidArgumentError(f"request in row {row} already holds max_seq_len={self.max_seq_len} tokens; finish it")
 
     def cache_unfinished(self, request: Request) -> None:
         """After a non-final prefill chunk's forward: mark it done and move the computed

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug.attention.batch import build_attention_batch
+from kvplug.attention.batch import build_attention_batch, build_decode_batch
 from tests.attention_reference import one_torch_thread  # noqa: F401 (autouse fixture)
 from kvplug.attention.paged_indices import PagedIndexBuilder
 from kvplug.interface import ForwardPhase, InvalidArgumentError
@@ -149,3 +150,46 @@ def test_validation_can_be_skipped_by_a_trusted_caller():
     assert batch.out_loc.tolist() == table[3, 2:5].tolist() + [int(table[0, 0])]
     with pytest.raises(InvalidArgumentError):
         build_attention_batch(table, [3, 3], [2, 0], [5, 1], ForwardPhase.PREFILL)
+
+
+# ---------------------------------------------------------------------- decode fast path
+
+BATCH_FIELDS = ("table_rows", "cached_lens", "device_lens", "cached_lens_cpu", "device_lens_cpu", "extend_start",
+                "extend_start_cpu", "positions", "out_loc")
+
+
+def assert_same_batch(fast, general) -> None:
+    for name in BATCH_FIELDS:
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype == torch.int32 and a.device == b.device and torch.equal(a, b), name
+    assert fast.page_table is general.page_table and fast.num_padded == general.num_padded
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), bs=st.integers(1, NUM_ROWS - 1), seed=st.integers(0, 2**16), how=st.sampled_from(
+    ["none", "tensor", "numpy"]), pass_starts=st.booleans())
+def test_decode_fast_path_equals_the_general_path(data, bs, seed, how, pass_starts):
+    """Every field of ``build_decode_batch`` equals the general (prefill-layout) build of the
+    same one-token-per-request batch, whichever way the flat table is given."""
+    table = random_table(seed)
+    rows = np.array(data.draw(st.permutations(range(NUM_ROWS - 1)))[:bs], dtype=np.int64)
+    cached = np.array(data.draw(st.lists(st.integers(0, WIDTH - 1), min_size=bs, max_size=bs)), dtype=np.int64)
+    flat = {"none": None, "tensor": table.view(-1), "numpy": table.view(-1).numpy()}[how]
+    starts = rows * WIDTH if pass_starts else None
+    fast = build_decode_batch(table, rows, cached, flat_table=flat, row_starts=starts)
+    general = build_attention_batch(table, rows, cached, cached + 1, ForwardPhase.PREFILL)
+    assert fast.phase is ForwardPhase.DECODE and general.phase is ForwardPhase.PREFILL
+    assert_same_batch(fast, general)
+    assert_same_batch(build_attention_batch(table, rows, cached, cached + 1, ForwardPhase.DECODE), general)
+
+
+def test_decode_fast_path_keeps_padding_and_fresh_buffers():
+    table = random_table()
+    flat = table.view(-1).numpy()
+    rows, cached = np.array([4, 8, 8]), np.array([5, 0, 0])
+    first = build_decode_batch(table, rows, cached, num_padded=2, flat_table=flat)
+    expected = build_attention_batch(table, rows, cached, cached + 1, ForwardPhase.DECODE, num_padded=2)
+    assert_same_batch(first, expected)
+    assert first.num_padded == 2 and first.is_decode
+    build_decode_batch(table, np.array([1]), np.array([9]), flat_table=flat)
+    assert first.cached_lens_cpu.tolist() == [5, 0, 0] and first.out_loc.tolist() == expected.out_loc.tolist()

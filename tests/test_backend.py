@@ -3,6 +3,7 @@ and (with the torch attention backend) prefill / prefix reuse / decode against d
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -306,4 +307,150 @@ def test_torch_attention_end_to_end_with_prefix_reuse_and_decode(manager):
         _step(backend, [first, second], "decode", tokens)
     backend.finish(first, computed=True)
     backend.finish(second, computed=True)
+    backend.check_integrity()
+
+
+# ---------------------------------------------------------------------- per-step fast paths
+
+
+def _backend_with_tables(manager, page_size: int, host_views: bool, **options) -> KVBackend:
+    """A naive-cache backend whose tables use numpy views (CPU default) or the torch path a GPU takes."""
+    import dataclasses
+
+    from kvplug.backend_factory import build_parts
+    from kvplug.memory.allocator import PagedAllocator
+    from kvplug.memory.page_table import PageTable
+
+    sizes = dict(page_size=page_size, num_pages=6 * 96 // page_size + 6, max_running_reqs=6, max_seq_len=96,
+                 memory_budget=None)
+    sizes.update(options)
+    parts = build_parts(SHAPE, prefix_cache="naive", attention=None, device="cpu", dtype=None, tp_size=1, tp_rank=0,
+                        manager=manager, validate=None, attention_options=None, **sizes)
+    tables = PageTable(sizes["max_running_reqs"], sizes["max_seq_len"], dummy_location=parts.pool.dummy_location,
+                       device=torch.device("cpu"), host_views=host_views)
+    allocator = PagedAllocator(sizes["num_pages"], page_size, tables, parts.prefix_cache)
+    return KVBackend(dataclasses.replace(parts, tables=tables, allocator=allocator))
+
+
+class ReferenceTables:
+    """The page table and token pool a backend must hold, one request and one page at a time:
+    pages leave a FIFO free list in batch order and return to its end."""
+
+    def __init__(self, backend: KVBackend) -> None:
+        size = backend.page_size
+        self.size, self.free = size, [page * size for page in range(backend.num_pages)]
+        self.table, self.tokens = backend.page_table.clone(), backend.token_pool.clone()
+        self.pages: dict[int, list[int]] = {}
+
+    def admit(self, request, prompt: list[int]) -> None:
+        self.pages[request.row] = []
+        self.tokens[request.row, : len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+
+    def allocate(self, requests, lengths) -> None:
+        for request, length in zip(requests, lengths):
+            owned = self.pages[request.row]
+            while len(owned) * self.size < length:
+                owned.append(self.free.pop(0))
+                start = (len(owned) - 1) * self.size
+                self.table[request.row, start : start + self.size] = torch.arange(owned[-1], owned[-1] + self.size)
+
+    def finish(self, request) -> None:
+        self.free += self.pages.pop(request.row)
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_steps_equal_the_general_path_and_a_reference(manager, page_size, host_views):
+    """Random chunked prefills, decode steps, finishes and admissions: after every call the page
+    table and token pool equal a one-page-at-a-time reference, and every decode batch equals the
+    general build of the same batch field for field (so do its ``input_ids``)."""
+    from kvplug.attention.batch import build_attention_batch
+    from kvplug.interface import ForwardPhase
+    from tests.test_attention_batch import assert_same_batch
+
+    rng = np.random.default_rng(page_size)
+    backend = _backend_with_tables(manager, page_size, host_views)
+    reference = ReferenceTables(backend)
+    running: list = []
+    for step in range(60):
+        if len(running) < 5 and rng.random() < 0.4:  # admit and prefill, in chunks of up to 20 tokens
+            prompt = rng.integers(0, 1000, int(rng.integers(1, 40))).tolist()
+            request = backend.admit(prompt)
+            reference.admit(request, prompt)
+            while request.device_len < len(prompt):
+                chunk = min(len(prompt), request.cached_len + int(rng.integers(1, 21)))
+                backend.allocate([request], [chunk])
+                reference.allocate([request], [chunk])
+                backend.prepare([request], "prefill")
+                if chunk < len(prompt):
+                    backend.cache_unfinished(request)
+            backend.append_tokens([request], [int(rng.integers(0, 1000))])
+            reference.tokens[request.row, request.num_tokens - 1] = backend.token_pool[request.row, request.num_tokens - 1]
+            running.append(request)
+        if running and rng.random() < 0.15:  # finish one
+            request = running.pop(int(rng.integers(len(running))))
+            backend.finish(request, computed=True)
+            reference.finish(request)
+        running = [r for r in running if r.num_tokens < backend.max_seq_len]
+        if not running:
+            continue
+        order = list(rng.permutation(len(running)))
+        batch_requests = [running[i] for i in order]
+        for _ in range(int(rng.integers(1, 4))):  # a few decode steps over the same list
+            backend.allocate(batch_requests)
+            reference.allocate(batch_requests, [r.num_tokens for r in batch_requests])
+            batch = backend.prepare(batch_requests, "decode")
+            rows = [r.row for r in batch_requests]
+            cached = [r.cached_len for r in batch_requests]
+            general = build_attention_batch(backend.page_table, rows, cached, [c + 1 for c in cached], ForwardPhase.PREFILL)
+            assert_same_batch(batch, general)
+            assert batch.is_decode
+            expected_ids = reference.tokens[torch.tensor(rows), torch.tensor(cached)]
+            assert torch.equal(backend.input_ids(batch), expected_ids)
+            sampled = torch.tensor(rng.integers(0, 1000, len(rows)), dtype=torch.int32)
+            backend.append_tokens(batch_requests, sampled)
+            reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled
+            assert torch.equal(backend.page_table, reference.table), f"step {step}"
+            assert torch.equal(backend.token_pool, reference.tokens), f"step {step}"
+            batch_requests = [r for r in batch_requests if r.num_tokens < backend.max_seq_len]
+            if not batch_requests:
+                break
+        backend.check_integrity()
+
+
+def test_a_repeated_request_list_is_still_checked(manager):
+    """The memo behind repeated batches never lets a finished, duplicated or foreign request through."""
+    backend = make_backend(manager, prefix_cache="naive")
+    a, b = backend.admit([1, 2]), backend.admit([3, 4])
+    batch = [a, b]
+    backend.allocate(batch)
+    backend.prepare(batch, "prefill")
+    backend.append_tokens(batch, [5, 6])
+    backend.allocate(batch)  # memoised
+    backend.allocate(tuple(batch))  # same requests as a tuple
+    batch.append(a)  # mutated in place: a duplicate
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        backend.prepare(batch, "decode")
+    batch.pop()
+    backend.prepare(batch, "decode")
+    backend.finish(b)
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        backend.append_tokens(batch, [7, 8])
+    c = backend.admit([9])  # reuses b's row
+    assert c.row == b.row
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        backend.allocate([a, b])
+    other = make_backend(manager, prefix_cache="naive")
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        other.allocate([a])
+    with pytest.raises(InvalidArgumentError, match="phase"):
+        backend.prepare([a], "sample")
+    backend.finish(c)
+    d = backend.admit([1, 2, 3, 4])
+    with pytest.raises(InvalidArgumentError, match="call allocate"):
+        backend.prepare([d], "prefill")
+    backend.allocate([a, d])
+    with pytest.raises(InvalidArgumentError, match="exactly one new token"):
+        backend.prepare([a, d], "decode")  # d's prefill computes 4 tokens
+    assert backend.prepare([a, d], "prefill").num_tokens == 5
     backend.check_integrity()

@@ -93,6 +93,29 @@ def test_bad_calls_raise_and_change_nothing(case):
     assert torch.equal(table.table, before[0]) and torch.equal(table.token_pool, before[1])
 
 
+@pytest.mark.parametrize("host_views", [True, False])
+def test_per_step_writes_agree_between_numpy_and_torch_paths(host_views):
+    """``write_flat`` and ``write_pages`` (numpy views on the CPU, torch ops as on a GPU) write
+    exactly what a per-cell reference writes, and the flat table views the same memory."""
+    table = PageTable(4, 64, dummy_location=100, device=CPU, host_views=host_views)
+    assert isinstance(table.flat_table, np.ndarray) == host_views
+    expected = table.table.clone()
+    table.write_flat(table.table, np.array([0 * 64 + 3, 2 * 64 + 63]), i32(7, 8))
+    expected[0, 3], expected[2, 63] = 7, 8
+    table.write_flat(table.token_pool, np.array([1 * 64 + 5]), i32(9))
+    table.write_pages(np.array([1 * 4 + 2, 3 * 4 + 0]), i32(32, 48), 16)  # rows 1 and 3, pages 2 and 0
+    expected[1, 32:48] = torch.arange(32, 48, dtype=torch.int32)
+    expected[3, 0:16] = torch.arange(48, 64, dtype=torch.int32)
+    assert torch.equal(table.table, expected)
+    assert table.token_pool[1, 5] == 9 and int(table.token_pool.count_nonzero()) == 1
+    assert torch.equal(torch.as_tensor(table.flat_table), table.table.view(-1))
+
+
+def test_host_views_need_cpu_memory():
+    with pytest.raises(InvalidArgumentError, match="CPU memory"):
+        PageTable(2, 32, dummy_location=0, device=torch.device("meta"), host_views=True)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 64), st.integers(0, 64)), max_size=6))
 def test_gather_tokens_equals_a_per_request_reference(ranges):

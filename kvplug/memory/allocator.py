@@ -3,8 +3,10 @@
 The free list holds the first token location of every free page (SPEC §1 "Paged allocation").
 Growing a request from ``allocated_len`` to ``device_len`` takes pages ``allocated_len / P ..
 ceil(device_len / P)``; a batch's pages are expanded to token locations and written into the page
-table in one scattered write. On shortage the prefix cache evicts the missing pages; when even that
-cannot cover the batch, ``OutOfMemoryError`` is raised before anything changes.
+table in one scattered write. In decode only requests crossing a page boundary grow, by one page
+each: one numpy pass finds them and their pages go straight to their page-sized table slots. On
+shortage the prefix cache evicts the missing pages; when even that cannot cover the batch,
+``OutOfMemoryError`` is raised before anything changes.
 
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
@@ -46,7 +48,7 @@ class PagedAllocator:
         self.page_table = page_table
         self.prefix_cache = prefix_cache
         self.device = page_table.device
-        self.states = RequestStates(page_table.max_running_reqs)
+        self.states = RequestStates(page_table.max_running_reqs, page_table.row_width)
         self.free_list = FreeList(num_pages, page_size, self.device)
         self._live: dict[int, Request] = {}
         self._page_offsets = np.arange(page_size, dtype=np.int64)
@@ -113,32 +115,53 @@ class PagedAllocator:
         (saying how many pages were needed and how many are available) or
         ``InvalidArgumentError`` with nothing changed.
         """
-        states, size = self.states, self.page_size
-        rows = states.rows_of(requests)
+        states = self.states
+        rows, row_starts = states.batch_rows(requests)
         num_tokens = states.num_tokens[rows]
-        lengths = num_tokens if new_device_lens is None else host_ints(new_device_lens, "new_device_lens")
-        if lengths.shape != rows.shape:
-            raise InvalidArgumentError(
-                f"new_device_lens needs one length per request: {rows.size} requests, {lengths.size} lengths"
-            )
-        cached = states.cached_len[rows]
-        bad = (lengths < cached) | (lengths > num_tokens)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidArgumentError(
-                f"request in row {rows[i]}: new device_len must lie in [cached_len={cached[i]}, "
-                f"num_tokens={num_tokens[i]}] (token ids known), got {lengths[i]}"
-            )
+        lengths = num_tokens  # cached_len <= num_tokens always holds: nothing to check
+        if new_device_lens is not None:
+            lengths = host_ints(new_device_lens, "new_device_lens")
+            if lengths.shape != rows.shape:
+                raise InvalidArgumentError(
+                    f"new_device_lens needs one length per request: {rows.size} requests, {lengths.size} lengths"
+                )
+            cached = states.cached_len[rows]
+            bad = (lengths < cached) | (lengths > num_tokens)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise InvalidArgumentError(
+                    f"request in row {rows[i]}: new device_len must lie in [cached_len={cached[i]}, "
+                    f"num_tokens={num_tokens[i]}] (token ids known), got {lengths[i]}"
+                )
         allocated = states.allocated_len[rows]
-        first_pages = allocated // size
-        last_pages = -(-lengths // size)
-        needs = np.maximum(last_pages - first_pages, 0)
-        total = int(needs.sum())
-        if total:
-            pages = self._take_pages(total, rows.size)
-            self._write_pages(rows, first_pages, needs, pages)
+        growth = lengths - allocated
+        # only requests growing past their last page need pages (in decode: about 1 in page_size)
+        growing = (growth > 0).nonzero()[0]
+        if growing.size and growing.size == rows.size:
+            self._grow(rows, row_starts, allocated, growth)
+        elif growing.size:
+            self._grow(rows[growing], row_starts[growing], allocated[growing], growth[growing])
         states.device_len[rows] = lengths
-        states.allocated_len[rows] = np.maximum(allocated, last_pages * size)
+
+    def _grow(self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray) -> None:
+        """Give each request row ``rows[i]`` (flat start ``row_starts[i]``) the pages that grow it
+        from ``allocated[i]`` tokens (whole pages) by ``growth[i] >= 1`` tokens; all shape
+        ``[g]``, int64, host. Raises ``OutOfMemoryError`` before changing anything."""
+        size = self.page_size
+        # flat table index of each request's first new cell (a page start)
+        first_cells = row_starts + allocated
+        if int(growth.max()) <= size:  # one new page each (decode)
+            self._write_pages(first_cells, self._take_pages(int(rows.size), int(rows.size)))
+            self.states.allocated_len[rows] = allocated + size
+            return
+        needs = -(-growth // size)
+        total = int(needs.sum())
+        pages = self._take_pages(total, int(rows.size))
+        # new page k is page (k - share_begin) of its request's new pages
+        share_begin = np.cumsum(needs) - needs
+        page_cells = np.repeat(first_cells - share_begin * size, needs) + np.arange(0, total * size, size)
+        self._write_pages(page_cells, pages)
+        self.states.allocated_len[rows] = allocated + needs * size
 
     def mark_computed(self, requests: Sequence[Request]) -> None:
         """The forward over ``requests`` ran: their K/V up to ``device_len`` is in the pool."""
@@ -195,7 +218,7 @@ class PagedAllocator:
 
     # ------------------------------------------------------------------ internals
     def _take_pages(self, count: int, num_requests: int) -> torch.Tensor:
-        shortage = count - self.num_free_pages
+        shortage = count - len(self.free_list)
         if shortage > 0:
             evictable = self.num_evictable_pages
             if shortage > evictable:
@@ -212,28 +235,26 @@ class PagedAllocator:
             self.free_list.release(evicted[evicted % self.page_size == 0], immediately=True)
         return self.free_list.take(count)
 
-    def _write_pages(self, rows: np.ndarray, first_pages: np.ndarray, needs: np.ndarray, pages: torch.Tensor) -> None:
-        """Table cells ``[row, first_page * P ..)`` of each request get its share of ``pages``."""
+    def _write_pages(self, page_cells: np.ndarray, pages: torch.Tensor) -> None:
+        """Record new pages in the table, in one scattered write.
+
+        Args:
+            page_cells: shape ``[n]``, int64, host; flat table index where each page's first
+                location goes (``row * row_width + page number * page_size``).
+            pages: shape ``[n]``, int32, device; first token locations of the pages.
+        """
         size, width = self.page_size, self.page_table.row_width
-        total = pages.shape[0]
-        page_rows = np.repeat(rows, needs)
-        # page number of each new page: its position in the batch minus where its request's
-        # share begins, plus the request's first new page
-        share_begin = np.cumsum(needs) - needs
-        page_numbers = np.arange(total, dtype=np.int64) + np.repeat(first_pages - share_begin, needs)
         if size == 1:
-            self.page_table.write_flat(self.page_table.table, page_rows * width + page_numbers, pages)
-            return
-        columns = (page_numbers[:, None] * size + self._page_offsets).reshape(-1)
-        flat_index = np.repeat(page_rows * width, size) + columns
-        locations = expand_pages(pages, size)
-        if width % size and columns.max() >= width:
+            self.page_table.write_flat(self.page_table.table, page_cells, pages)
+        elif width % size == 0:  # rows are whole pages: one page-sized slot per new page
+            self.page_table.write_pages(page_cells // size, pages, size)
+        else:
             # the last page of a request may reach past a row that page_size does not divide;
             # it is owned whole, but only columns inside the row are recorded
-            inside = columns < width
-            flat_index = flat_index[inside]
-            locations = locations[torch.from_numpy(inside).to(self.device)]
-        self.page_table.write_flat(self.page_table.table, flat_index, locations)
+            inside = ((page_cells % width)[:, None] + self._page_offsets < width).reshape(-1)
+            flat_index = (page_cells[:, None] + self._page_offsets).reshape(-1)[inside]
+            locations = expand_pages(pages, size)
+            self.page_table.write_flat(self.page_table.table, flat_index, locations[torch.from_numpy(inside).to(self.device)])
 
     def _owned_page_starts(self, request: Request, begin: int) -> torch.Tensor:
         """First locations of the pages ``request`` owns from token ``begin`` (page-aligned) on."""

@@ -1,7 +1,8 @@
 """The free list of pages, with a lazy-free region.
 
 Pages are named by their first token location (a multiple of the page size), held in one int32
-tensor on the pool's device. Allocation takes from the front; frees are appended. Inside a lazy
+tensor on the pool's device. Allocation takes from the front by advancing a head index (one slice
+per allocation); frees are appended behind the free part, dropping the taken front. Inside a lazy
 region (one scheduling step) frees are collected and concatenated once when the outermost region
 exits, so finishing many requests costs one concatenation instead of one per request.
 """
@@ -20,13 +21,15 @@ class FreeList:
     """Free pages of a pool of ``num_pages`` pages of ``page_size`` tokens (all free at start)."""
 
     def __init__(self, num_pages: int, page_size: int, device: torch.device) -> None:
+        # the free pages are self._free[self._head:]
         self._free = torch.arange(num_pages, dtype=torch.int32, device=device) * page_size
+        self._head = 0
         self._pending: list[torch.Tensor] = []
         self._lazy_depth = 0
 
     def __len__(self) -> int:
         """Pages that can be taken now (pending lazy frees excluded)."""
-        return int(self._free.shape[0])
+        return self._free.shape[0] - self._head
 
     @property
     def num_pending(self) -> int:
@@ -35,10 +38,11 @@ class FreeList:
 
     def take(self, count: int) -> torch.Tensor:
         """Remove and return the first ``count`` pages: shape ``[count]``, int32, device."""
-        if count > len(self):
+        if count > self._free.shape[0] - self._head:
             raise OutOfMemoryError(f"cannot take {count} pages: {len(self)} free, {self.num_pending} pending lazy frees")
-        pages, self._free = self._free[:count], self._free[count:]
-        return pages
+        head = self._head
+        self._head = head + count
+        return self._free[head : head + count]
 
     def release(self, page_starts: torch.Tensor, *, immediately: bool = False) -> None:
         """Give pages back (``page_starts``: shape ``[n]``, int32, device); deferred inside a lazy
@@ -50,7 +54,8 @@ class FreeList:
             # page_starts may view a table row that is reused before the region ends
             self._pending.append(page_starts.clone())
         else:
-            self._free = torch.cat([self._free, page_starts])
+            self._free = torch.cat([self._free[self._head :], page_starts])
+            self._head = 0
 
     @contextlib.contextmanager
     def lazy(self) -> Iterator[None]:
@@ -62,11 +67,13 @@ class FreeList:
         finally:
             self._lazy_depth -= 1
             if self._lazy_depth == 0 and self._pending:
-                self._free = torch.cat([self._free, *self._pending])
+                self._free = torch.cat([self._free[self._head :], *self._pending])
+                self._head = 0
                 self._pending.clear()
 
     def snapshot(self, *, include_pending: bool = False) -> torch.Tensor:
         """A copy of the free pages (and, if asked, the pending ones): shape ``[f]``, int32, device."""
+        free = self._free[self._head :]
         if include_pending:
-            return torch.cat([self._free, *self._pending])
-        return self._free.clone()
+            return torch.cat([free, *self._pending])
+        return free.clone()

@@ -33,6 +33,9 @@ class PageTable:
         max_seq_len: longest request, in tokens.
         dummy_location: first token location of the pool's dummy page.
         device: where both tables live (the pool's device).
+        host_views: make the per-step writes through numpy views (a third of torch's host cost);
+            ``None``: whenever the tables are in CPU memory. ``False`` on the CPU runs the torch
+            path a GPU table takes (for tests).
 
     Attributes:
         table: shape ``[max_running_reqs + 1, row_width]``, int32, device; token locations.
@@ -40,7 +43,15 @@ class PageTable:
             padded slots read a harmless input).
     """
 
-    def __init__(self, max_running_reqs: int, max_seq_len: int, *, dummy_location: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_running_reqs: int,
+        max_seq_len: int,
+        *,
+        dummy_location: int,
+        device: torch.device,
+        host_views: bool | None = None,
+    ) -> None:
         for name, value in (("max_running_reqs", max_running_reqs), ("max_seq_len", max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
@@ -54,8 +65,25 @@ class PageTable:
         self.table[self.dummy_row].fill_(dummy_location)
         self.token_pool = torch.zeros(shape, dtype=torch.int32, device=device)
         self.device = self.table.device
+        # flat views for the per-step scattered writes (a view costs ~1 us to make); in CPU memory
+        # they are numpy views, whose scattered writes cost a third of torch's
+        self._flat_table = self.table.view(-1)
+        self._flat_token_pool = self.token_pool.view(-1)
+        self._on_host = self.device.type == "cpu" if host_views is None else bool(host_views)
+        if self._on_host and self.device.type != "cpu":
+            raise InvalidArgumentError(f"host_views needs tables in CPU memory, not on {self.device}")
+        if self._on_host:
+            self._flat_table, self._flat_token_pool = self._flat_table.numpy(), self._flat_token_pool.numpy()
+        # page size -> (the table viewed as page-sized slots, 0 .. page_size - 1), made on first use
+        self._page_views: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ page table
+    @property
+    def flat_table(self) -> torch.Tensor | np.ndarray:
+        """``table.view(-1)``: shape ``[(max_running_reqs + 1) * row_width]``, int32; a numpy view
+        when the per-step path uses host views (``build_decode_batch`` then gathers on the host)."""
+        return self._flat_table
+
     def locations(self, row: int, start: int, end: int) -> torch.Tensor:
         """Token locations of ``row``'s tokens ``start .. end - 1``: shape ``[end - start]``,
         int32, device; a view (copy it before the row can change)."""
@@ -92,10 +120,41 @@ class PageTable:
 
         Args:
             target: ``table`` or ``token_pool``.
-            flat_index: shape ``[n]``, int64, host; ``row * row_width + column``.
+            flat_index: shape ``[n]``, int64, host; ``row * row_width + column``, distinct.
             values: shape ``[n]``, int32, device.
         """
-        target.view(-1)[_to_device(flat_index, self.device)] = values
+        if target is self.table:
+            flat = self._flat_table
+        elif target is self.token_pool:
+            flat = self._flat_token_pool
+        else:
+            target.view(-1)[_to_device(flat_index, self.device)] = values
+            return
+        if self._on_host:
+            flat[flat_index] = values.numpy()
+        else:  # scatter_ is the cheapest scattered write on the host side; indices are distinct
+            flat.scatter_(0, _to_device(flat_index, self.device), values)
+
+    def write_pages(self, page_index: np.ndarray, page_starts: torch.Tensor, page_size: int) -> None:
+        """Record whole pages with no checks: the allocator's per-step write. For a page size
+        ``P`` that divides ``row_width``, slot ``page_index[i]`` of ``table.view(-1, P)`` gets
+        ``page_starts[i] + 0 .. P - 1``.
+
+        Args:
+            page_index: shape ``[n]``, int64, host; ``row * (row_width // P) + page number``, distinct.
+            page_starts: shape ``[n]``, int32, device; first token location of each page.
+        """
+        cached = self._page_views.get(page_size)
+        if cached is None:
+            offsets = torch.arange(page_size, dtype=torch.int32, device=self.device)
+            cached = self._page_views[page_size] = (
+                self._flat_table.reshape(-1, page_size), offsets.numpy() if self._on_host else offsets
+            )
+        view, offsets = cached
+        if self._on_host:
+            view[page_index] = page_starts.numpy()[:, None] + offsets
+        else:
+            view.index_copy_(0, _to_device(page_index, self.device), page_starts.view(-1, 1) + offsets)
 
     # ------------------------------------------------------------------ token pool
     def write_tokens(self, row: int, start: int, token_ids: torch.Tensor) -> None:
@@ -193,4 +252,5 @@ class PageTable:
 
 def _to_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host index array as a device tensor (no copy on CPU; one host-to-device copy otherwise)."""
-    return torch.from_numpy(index).to(device, non_blocking=True)
+    index_tensor = torch.from_numpy(index)
+    return index_tensor if device.type == "cpu" else index_tensor.to(device, non_blocking=True)

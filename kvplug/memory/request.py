@@ -16,12 +16,15 @@ Lengths (all in tokens) of a live request::
 - ``num_tokens``: token ids written into the token pool (prompt plus appended tokens).
 
 The lengths live in numpy arrays indexed by row (``RequestStates``), so batch operations over
-hundreds of requests are a handful of vector operations plus one pass to collect row keys.
+hundreds of requests are a handful of vector operations plus one pass to collect row keys. That
+pass (about 10 us at 256 requests) is skipped when a call names the same requests, in the same
+order, as the previous one and no request was admitted or finished since: a decode step's
+``allocate``, ``prepare`` and ``append_tokens`` then pay it once per change of the running batch.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -32,28 +35,81 @@ ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
 
 
+class BatchRows(NamedTuple):
+    """Where a batch of requests lives in the tables (both read-only, shared by repeated calls).
+
+    Attributes:
+        rows: shape ``[bs]``, int64, host; each request's row.
+        row_starts: shape ``[bs]``, int64, host; ``rows * row_width``, the flat index of each
+            row's column 0 in the page table and token pool.
+    """
+
+    rows: np.ndarray
+    row_starts: np.ndarray
+
+
 class RequestStates:
     """Host-side arrays ``[num_rows]``, int64, one entry per page-table row.
 
     ``key[row]`` identifies the live request in ``row`` (``generation << 32 | row``; -1 when the
     row is free), so a stale ``Request`` whose row was reused is told apart from the new one.
+    ``key`` changes only through ``claim`` and ``release``.
+
+    Args:
+        num_rows: request rows.
+        row_width: columns of a table row (for ``BatchRows.row_starts``).
     """
 
-    def __init__(self, num_rows: int) -> None:
+    def __init__(self, num_rows: int, row_width: int = 1) -> None:
         self.num_rows = num_rows
+        self.row_width = row_width
         self.cached_len = np.zeros(num_rows, dtype=np.int64)
         self.device_len = np.zeros(num_rows, dtype=np.int64)
         self.allocated_len = np.zeros(num_rows, dtype=np.int64)
         self.num_tokens = np.zeros(num_rows, dtype=np.int64)
         self.key = np.full(num_rows, -1, dtype=np.int64)
         self._generation = 0
+        # rows_of's memo: the last validated request list, its rows, and the generation they were
+        # validated at (any claim or release bumps it, which invalidates the memo)
+        self._memo_requests: list | None = None
+        self._memo_rows = BatchRows(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        self._memo_generation = -1
 
-    def next_key(self, row: int) -> int:
+    def claim(self, row: int) -> int:
+        """Give ``row`` a fresh key (a new request starts there) and return it."""
         self._generation += 1
-        return self._generation << ROW_BITS | row
+        key = self._generation << ROW_BITS | row
+        self.key[row] = key
+        return key
+
+    def release(self, row: int) -> None:
+        """``row``'s request is gone: its key no longer matches any ``Request``."""
+        self._generation += 1
+        self.key[row] = -1
 
     def rows_of(self, requests: Sequence["Request"]) -> np.ndarray:
-        """Rows of ``requests`` (shape ``[bs]``, int64), checking each is live and appears once."""
+        """Rows of ``requests`` (shape ``[bs]``, int64, read-only), checking each is live and
+        appears once."""
+        return self.batch_rows(requests).rows
+
+    def batch_rows(self, requests: Sequence["Request"]) -> BatchRows:
+        """``rows_of(requests)`` and the rows' flat starts, memoised for a repeated batch."""
+        memo = self._memo_requests
+        if memo is not None and self._memo_generation == self._generation and len(requests) == len(memo):
+            try:
+                # C-level identity comparison; keys cannot have changed since the generation did not
+                if memo == requests or memo == list(requests):
+                    return self._memo_rows
+            except Exception:  # an element with an exotic __eq__: take the checked path
+                pass
+        rows = self._check_rows(requests)
+        row_starts = rows * self.row_width
+        rows.flags.writeable = row_starts.flags.writeable = False
+        self._memo_requests, self._memo_generation = list(requests), self._generation
+        self._memo_rows = BatchRows(rows, row_starts)
+        return self._memo_rows
+
+    def _check_rows(self, requests: Sequence["Request"]) -> np.ndarray:
         try:
             keys = np.fromiter((request.key for request in requests), dtype=np.int64, count=len(requests))
         except (AttributeError, TypeError):
@@ -84,14 +140,13 @@ class Request:
 
     def __init__(self, states: RequestStates, row: int, prompt_len: int, matched_len: int, handle: BaseCacheHandle):
         self.row = row
-        self.key = states.next_key(row)
+        self.key = states.claim(row)
         self.prompt_len = prompt_len
         self.matched_len = matched_len
         self.handle: BaseCacheHandle | None = handle
         self.finished = False
         self._states = states
         self._index = row
-        states.key[row] = self.key
         for name, value in zip(LENGTH_FIELDS, (matched_len, matched_len, matched_len, prompt_len)):
             getattr(states, name)[row] = value
 
@@ -119,7 +174,7 @@ class Request:
         private = RequestStates(1)
         for name in LENGTH_FIELDS:
             getattr(private, name)[0] = getattr(self, name)
-        self._states.key[self.row] = -1
+        self._states.release(self.row)
         self._states, self._index = private, 0
 
     def __repr__(self) -> str:
