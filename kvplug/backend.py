@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from kvplug.attention.batch import build_attention_batch, build_decode_batch
-from kvplug.backend_factory import BackendParts, create_backend
+from kvplug.backend_factory import create_backend
 from kvplug.backend_stats import BackendStats
+from kvplug.backend_view import KVBackendView
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
@@ -39,63 +40,10 @@ __all__ = ["BackendStats", "KVBackend", "ModelShape", "Request", "create_backend
 _PHASES: dict = {phase.value: phase for phase in ForwardPhase} | {phase: phase for phase in ForwardPhase}
 
 
-class KVBackend:
-    """Pool + tables + allocator + prefix cache + attention behind one request lifecycle.
-
-    Attributes (read-only for hosts):
-        shape: the model's ``ModelShape``.
-        pool: the KV pool (``BaseKVPool``); ``pool.k_cache(layer)`` etc.
-        tables: ``PageTable``: ``tables.table`` is the page table, ``tables.token_pool`` the token pool.
-        prefix_cache: the ``BasePrefixCache``.
-        attention: the ``BaseAttentionBackend`` or ``None``; ``attention_name`` says which.
-        allocator: the ``PagedAllocator``.
+class KVBackend(KVBackendView):
+    """Pool + tables + allocator + prefix cache + attention behind one request lifecycle (the
+    attributes, sizes, ``stats`` and ``check_integrity`` come from ``KVBackendView``).
     """
-
-    def __init__(self, parts: BackendParts) -> None:
-        self.shape = parts.shape
-        self.pool = parts.pool
-        self.tables = parts.tables
-        self.rows = parts.rows
-        self.allocator = parts.allocator
-        self.prefix_cache = parts.prefix_cache
-        self.attention = parts.attention
-        self.attention_name = parts.attention_name
-        self.device = self.tables.device
-        self._queried_tokens = 0
-        self._hit_tokens = 0
-        self._admitted = 0
-        self._finished = 0
-
-    # ------------------------------------------------------------------ shape
-    @property
-    def page_size(self) -> int:
-        return self.pool.page_size
-
-    @property
-    def num_pages(self) -> int:
-        return self.pool.num_pages
-
-    @property
-    def max_running_reqs(self) -> int:
-        return self.tables.max_running_reqs
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.tables.max_seq_len
-
-    @property
-    def page_table(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
-        return self.tables.table
-
-    @property
-    def token_pool(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
-        return self.tables.token_pool
-
-    @property
-    def running_requests(self) -> list[Request]:
-        return self.allocator.live_requests
 
     # ------------------------------------------------------------------ lifecycle
     def admit(self, input_ids: torch.Tensor | Sequence[int]) -> Request:
@@ -239,28 +187,3 @@ class KVBackend:
         """Frees made inside (``finish``, duplicate pages) are applied at the block's end."""
         with self.allocator.lazy_free():
             yield
-
-    # ------------------------------------------------------------------ observation
-    def stats(self) -> BackendStats:
-        allocator = self.allocator
-        free = allocator.num_free_pages
-        return BackendStats(
-            queried_tokens=self._queried_tokens,
-            cache_hit_tokens=self._hit_tokens,
-            evicted_tokens=allocator.evicted_tokens,
-            admitted_requests=self._admitted,
-            finished_requests=self._finished,
-            running_requests=self.rows.num_live,
-            num_pages=self.num_pages,
-            free_pages=free,
-            cached_pages=allocator.num_cached_pages,
-            evictable_pages=allocator.num_evictable_pages,
-            used_pages=self.num_pages - free,
-        )
-
-    def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if any memory invariant is broken (reads every live row)."""
-        self.rows.check_integrity()
-        assert self.rows.live_rows == {r.row for r in self.allocator.live_requests}, "rows and requests disagree"
-        self.allocator.check_integrity()
-        self.prefix_cache.check_integrity()

@@ -6,7 +6,8 @@ ceil(device_len / P)``; a batch's pages are expanded to token locations and writ
 table in one scattered write. In decode only requests crossing a page boundary grow, by one page
 each: one numpy pass finds them and their pages go straight to their page-sized table slots. On
 shortage the prefix cache evicts the missing pages; when even that cannot cover the batch,
-``OutOfMemoryError`` is raised before anything changes.
+``OutOfMemoryError`` is raised before anything changes. Giving pages back (a request's prefix
+into the cache, its tail to the free list) is ``kvplug.memory.caching``.
 
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
@@ -14,13 +15,13 @@ Who owns a page at any moment (``check_integrity`` verifies it): the free list, 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from kvplug.interface import BasePrefixCache, InvalidArgumentError, OutOfMemoryError
+from kvplug.memory.caching import PrefixCaching
 from kvplug.memory.free_list import FreeList
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
@@ -28,8 +29,8 @@ from kvplug.memory.ragged import HostInts, expand_pages, host_ints
 from kvplug.memory.request import Request, RequestStates
 
 
-class PagedAllocator:
-    """Page allocation, prefix caching of finished work, and conservation checks.
+class PagedAllocator(PrefixCaching):
+    """Page allocation, prefix caching of finished work (``PrefixCaching``), and conservation checks.
 
     Args:
         num_pages: pages that can be handed out (the pool's, dummy page excluded).
@@ -168,54 +169,6 @@ class PagedAllocator:
         rows = self.states.rows_of(requests)
         self.states.cached_len[rows] = self.states.device_len[rows]
 
-    def cache_request(self, request: Request, *, finished: bool) -> None:
-        """Move ``request``'s computed page-aligned prefix into the prefix cache.
-
-        The cache may already hold part of it (another request inserted it meanwhile): those
-        duplicate pages are freed. Unfinished (between prefill chunks): the request keeps its
-        tail pages, locks the new handle and its row is pointed at the cache's pages.
-        Finished: every page the cache did not take goes back to the free list and the request
-        stops being live (its row is the caller's to free).
-        """
-        self.check_live(request)
-        size, row = self.page_size, request.row
-        aligned = request.cached_len // size * size
-        old_handle = request.handle
-        token_ids = self.page_table.read_tokens(row, 0, aligned)
-        # the cache may keep the tensor it is given; the row itself will be overwritten later
-        locations = self.page_table.locations(row, 0, aligned).clone()
-        result = self.prefix_cache.insert_prefix(token_ids, locations)
-        new_handle = result.handle
-        self.prefix_cache.lock_handle(old_handle, unlock=True)
-        old_len = int(old_handle.cached_len)
-        duplicate_end = max(int(result.cached_len), old_len)
-        self.free_list.release(locations[old_len:duplicate_end:size])
-        if finished:
-            kept_end = max(duplicate_end, int(new_handle.cached_len))
-            self.free_list.release(self._owned_page_starts(request, kept_end))
-            request.handle = None
-            request.finished = True
-            request._detach()
-            del self._live[row]
-            return
-        self.prefix_cache.lock_handle(new_handle)
-        if duplicate_end > old_len:
-            cached = new_handle.get_matched_indices()[old_len:duplicate_end]
-            self.page_table.write_locations(row, old_len, cached)
-        request.handle = new_handle
-
-    def check_live(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise InvalidArgumentError(f"expected a kvplug Request, got {type(request).__name__}")
-        if request.finished or self._live.get(request.row) is not request:
-            raise InvalidArgumentError(f"request in row {request.row} is not live (finished, or not from this allocator)")
-
-    # ------------------------------------------------------------------ freeing
-    def lazy_free(self) -> contextlib.AbstractContextManager[None]:
-        """Collect frees made inside the block and apply them at its end (one concatenation per
-        scheduling step). Pages freed inside are not allocatable until the outermost block exits."""
-        return self.free_list.lazy()
-
     # ------------------------------------------------------------------ internals
     def _take_pages(self, count: int, num_requests: int) -> torch.Tensor:
         shortage = count - len(self.free_list)
@@ -255,11 +208,6 @@ class PagedAllocator:
             flat_index = (page_cells[:, None] + self._page_offsets).reshape(-1)[inside]
             locations = expand_pages(pages, size)
             self.page_table.write_flat(self.page_table.table, flat_index, locations[torch.from_numpy(inside).to(self.device)])
-
-    def _owned_page_starts(self, request: Request, begin: int) -> torch.Tensor:
-        """First locations of the pages ``request`` owns from token ``begin`` (page-aligned) on."""
-        end = min(request.allocated_len, self.page_table.row_width)
-        return self.page_table.table[request.row, begin:end:self.page_size]
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:

@@ -1,13 +1,12 @@
-"""The page table and the token pool: two int32 tables with one row per running request (SPEC §1).
+"""The page table: token locations by request row and column (SPEC §1), and ``PageTable``, the
+object that owns it together with the token pool.
 
 ``table[r, j]`` is the pool *token location* of request ``r``'s ``j``-th token, whatever the page
-size; ``token_pool[r, j]`` is that token's id. Both are ``[max_running_reqs + 1,
-align_up(max_seq_len, 32)]`` on the pool's device (rows padded to 128 bytes). The last row belongs
-to the dummy request: its table row points at the dummy page and is never written afterwards.
+size (layout and dummy row: ``kvplug.memory.row_tables``; token ids: ``kvplug.memory.token_pool``).
 
-Every method but ``write_flat`` (the per-step path for indices kvplug derived itself) validates
-rows and column ranges on the host before touching a tensor, so a bad call raises
-``InvalidArgumentError`` and changes nothing.
+Every method but ``write_flat`` and ``write_pages`` (the per-step paths for indices kvplug derived
+itself) validates rows and column ranges on the host before touching a tensor, so a bad call
+raises ``InvalidArgumentError`` and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,68 +15,18 @@ import numpy as np
 import torch
 
 from kvplug.interface import InvalidArgumentError
-from kvplug.memory.ragged import HostInts, host_ints, ragged_coordinates
+from kvplug.memory.ragged import HostInts, host_ints
+from kvplug.memory.row_tables import ROW_ALIGNMENT, align_up, index_on_device
+from kvplug.memory.token_pool import TokenPoolTables
 
-ROW_ALIGNMENT = 32  # int32 entries: 128 bytes
-
-
-def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
+__all__ = ["ROW_ALIGNMENT", "PageTable", "align_up"]
 
 
-class PageTable:
-    """Page table + token pool.
-
-    Args:
-        max_running_reqs: request rows (the dummy row comes on top).
-        max_seq_len: longest request, in tokens.
-        dummy_location: first token location of the pool's dummy page.
-        device: where both tables live (the pool's device).
-        host_views: make the per-step writes through numpy views (a third of torch's host cost);
-            ``None``: whenever the tables are in CPU memory. ``False`` on the CPU runs the torch
-            path a GPU table takes (for tests).
-
-    Attributes:
-        table: shape ``[max_running_reqs + 1, row_width]``, int32, device; token locations.
-        token_pool: same shape, int32, device; token ids, initialised to 0 (a valid id, so
-            padded slots read a harmless input).
+class PageTable(TokenPoolTables):
+    """Page table + token pool: the storage and checks of ``RowTables``, the token pool's
+    accessors of ``TokenPoolTables`` and, here, the page table's.
     """
 
-    def __init__(
-        self,
-        max_running_reqs: int,
-        max_seq_len: int,
-        *,
-        dummy_location: int,
-        device: torch.device,
-        host_views: bool | None = None,
-    ) -> None:
-        for name, value in (("max_running_reqs", max_running_reqs), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        self.max_running_reqs = max_running_reqs
-        self.max_seq_len = max_seq_len
-        self.row_width = align_up(max_seq_len, ROW_ALIGNMENT)
-        self.dummy_row = max_running_reqs
-        self.dummy_location = dummy_location
-        shape = (max_running_reqs + 1, self.row_width)
-        self.table = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.table[self.dummy_row].fill_(dummy_location)
-        self.token_pool = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.device = self.table.device
-        # flat views for the per-step scattered writes (a view costs ~1 us to make); in CPU memory
-        # they are numpy views, whose scattered writes cost a third of torch's
-        self._flat_table = self.table.view(-1)
-        self._flat_token_pool = self.token_pool.view(-1)
-        self._on_host = self.device.type == "cpu" if host_views is None else bool(host_views)
-        if self._on_host and self.device.type != "cpu":
-            raise InvalidArgumentError(f"host_views needs tables in CPU memory, not on {self.device}")
-        if self._on_host:
-            self._flat_table, self._flat_token_pool = self._flat_table.numpy(), self._flat_token_pool.numpy()
-        # page size -> (the table viewed as page-sized slots, 0 .. page_size - 1), made on first use
-        self._page_views: dict[int, tuple] = {}
-
-    # ------------------------------------------------------------------ page table
     @property
     def flat_table(self) -> torch.Tensor | np.ndarray:
         """``table.view(-1)``: shape ``[(max_running_reqs + 1) * row_width]``, int32; a numpy view
@@ -114,27 +63,6 @@ class PageTable:
             )
         self.write_flat(self.table, flat_index, locations)
 
-    def write_flat(self, target: torch.Tensor, flat_index: np.ndarray, values: torch.Tensor) -> None:
-        """``target.view(-1)[flat_index] = values`` with no checks: the per-step path for indices
-        kvplug derived itself from validated rows and lengths.
-
-        Args:
-            target: ``table`` or ``token_pool``.
-            flat_index: shape ``[n]``, int64, host; ``row * row_width + column``, distinct.
-            values: shape ``[n]``, int32, device.
-        """
-        if target is self.table:
-            flat = self._flat_table
-        elif target is self.token_pool:
-            flat = self._flat_token_pool
-        else:
-            target.view(-1)[_to_device(flat_index, self.device)] = values
-            return
-        if self._on_host:
-            flat[flat_index] = values.numpy()
-        else:  # scatter_ is the cheapest scattered write on the host side; indices are distinct
-            flat.scatter_(0, _to_device(flat_index, self.device), values)
-
     def write_pages(self, page_index: np.ndarray, page_starts: torch.Tensor, page_size: int) -> None:
         """Record whole pages with no checks: the allocator's per-step write. For a page size
         ``P`` that divides ``row_width``, slot ``page_index[i]`` of ``table.view(-1, P)`` gets
@@ -154,103 +82,4 @@ class PageTable:
         if self._on_host:
             view[page_index] = page_starts.numpy()[:, None] + offsets
         else:
-            view.index_copy_(0, _to_device(page_index, self.device), page_starts.view(-1, 1) + offsets)
-
-    # ------------------------------------------------------------------ token pool
-    def write_tokens(self, row: int, start: int, token_ids: torch.Tensor) -> None:
-        """Write ``token_ids`` (shape ``[n]``, int32, device) at ``row``'s positions ``start .. start + n - 1``."""
-        self._check_values(token_ids, "token_ids")
-        self._check_range(row, start, start + token_ids.shape[0])
-        self.token_pool[row, start : start + token_ids.shape[0]] = token_ids
-
-    def append_tokens(self, rows: HostInts, positions: HostInts, token_ids: torch.Tensor) -> None:
-        """One token per request in one scattered write (decode: sampled ids stay on the device).
-
-        Args:
-            rows: shape ``[bs]``, ints, host; request rows.
-            positions: shape ``[bs]``, ints, host; column of each new token.
-            token_ids: shape ``[bs]``, int32, device.
-        """
-        rows_host, positions_host = host_ints(rows, "rows"), host_ints(positions, "positions")
-        self._check_values(token_ids, "token_ids")
-        if not rows_host.shape == positions_host.shape == tuple(token_ids.shape):
-            raise InvalidArgumentError(
-                f"rows, positions and token_ids must have one entry per request, got lengths "
-                f"{rows_host.size}, {positions_host.size}, {token_ids.numel()}"
-            )
-        self._check_rows(rows_host, allow_dummy=False)
-        if positions_host.size and (positions_host.min() < 0 or positions_host.max() >= self.row_width):
-            raise InvalidArgumentError(f"positions must lie in [0, {self.row_width}), got {positions_host.tolist()}")
-        self.write_flat(self.token_pool, rows_host * self.row_width + positions_host, token_ids)
-
-    def read_tokens(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Token ids of ``row``'s positions ``start .. end - 1``: shape ``[end - start]``, int32, device (a view)."""
-        self._check_range(row, start, end, allow_dummy=True)
-        return self.token_pool[row, start:end]
-
-    def gather_tokens(self, rows: HostInts, starts: HostInts, ends: HostInts) -> torch.Tensor:
-        """``input_ids`` of a batch: row ``rows[i]``'s tokens ``starts[i] .. ends[i] - 1``, concatenated.
-
-        Returns:
-            shape ``[sum(ends - starts)]``, int32, device.
-        """
-        rows_host, starts_host, ends_host = host_ints(rows, "rows"), host_ints(starts, "starts"), host_ints(ends, "ends")
-        if not rows_host.shape == starts_host.shape == ends_host.shape:
-            raise InvalidArgumentError("rows, starts and ends must have one entry per request")
-        self._check_rows(rows_host, allow_dummy=True)
-        lengths = ends_host - starts_host
-        if rows_host.size and (starts_host.min() < 0 or lengths.min() < 0 or ends_host.max() > self.row_width):
-            raise InvalidArgumentError(
-                f"each range needs 0 <= start <= end <= {self.row_width}, got starts {starts_host.tolist()} "
-                f"and ends {ends_host.tolist()}"
-            )
-        row_index, column_index = ragged_coordinates(rows_host, starts_host, lengths)
-        flat_index = row_index * self.row_width + column_index
-        return self.token_pool.view(-1)[_to_device(flat_index, self.device)]
-
-    def gather_tokens_at(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token ids at device-side coordinates, with no host round trip (not validated: both
-        come from kvplug's own batch description).
-
-        Args:
-            token_rows: shape ``[n]``, int32 or int64, device; the row of every token.
-            positions: shape ``[n]``, int32 or int64, device.
-
-        Returns:
-            shape ``[n]``, int32, device.
-        """
-        return self.token_pool[token_rows.long(), positions.long()]
-
-    # ------------------------------------------------------------------ validation
-    def _check_row(self, row: int, *, allow_dummy: bool) -> None:
-        limit = self.max_running_reqs + 1 if allow_dummy else self.max_running_reqs
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < limit:
-            what = "a request row or the dummy row" if allow_dummy else "a request row"
-            raise InvalidArgumentError(f"row must be {what}, an int in [0, {limit}), got {row!r}")
-
-    def _check_rows(self, rows: np.ndarray, *, allow_dummy: bool) -> None:
-        limit = self.max_running_reqs + 1 if allow_dummy else self.max_running_reqs
-        if rows.size and (rows.min() < 0 or rows.max() >= limit):
-            raise InvalidArgumentError(f"rows must lie in [0, {limit}), got {rows.tolist()}")
-
-    def _check_range(self, row: int, start: int, end: int, *, allow_dummy: bool = False) -> None:
-        self._check_row(row, allow_dummy=allow_dummy)
-        if not 0 <= start <= end <= self.row_width:
-            raise InvalidArgumentError(
-                f"columns [{start}, {end}) must satisfy 0 <= start <= end <= row width {self.row_width}"
-            )
-
-    def _check_values(self, values: torch.Tensor, name: str) -> None:
-        if not isinstance(values, torch.Tensor):
-            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
-        if values.dim() != 1 or values.dtype != torch.int32 or values.device != self.device:
-            raise InvalidArgumentError(
-                f"{name} must be shape [n], int32, on {self.device}; got shape {tuple(values.shape)}, "
-                f"{values.dtype}, on {values.device}"
-            )
-
-
-def _to_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host index array as a device tensor (no copy on CPU; one host-to-device copy otherwise)."""
-    index_tensor = torch.from_numpy(index)
-    return index_tensor if device.type == "cpu" else index_tensor.to(device, non_blocking=True)
+            view.index_copy_(0, index_on_device(page_index, self.device), page_starts.view(-1, 1) + offsets)
