@@ -162,6 +162,50 @@ def test_matched_indices_are_a_copy_and_strided_inputs_work():
     assert cache.match_prefix(ids(0, 4, 8)).handle.get_matched_indices().tolist() == [0, 1, 2]
 
 
+def strided(values: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view (the general, copying input path)."""
+    return values.repeat_interleave(2)[::2]
+
+
+def subclassed(values: torch.Tensor) -> torch.Tensor:
+    """The same values in a ``torch.Tensor`` subclass (also the general path)."""
+    return torch.nn.Parameter(values.clone(), requires_grad=False)
+
+
+@pytest.mark.parametrize("convert", [strided, subclassed])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_general_path_inputs_build_the_same_tree_as_dense_inputs(convert, page_size):
+    generator = torch.Generator().manual_seed(page_size)
+    dense, general = radix(page_size), radix(page_size)
+    for step in range(60):
+        length = int(torch.randint(0, 6, (1,), generator=generator)) * page_size
+        tokens = torch.randint(0, 3, (length + step % 2,), dtype=torch.int32, generator=generator)
+        if step % 3:
+            aligned = tokens[: length]
+            results = [cache.insert_prefix(ids_, span(100 * step, length))
+                       for cache, ids_ in ((dense, aligned), (general, convert(aligned)))]
+            assert results[0].cached_len == results[1].cached_len
+        else:
+            handles = [dense.match_prefix(tokens).handle, general.match_prefix(convert(tokens)).handle]
+            assert handles[0].cached_len == handles[1].cached_len
+            assert torch.equal(handles[0].get_matched_indices(), handles[1].get_matched_indices())
+        assert snapshot(dense) == snapshot(general)
+    general.check_integrity()
+
+
+def test_the_cache_copies_what_it_keeps_out_of_the_callers_tensors():
+    cache = radix(page_size=2)
+    tokens, locations = ids(1, 2, 3, 4, 5, 6), span(10, 6)
+    cache.insert_prefix(tokens[:2], locations[:2])
+    cache.insert_prefix(tokens, locations)  # read in place, the new pages copied
+    tokens.fill_(7)
+    locations.fill_(-1)
+    handle = cache.match_prefix(ids(1, 2, 3, 4, 5, 6)).handle
+    assert handle.cached_len == 6 and handle.get_matched_indices().tolist() == list(range(10, 16))
+    assert cache.match_prefix(tokens).handle.cached_len == 0
+    cache.check_integrity()
+
+
 def test_options_are_rejected():
     with pytest.raises(InvalidArgumentError, match="takes no options"):
         kvplug.create_prefix_cache("radix", capacity=3)
@@ -177,6 +221,8 @@ BAD_CALLS = {
     "insert on another device": lambda c: c.insert_prefix(torch.empty(2, dtype=torch.int32, device="meta"), span(0, 2)),
     "insert a list": lambda c: c.insert_prefix([1, 2], span(0, 2)),
     "match int64": lambda c: c.match_prefix(ids(1, 2).long()),
+    "match a sparse tensor": lambda c: c.match_prefix(ids(1, 2).to_sparse()),
+    "insert sparse locations": lambda c: c.insert_prefix(ids(1, 2, 3, 4), span(0, 4).to_sparse()),
     "evict -1": lambda c: c.evict(-1),
     "evict a float": lambda c: c.evict(1.5),
     "evict True": lambda c: c.evict(True),

@@ -3,9 +3,10 @@
 Layout. The tree lives on the host whatever the cache's device: token ids and locations are int32
 ``bytes`` (see ``radix_keys``). Children are keyed by the bytes of their first page, so descending
 one edge is one dict lookup plus one memcmp over the whole edge; only a mismatch inside an edge
-touches numpy to find where it is. Tensors from the caller are copied to the host once per call
-(which synchronises with an accelerator), and locations are copied to the cache's device on the
-way out (``get_matched_indices`` and ``evict``).
+touches numpy to find where it is. A dense int32 CPU tensor from the caller is read in place (only
+the pages a new node keeps are copied); anything else (a device tensor, a strided view) is first
+copied to a dense host tensor, which synchronises with an accelerator. Locations are copied to
+the cache's device on the way out (``get_matched_indices`` and ``evict``).
 
 Recency. A logical clock ticks once per ``match_prefix``/``insert_prefix``; every node on the
 path gets the new tick, so a parent is never older than its children and evicting leaves in
@@ -28,10 +29,19 @@ from kvplug.interface import (
     PrefixCacheConfig,
     SizeInfo,
 )
-from kvplug.prefix_cache.radix_arguments import checked_evict_size, is_valid_tensor, reject
+from kvplug.prefix_cache.radix_arguments import checked_evict_size, checked_host_insert_tokens, checked_host_tokens
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_integrity import check_radix_tree
-from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, locations_tensor, shared_page_bytes, tensor_bytes
+from kvplug.prefix_cache.radix_keys import (
+    ADDRESS_SPACE,
+    ADDRESS_VIEW,
+    BYTES_PER_TOKEN,
+    dense_host_nbytes,
+    dense_host_pair_nbytes,
+    locations_tensor,
+    shared_page_bytes,
+    tensor_bytes,
+)
 from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
 
 _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python-level __new__
@@ -56,19 +66,24 @@ class RadixPrefixCache(BasePrefixCache):
         self.reset()
 
     def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
-        if not is_valid_tensor(input_ids, self.device, self._on_cpu):
-            reject(self.device, self.page_size, input_ids)
-        length = input_ids.numel()
-        ids = tensor_bytes(input_ids, 0, length - length % self.page_size)
-        node, matched_bytes = self._descend(ids)
+        end = dense_host_nbytes(input_ids) if self._on_cpu else -1
+        if end >= 0:
+            tokens = input_ids
+        else:
+            tokens = checked_host_tokens(input_ids, self.device, self.page_size)
+            end = tokens.nbytes
+        node, _ = self._descend(tokens.data_ptr(), end - end % self._page_bytes)
         self._touch_path(node)
         return _new_tuple(MatchResult, (node,))
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        node = self._live_node(handle)
         root = self._root
-        if node is root:
-            return
+        node = handle
+        # Fast path: a live non-root node of this tree (the root and evicted nodes have no parent).
+        if type(node) is not RadixNode or node.generation is not self._generation or node.parent is None:
+            node = self._live_node(handle)
+            if node is root:
+                return
         if unlock and node.lock_ref <= 0:
             raise InvalidArgumentError(f"cannot unlock {handle!r}: it is not locked")
         step, flips_at = (-1, 1) if unlock else (1, 0)
@@ -89,24 +104,33 @@ class RadixPrefixCache(BasePrefixCache):
             self._candidates.add(node)
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        device, on_cpu = self.device, self._on_cpu
-        valid = is_valid_tensor(input_ids, device, on_cpu) and is_valid_tensor(indices, device, on_cpu)
-        length = input_ids.numel() if valid else -1
-        if not valid or indices.numel() != length or length % self.page_size:
-            reject(device, self.page_size, input_ids, indices)
-        ids = tensor_bytes(input_ids, 0, length)
-        node, matched_bytes = self._descend(ids)
-        cached_len = matched_bytes // BYTES_PER_TOKEN
-        if cached_len < length:
-            locations = tensor_bytes(indices, cached_len, length)
-            leaf = RadixNode(self._generation, node, ids[matched_bytes:], locations, length)
-            node.children[ids[matched_bytes : matched_bytes + self._page_bytes]] = leaf
+        end = dense_host_pair_nbytes(input_ids, indices) if self._on_cpu else -1
+        if end >= 0 and not end % self._page_bytes:
+            tokens = input_ids
+            locations_at = indices.data_ptr()
+        else:
+            tokens = checked_host_insert_tokens(input_ids, indices, self.device, self.page_size)
+            end = tokens.nbytes
+            locations_at = -1  # read through tensor_bytes
+        tokens_at = tokens.data_ptr()
+        node, matched_bytes = self._descend(tokens_at, end)
+        if matched_bytes < end:
+            if locations_at >= 0:
+                locations = ADDRESS_SPACE[locations_at + matched_bytes : locations_at + end]
+            else:
+                locations = tensor_bytes(indices, matched_bytes // BYTES_PER_TOKEN, end // BYTES_PER_TOKEN)
+            key = ADDRESS_SPACE[tokens_at + matched_bytes : tokens_at + end]
+            self._clock += 1  # the touch of the new path: the leaf is born with the new tick
+            leaf = RadixNode(self._generation, node, key, locations, end // BYTES_PER_TOKEN, self._clock)
+            node.children[key[: self._page_bytes]] = leaf
             if node.heap_seq >= 0:
                 self._candidates.discard(node)  # it stops being a leaf
-            self._evictable += length - cached_len
-            node = leaf
+            self._evictable += (end - matched_bytes) // BYTES_PER_TOKEN
+            self._candidates.add(leaf)
+            self._stamp_ancestors(node, self._clock)
+            return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, leaf))
         self._touch_path(node)
-        return _new_tuple(InsertResult, (cached_len, node))
+        return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, node))
 
     def evict(self, size: int) -> torch.Tensor:
         size = checked_evict_size(size, self._evictable, self._protected)
@@ -144,28 +168,31 @@ class RadixPrefixCache(BasePrefixCache):
     def check_integrity(self) -> None:
         check_radix_tree(self)
 
-    def _descend(self, ids: bytes) -> tuple[RadixNode, int]:
-        """Follow ``ids`` down from the root; split the last edge if the match ends inside it.
+    def _descend(self, tokens_at: int, end: int) -> tuple[RadixNode, int]:
+        """Follow the token ids at ``[tokens_at, tokens_at + end)`` (host memory, ``end`` a whole
+        number of pages in bytes) down from the root; split the last edge if the match ends inside it.
 
-        Returns the node whose path is the longest cached page-aligned prefix of ``ids`` and the
-        length of that prefix in bytes.
+        Returns the node whose path is the longest cached page-aligned prefix of the ids and the
+        length of that prefix in bytes. The ids are read in place: one small copy per edge for the
+        child lookup, and a zero-copy view compared with one memcmp per edge.
         """
         node = self._root
-        position = 0
         page_bytes = self._page_bytes
-        end = len(ids)
-        while position < end:
-            child = node.children.get(ids[position : position + page_bytes])
+        here = tokens_at  # address of the first token not matched yet
+        stop = tokens_at + end
+        while here < stop:
+            child = node.children.get(ADDRESS_SPACE[here : here + page_bytes])
             if child is None:
                 break
             key = child.key
-            if ids.startswith(key, position):
-                position += len(key)
+            after = here + len(key)
+            if after <= stop and key.startswith(ADDRESS_VIEW[here:after]):
+                here = after
                 node = child
                 continue
-            common = shared_page_bytes(key, ids, position, self.page_size)
-            return self._split(child, common), position + common
-        return node, position
+            common = shared_page_bytes(key, ADDRESS_VIEW[here:stop], self.page_size)
+            return self._split(child, common), here - tokens_at + common
+        return node, here - tokens_at
 
     def _split(self, child: RadixNode, at_bytes: int) -> RadixNode:
         """Cut ``child`` after ``at_bytes``; the new upper node takes its place and is returned.
@@ -190,14 +217,16 @@ class RadixPrefixCache(BasePrefixCache):
     def _touch_path(self, node: RadixNode) -> None:
         """Give every node from ``node`` up to the root the next clock tick (LRU refresh)."""
         self._clock += 1
-        tick = self._clock
-        root = self._root
-        walker = node
-        while walker is not root:
-            walker.last_access = tick
-            walker = walker.parent
-        if node is not root and node.lock_ref == 0 and not node.children:
+        self._stamp_ancestors(node, self._clock)
+        if node is not self._root and node.lock_ref == 0 and not node.children:
             self._candidates.add(node)  # re-rank the leaf under its new tick
+
+    def _stamp_ancestors(self, node: RadixNode, tick: int) -> None:
+        """Set ``last_access = tick`` from ``node`` up to (not including) the root."""
+        root = self._root
+        while node is not root:
+            node.last_access = tick
+            node = node.parent
 
     def _live_node(self, handle: BaseCacheHandle) -> RadixNode:
         if not isinstance(handle, RadixNode) or handle.generation.cache is not self:

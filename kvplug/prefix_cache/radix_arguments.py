@@ -1,5 +1,6 @@
-"""Argument checks of the ``radix`` cache: a fast path for good input, the shared validators'
-messages (``validation``) for bad input. Every check runs before the tree is touched."""
+"""Argument checks of the ``radix`` cache's general path (anything but dense int32 CPU tensors, see
+``radix_keys.dense_host_nbytes``): validate with the shared validators' messages (``validation``),
+then bring the token ids to a dense host tensor. Every check runs before the tree is touched."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import NoReturn
 import torch
 
 from kvplug.interface import InvalidArgumentError
+from kvplug.prefix_cache.radix_keys import dense_host_tokens
 from kvplug.prefix_cache.validation import check_insert_arguments, check_token_ids
 
 
@@ -33,6 +35,27 @@ def reject(
         check_insert_arguments(input_ids, indices, device, page_size)
     layouts = [tensor.layout for tensor in (input_ids, indices) if tensor is not None]
     raise InvalidArgumentError(f"expected dense (torch.strided) tensors, got layouts {layouts}")
+
+
+def checked_host_tokens(input_ids: torch.Tensor, device: torch.device, page_size: int) -> torch.Tensor:
+    """``match_prefix``'s ids, validated (raising), as shape ``[n - n % page_size]``, int32, cpu, dense."""
+    if not is_valid_tensor(input_ids, device, device.type == "cpu"):
+        reject(device, page_size, input_ids)
+    length = input_ids.numel()
+    return dense_host_tokens(input_ids, length - length % page_size)
+
+
+def checked_host_insert_tokens(
+    input_ids: torch.Tensor, indices: torch.Tensor, device: torch.device, page_size: int
+) -> torch.Tensor:
+    """``insert_prefix``'s arguments validated (raising); returns the ids as shape ``[n]``, int32,
+    cpu, dense (``indices`` is read later, only the part that gets cached)."""
+    on_cpu = device.type == "cpu"
+    valid = is_valid_tensor(input_ids, device, on_cpu) and is_valid_tensor(indices, device, on_cpu)
+    length = input_ids.numel() if valid else -1
+    if not valid or indices.numel() != length or length % page_size:
+        reject(device, page_size, input_ids, indices)
+    return dense_host_tokens(input_ids, length)
 
 
 def checked_evict_size(size: object, evictable: int, protected: int) -> int:
