@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvplug
+import kvplug.testing
 from kvplug.interface import InvalidArgumentError
 from kvplug.prefix_cache import radix_candidates
 from kvplug.prefix_cache.radix import RadixPrefixCache
@@ -206,11 +207,6 @@ def test_the_cache_copies_what_it_keeps_out_of_the_callers_tensors():
     cache.check_integrity()
 
 
-def test_options_are_rejected():
-    with pytest.raises(InvalidArgumentError, match="takes no options"):
-        kvplug.create_prefix_cache("radix", capacity=3)
-
-
 NAIVE = kvplug.create_prefix_cache("naive")
 BAD_CALLS = {
     "insert int64 ids": lambda c: c.insert_prefix(ids(1, 2, 3, 4).long(), span(0, 4)),
@@ -284,3 +280,32 @@ def test_cuda_cache_passes_the_kit():
     from kvplug.testing import check_prefix_cache
 
     check_prefix_cache(RadixPrefixCache, page_sizes=(1, 16), device="cuda")
+
+
+def _split_tail_scenario(cache):
+    ids = lambda *tokens: torch.tensor(tokens, dtype=torch.int32)  # noqa: E731
+    cache.insert_prefix(ids(1, 2, 3, 4), ids(10, 11, 12, 13))
+    cache.insert_prefix(ids(9), ids(19))
+    assert cache.match_prefix(ids(1, 2, 7)).handle.cached_len == 2  # splits [1 2 | 3 4]
+    freed = cache.evict(1).tolist()
+    cache.check_integrity()
+    return freed
+
+
+def test_strict_lru_evicts_the_unused_tail_of_a_split_first():
+    assert _split_tail_scenario(kvplug.create_prefix_cache("radix")) == [12, 13]
+
+
+def test_split_refreshes_tail_option_gives_sglangs_eviction_order():
+    cache = kvplug.create_prefix_cache("radix", split_refreshes_tail=True)
+    assert _split_tail_scenario(cache) == [19]
+    kvplug.testing.check_prefix_cache(
+        lambda config: kvplug.create_prefix_cache("radix", page_size=config.page_size, split_refreshes_tail=True),
+        page_sizes=(1, 4), lru=False,
+    )
+
+
+@pytest.mark.parametrize("options", [{"split_refreshes_tail": 1}, {"capacity": 3}])
+def test_bad_radix_options_are_rejected(options):
+    with pytest.raises(kvplug.InvalidArgumentError, match="split_refreshes_tail"):
+        kvplug.create_prefix_cache("radix", **options)

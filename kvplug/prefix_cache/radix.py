@@ -48,15 +48,25 @@ _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python
 
 
 class RadixPrefixCache(BasePrefixCache):
-    """Radix-tree prefix cache (SPEC §4). Takes no options.
+    """Radix-tree prefix cache (SPEC §4).
 
     Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang: an
     unlock is rejected when no lock is left on the handle's prefix, whichever handle took it.
+
+    Option ``split_refreshes_tail`` (bool, default False): when a match or insert ends inside an
+    edge, also give the edge's unused tail the new recency tick. Off, eviction is strict LRU (the
+    tail keeps its age); on, the eviction order is SGLang's RadixCache's, which stamps an edge
+    before comparing it (the SGLang host turns it on for exact parity).
     """
 
     def __init__(self, config: PrefixCacheConfig) -> None:
-        if config.options:
-            raise InvalidArgumentError(f"the radix prefix cache takes no options, got {sorted(config.options)}")
+        options = dict(config.options)
+        self._split_refreshes_tail = options.pop("split_refreshes_tail", False)
+        if options or not isinstance(self._split_refreshes_tail, bool):
+            raise InvalidArgumentError(
+                "the radix prefix cache takes only the option split_refreshes_tail (a bool), "
+                f"got {dict(config.options)}"
+            )
         self.device = config.device  # PrefixCacheConfig names the CUDA index
         self.page_size = config.page_size
         self._on_cpu = self.device.type == "cpu"
@@ -212,6 +222,10 @@ class RadixPrefixCache(BasePrefixCache):
         child.value = child.value[at_bytes:]
         child.parent = upper
         upper.children[child.key[:page_bytes]] = child
+        if self._split_refreshes_tail:
+            child.last_access = self._clock + 1  # the tick _touch_path gives the path right after
+            if child.heap_seq >= 0:
+                self._candidates.add(child)  # re-rank under the new tick
         return upper
 
     def _touch_path(self, node: RadixNode) -> None:

@@ -43,8 +43,12 @@ def build_prefix_cache(ctx: Any, *, name: str, manager: Optional[Callable[[], Pl
     params = ctx.params
     get_manager = manager or default_manager
 
+    # kvplug's radix is strict LRU; SGLang also refreshes the unused tail of an edge it splits.
+    # Ask radix for SGLang's order so that both caches evict the same locations.
+    options = {"split_refreshes_tail": True} if name == "radix" else {}
+
     def new_cache():
-        return get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size)
+        return get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size, **options)
 
     cache = KvplugPrefixCache(params, new_cache, name)
     logger.info("kvplug-sglang: tree cache is kvplug prefix cache %r (page size %d)", name, params.page_size)
