@@ -12,17 +12,14 @@ Decode batches take the fast path in ``kvplug.attention.decode_batch`` (re-expor
 
 from __future__ import annotations
 
-from typing import Sequence, Union
-
 import numpy as np
 import torch
 
 from kvplug.attention.decode_batch import build_decode_batch, host_buffer, host_views
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
+from kvplug.memory.ragged import HostInts, host_ints
 
 __all__ = ["HostInts", "build_attention_batch", "build_decode_batch", "host_buffer"]
-
-HostInts = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
 def build_attention_batch(
@@ -61,9 +58,9 @@ def build_attention_batch(
     _check_table(page_table)
     if not isinstance(phase, ForwardPhase):
         raise InvalidArgumentError(f"phase must be a ForwardPhase, got {phase!r}")
-    rows = _host_ints(table_rows, "table_rows")
-    cached = _host_ints(cached_lens, "cached_lens")
-    device = _host_ints(device_lens, "device_lens")
+    rows = host_ints(table_rows, "table_rows")
+    cached = host_ints(cached_lens, "cached_lens")
+    device = host_ints(device_lens, "device_lens")
     num_rows, row_width = page_table.shape
     if validate:
         extend = _validate(rows, cached, device, phase, num_padded, num_rows, row_width)
@@ -119,22 +116,6 @@ def _check_table(page_table: torch.Tensor) -> None:
         )
     if page_table.numel() >= 2**31:
         raise InvalidArgumentError(f"page_table has {page_table.numel()} entries; at most 2**31 - 1 are supported")
-
-
-def _host_ints(values: HostInts, name: str) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise InvalidArgumentError(f"{name} must be host values (list, numpy or CPU tensor), got a tensor on {values.device}")
-        if values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise InvalidArgumentError(f"{name} must hold integers, got dtype {values.dtype}")
-        array = values.numpy()
-    else:
-        array = np.asarray(values)
-        if array.size and array.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"{name} must hold integers, got {array.dtype} values")
-    if array.ndim != 1:
-        raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
-    return array.astype(np.int64, copy=False)
 
 
 def _validate(

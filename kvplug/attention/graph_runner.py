@@ -21,9 +21,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from kvplug.attention.batch import HostInts, _host_ints, _validate, host_buffer
+from kvplug.attention.batch import _validate, host_buffer
 from kvplug.attention.graph_padding import decode_input_layout, default_batch_sizes, padded_decode_inputs, padded_size
 from kvplug.interface import AttentionBatch, BaseAttentionBackend, ForwardPhase, InvalidArgumentError
+from kvplug.memory.ragged import HostInts, host_ints
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +146,9 @@ class GraphRunner:
             InvalidArgumentError: nothing captured, a batch above the largest captured size, a
                 request that is not a one-token decode, or bad rows/lengths.
         """
-        rows = _host_ints(table_rows, "table_rows")
-        cached = _host_ints(cached_lens, "cached_lens")
-        device = _host_ints(device_lens, "device_lens")
+        rows = host_ints(table_rows, "table_rows")
+        cached = host_ints(cached_lens, "cached_lens")
+        device = host_ints(device_lens, "device_lens")
         bs = rows.shape[0]
         padded = padded_size(bs, self._captured_sizes)
         _validate(rows, cached, device, ForwardPhase.DECODE, 0, self.page_table.shape[0], self.max_seq_len)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import platform
 import statistics
@@ -139,8 +140,8 @@ def bars(ratio_rows: list[dict[str, Any]], at_issue_sizes: bool) -> list[dict[st
 
 def _require_adapter() -> None:
     try:
-        import kvplug_transformers  # noqa: F401
-        import transformers  # noqa: F401
+        importlib.import_module("kvplug_transformers")
+        importlib.import_module("transformers")
     except ImportError as error:
         raise RuntimeError("kvplug bench e2e needs the transformers host adapter and transformers 5.17.x: "
                            "pip install ./adapters/transformers") from error

@@ -20,10 +20,10 @@ from kvplug.bench.prefix_cache_drivers import CacheDriver
 def sglang_status() -> tuple[str | None, str | None]:
     """``(version, None)`` when SGLang's RadixCache imports, else ``(None, why not)``."""
     try:
+        from importlib import import_module
         from importlib.metadata import version
 
-        from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: F401
-
+        import_module("sglang.srt.mem_cache.radix_cache").RadixCache  # noqa: B018 (the import is the check)
         return version("sglang"), None
     except Exception as error:  # any failure means "no anchor in this environment"
         return None, f"{type(error).__name__}: {error}"

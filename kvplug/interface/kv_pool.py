@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from kvplug.interface.errors import InvalidArgumentError
 from kvplug.interface.prefix_cache import _frozen_mapping
 
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -50,11 +51,11 @@ class KVPoolConfig:
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size", "tp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVPoolConfig.{name} must be a positive int, got {value!r}")
+                raise InvalidArgumentError(f"KVPoolConfig.{name} must be a positive int, got {value!r}")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+            raise InvalidArgumentError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
         if self.dtype not in SUPPORTED_KV_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_KV_DTYPES}, got {self.dtype}")
+            raise InvalidArgumentError(f"dtype must be one of {SUPPORTED_KV_DTYPES}, got {self.dtype}")
         object.__setattr__(self, "device", torch.device(self.device))
         object.__setattr__(self, "options", _frozen_mapping(self.options))
 

@@ -16,6 +16,8 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
+from kvplug.interface.errors import InvalidArgumentError
+
 
 class BaseCacheHandle(ABC):
     """A matched (or inserted) prefix.
@@ -93,7 +95,7 @@ class PrefixCacheConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+            raise InvalidArgumentError(f"page_size must be a positive int, got {self.page_size!r}")
         from kvplug.devices import resolve_device  # kvplug.devices imports the interface's errors
 
         object.__setattr__(self, "device", resolve_device(self.device))

@@ -17,6 +17,7 @@ Options (``KVPoolConfig.options``):
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Callable
 
@@ -214,8 +215,7 @@ def _torch_store(
 
 def _load_triton_store(*, required: bool) -> StoreFunction | None:
     try:
-        import triton  # noqa: F401  (the kernel module needs it; fail here with a clear message)
-
+        importlib.import_module("triton")  # the kernel module needs it; fail here with a clear message
         from kvplug.kernels.store_kv import store_kv_triton
     except ImportError as error:
         if required:

@@ -25,11 +25,15 @@ def host_ints(values: HostInts, name: str) -> np.ndarray:
     elif isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise InvalidArgumentError(f"{name} must be host values (list, numpy or CPU tensor), got a tensor on {values.device}")
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise InvalidArgumentError(f"{name} must hold integers, got dtype {values.dtype}")
         array = values.numpy()
     else:
         array = np.asarray(values)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidArgumentError(f"{name} must be a 1-D sequence of ints, got shape {array.shape}, {array.dtype}")
+    if array.size and array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{name} must hold integers, got {array.dtype} values")
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
     return array.astype(np.int64, copy=False)
 
 

@@ -208,7 +208,8 @@ class RadixPrefixCache(BasePrefixCache):
         """Cut ``child`` after ``at_bytes``; the new upper node takes its place and is returned.
 
         ``child`` keeps the tail, its candidate entry and every handle that points at it; the
-        upper node copies its lock count and recency, so sizes and LRU order are unchanged.
+        upper node copies its lock count and recency, so sizes and LRU order are unchanged (with
+        ``split_refreshes_tail`` the tail also takes the tick the caller's ``_touch_path`` is about to give).
         """
         page_bytes = self._page_bytes
         parent = child.parent
