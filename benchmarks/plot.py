@@ -1,17 +1,20 @@
 """Plots for BENCHMARKS.md (matplotlib, Agg backend; ``pip install matplotlib``).
 
-    python benchmarks/plot.py --e2e e2e_cpu.json [--out-dir benchmarks/plots]
+    python benchmarks/plot.py --e2e e2e_cpu.json [--attention ATT.json] [--graphs GRAPHS.json]
+                              [--out-dir benchmarks/plots]
 
 Writes:
 
 - ``e2e_throughput_vs_concurrency.png``: output tokens/s and TTFT p50 of the shared-prefix
   workload against concurrency, one line per variant, from a ``kvplug bench e2e`` JSON;
-- ``h200_bandwidth.png``: the H200 bandwidth figures of the attention benchmark (session of
-  2026-11-29). They were reported as ranges over all measured shapes, not per context length, so
-  the plot shows those ranges next to the copy bandwidth instead of a curve over context;
-- ``h200_graph_step.png``: eager vs CUDA-graph decode step of the 28-layer stack.
+- ``h200_bandwidth.png``: decode attention bandwidth (KV bytes read per second of device time)
+  against the KV tokens a step reads (batch × context), per implementation and page size, next to
+  the device-to-device copy bandwidth measured in the same run, plus store_kv's share of it —
+  from a ``kvplug bench attention`` JSON (default: the H200 run in benchmarks/results/);
+- ``h200_graph_step.png``: eager vs CUDA-graph decode step of the 28-layer stack, from a
+  ``kvplug bench graphs`` JSON (default: the H200 run in benchmarks/results/).
 
-The H200 figures below are the reported ones, copied; nothing is interpolated.
+Every point is a measured one from those files; nothing is interpolated.
 """
 
 from __future__ import annotations
@@ -26,15 +29,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 VARIANT_STYLE = {"radix": ("tab:blue", "o"), "naive": ("tab:orange", "s"), "native": ("tab:green", "^")}
-# H200, 2026-11-29, bf16, 16 q / 8 kv heads, dim 128 (attention benchmark)
-H200_COPY_TBS = (4.25, 4.28)
-H200_TRITON_DECODE_TBS = (3.74, 4.09)  # over every measured shape
-H200_STORE_KV_PERCENT = {"Triton store_kv\n16k-token prefill": (92.7, (86.0, 98.8)), "torch indexing\nstore": (19.0, None)}
-# eager -> CUDA graph, us per decode step, 28 layers, context 1024
-H200_GRAPH_STEP_US = {
-    "triton": {1: (5162, 783), 8: (5544, 1252), 64: (5589, 2924)},
-    "flashinfer": {1: (5054, 1166), 8: (5468, 1508), 64: (5388, 3322)},
-}
+RESULTS = Path(__file__).parent / "results"
+DECODE_STYLE = {"flashinfer-direct": ("black", "x", "--"), "flashinfer": ("tab:purple", "o", "-"), "triton": ("tab:blue", "s", "-")}
 
 
 def plot_e2e(data: dict, path: Path) -> None:
@@ -70,54 +66,64 @@ def plot_e2e(data: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def plot_h200_bandwidth(path: Path) -> None:
-    figure, (tbs_axis, percent_axis) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.2]})
-    tbs_axis.axhspan(*H200_COPY_TBS, color="grey", alpha=0.35, label=f"D2D copy {H200_COPY_TBS[0]}-{H200_COPY_TBS[1]} TB/s")
-    low, high = H200_TRITON_DECODE_TBS
-    tbs_axis.bar(["triton decode\n(range over all shapes)"], [high - low], bottom=[low], width=0.4, color="tab:blue",
-                 label=f"triton decode {low}-{high} TB/s")
-    tbs_axis.set_ylim(0, 4.6)
-    tbs_axis.set_ylabel("TB/s of KV read")
-    tbs_axis.legend(loc="lower right", fontsize=8)
-    tbs_axis.set_title("decode attention vs copy bandwidth", fontsize=10)
-    names = list(H200_STORE_KV_PERCENT)
-    values = [H200_STORE_KV_PERCENT[name][0] for name in names]
-    percent_axis.bar(names, values, width=0.5, color=["tab:blue", "tab:red"])
-    for index, name in enumerate(names):
-        spread = H200_STORE_KV_PERCENT[name][1]
-        if spread:
-            percent_axis.vlines(index, *spread, color="black", lw=1.5, label="other runs")
-        percent_axis.text(index + 0.04, values[index] + 2, f"{values[index]:g} %", ha="left")
-    percent_axis.axhline(100, color="grey", ls="--", label="copy bandwidth (same run)")
-    percent_axis.axhline(80, color="tab:green", ls=":", label="SPEC bar 80 %")
-    percent_axis.set_ylim(0, 115)
-    percent_axis.set_ylabel("% of D2D copy bandwidth")
-    percent_axis.set_title("store_kv", fontsize=10)
-    percent_axis.legend(loc="upper right", fontsize=8)
-    figure.suptitle("H200, 2026-11-29, bf16, 16 q / 8 kv heads, dim 128. Reported as ranges over shapes:\n"
-                    "no per-context-length figures were reported, so no bandwidth-vs-context curve is drawn",
-                    fontsize=10)
+def plot_h200_bandwidth(data: dict, path: Path) -> None:
+    copy_tbs = data["copy_TB/s"]
+    pages = sorted({row["page"] for row in data["decode"]})
+    figure, axes = plt.subplots(1, len(pages) + 1, figsize=(5 * len(pages) + 4, 4.2))
+    for axis, page in zip(axes, pages):
+        for impl, (color, marker, style) in DECODE_STYLE.items():
+            rows = sorted((row for row in data["decode"] if row["page"] == page and row["impl"] == impl),
+                          key=lambda row: row["bs"] * row["ctx"])
+            if rows:
+                axis.plot([row["bs"] * row["ctx"] for row in rows], [row["TB/s"] for row in rows], style,
+                          color=color, marker=marker, label=impl)
+        axis.axhline(copy_tbs, color="grey", ls=":", label=f"D2D copy {copy_tbs} TB/s (same run)")
+        axis.set_xscale("log", base=2)
+        shapes = sorted({(row["bs"], row["ctx"]) for row in data["decode"] if row["page"] == page}, key=lambda s: s[0] * s[1])
+        axis.set_xticks([bs * ctx for bs, ctx in shapes], [f"{bs}×{ctx}" for bs, ctx in shapes], fontsize=8, rotation=35)
+        axis.set_ylim(0, copy_tbs * 1.1)
+        axis.set_xlabel("batch × context (KV tokens read per layer)")
+        axis.set_ylabel("TB/s of KV read (CUDA-graph device time)")
+        axis.set_title(f"decode attention, page size {page}", fontsize=10)
+        axis.legend(fontsize=8, loc="lower right")
+    store = data["store_kv"]
+    names = ["Triton store_kv", "torch indexing"]
+    values = [100 * store["triton_of_copy"], 100 * store["torch_index_of_copy"]]
+    bar_axis = axes[-1]
+    bar_axis.bar(names, values, width=0.5, color=["tab:blue", "tab:red"])
+    for index, value in enumerate(values):
+        bar_axis.text(index, value + 2, f"{value:.1f} %", ha="center")
+    bar_axis.axhline(100, color="grey", ls=":", label="copy bandwidth (same run)")
+    bar_axis.axhline(80, color="tab:green", ls="--", label="SPEC bar 80 %")
+    bar_axis.set_ylim(0, 115)
+    bar_axis.set_ylabel("% of D2D copy bandwidth")
+    bar_axis.set_title(f"store_kv, {store['tokens']:,}-token prefill", fontsize=10)
+    bar_axis.legend(fontsize=8, loc="upper right")
+    figure.suptitle("H200, 2026-11-29, bf16, 16 q / 8 kv heads, head_dim 128 (kvplug bench attention)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-def plot_h200_graph_step(path: Path) -> None:
+def plot_h200_graph_step(data: dict, path: Path) -> None:
+    rows = data["decode_step"]
+    backends = sorted({row["backend"] for row in rows}, reverse=True)
+    sizes = sorted({row["bs"] for row in rows})
     figure, axis = plt.subplots(figsize=(8, 4.2))
-    sizes = sorted(next(iter(H200_GRAPH_STEP_US.values())))
     width, offset = 0.2, 0
-    for backend, points in H200_GRAPH_STEP_US.items():
-        for mode, shade in ((0, 0.45), (1, 1.0)):
-            positions = [index + offset for index in range(len(sizes))]
-            label = f"{backend} {'eager' if mode == 0 else 'CUDA graph'}"
+    for backend in backends:
+        points = {row["bs"]: row for row in rows if row["backend"] == backend}
+        for key, shade in (("eager_us", 0.45), ("graph_us", 1.0)):
+            label = f"{backend} {'eager' if key == 'eager_us' else 'CUDA graph'}"
             color = "tab:blue" if backend == "triton" else "tab:purple"
-            bars = axis.bar(positions, [points[size][mode] for size in sizes], width, color=color, alpha=shade, label=label)
-            axis.bar_label(bars, fontsize=7)
+            bars = axis.bar([index + offset for index in range(len(sizes))], [points[size][key] for size in sizes],
+                            width, color=color, alpha=shade, label=label)
+            axis.bar_label(bars, fmt="%.0f", fontsize=7)
             offset += width
-    axis.set_xticks([index + 1.5 * width for index in range(len(sizes))], [f"bs {size}" for size in sizes])
+    axis.set_xticks([index + (offset - width) / 2 for index in range(len(sizes))], [f"bs {size}" for size in sizes])
     axis.set_ylabel("µs per decode step")
     axis.set_title("H200, 2026-11-29: 28-layer Qwen3-0.6B-shaped stack, context 1024, eager vs CUDA graph", fontsize=10)
-    axis.set_ylim(0, 7200)
+    axis.set_ylim(0, max(row["eager_us"] for row in rows) * 1.3)
     axis.legend(fontsize=8, ncol=2, loc="upper left")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -127,6 +133,8 @@ def plot_h200_graph_step(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--e2e", metavar="FILE.json", help="a kvplug bench e2e result (skipped if absent)")
+    parser.add_argument("--attention", default=str(RESULTS / "h200_attention.json"), help="a kvplug bench attention result")
+    parser.add_argument("--graphs", default=str(RESULTS / "h200_graphs.json"), help="a kvplug bench graphs result")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "plots"))
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
@@ -135,8 +143,8 @@ def main() -> None:
     if args.e2e:
         plot_e2e(json.loads(Path(args.e2e).read_text()), out_dir / "e2e_throughput_vs_concurrency.png")
         written.append("e2e_throughput_vs_concurrency.png")
-    plot_h200_bandwidth(out_dir / "h200_bandwidth.png")
-    plot_h200_graph_step(out_dir / "h200_graph_step.png")
+    plot_h200_bandwidth(json.loads(Path(args.attention).read_text()), out_dir / "h200_bandwidth.png")
+    plot_h200_graph_step(json.loads(Path(args.graphs).read_text()), out_dir / "h200_graph_step.png")
     written += ["h200_bandwidth.png", "h200_graph_step.png"]
     print("wrote " + ", ".join(str(out_dir / name) for name in written))
 
