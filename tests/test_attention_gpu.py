@@ -1,18 +1,19 @@
 """GPU backends (triton, flashinfer; fa3 where sgl-kernel exists) against the dense SDPA oracle,
 in bf16 and fp16, over random non-contiguous pools. Skipped without CUDA.
 
-FlashInfer compiles each kernel variant on first use (tens of seconds each), so its sweep over
-page sizes, GQA ratios and scenarios runs at bf16 / head_dim 128, and the other dtype / head-dim
-combinations run a smaller set. Precompile them in parallel in a separate process first (see
-``warm_up_flashinfer``); otherwise the module fixture compiles them one after another.
+FlashInfer compiles each module on first use (tens of seconds each), so its sweep over page sizes,
+GQA ratios and scenarios runs at bf16 / head_dim 128, and the other dtype / head-dim combinations
+run a smaller set. The module fixture builds all of them in one ninja run (``warm_up_flashinfer``);
+run it in a separate process before pytest to pay the compile outside pytest's timeouts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -87,8 +88,9 @@ def test_triton_split_counts_agree(num_splits_cap):
 # ------------------------------------------------------------------------------------ flashinfer
 FLASHINFER_BF16_128 = [(torch.bfloat16, 128, group) for group in (1, 2, 4, 8)]
 FLASHINFER_OTHER = [(torch.float16, 128, 2), (torch.bfloat16, 64, 2)]
-# One entry per FlashInfer module the tests need: CUDA-core decode (group < 4), tensor-core decode
-# (group >= 4, FlashInfer's fa2 prefill module) and prefill, per dtype and head dim.
+# One variant per FlashInfer JIT module the tests (and the attention/graphs/e2e benchmarks, all
+# bf16 / 128) need: CUDA-core decode (group < 4), tensor-core decode (group >= 4: FlashInfer's fa2
+# prefill module) and prefill (fa3 on Hopper), per dtype and head dim.
 FLASHINFER_MODULES = [
     (torch.bfloat16, 128, 2, "decode"),
     (torch.bfloat16, 128, 4, "decode"),
@@ -100,7 +102,20 @@ FLASHINFER_MODULES = [
 ]
 
 
-def _compile_one(variant) -> None:
+class FlashInferWarmUp(NamedTuple):
+    """seconds: wall time; modules: the JIT module names built (or found up to date) in one
+    ninja run; compiled_late: modules the backend still had to compile afterwards (should be empty)."""
+
+    seconds: float
+    modules: tuple[str, ...]
+    compiled_late: tuple[str, ...]
+
+
+class _ModuleRequested(Exception):
+    """Raised by the dry run instead of compiling: it only records what ``plan()`` asks for."""
+
+
+def _plan_variant(variant) -> None:
     dtype, dim, group, phase = variant
     case = make_case(SCENARIOS[phase][:2], page_size=16, num_qo_heads=2 * group, num_kv_heads=2,
                      head_dim=dim, dtype=dtype, device="cuda")
@@ -108,29 +123,66 @@ def _compile_one(variant) -> None:
     torch.cuda.synchronize()
 
 
-def warm_up_flashinfer(parallel: bool = True) -> float:
-    """Compile every FlashInfer variant this file uses; returns the seconds it took.
+@contextlib.contextmanager
+def _intercepted_build_and_load(hook):
+    from flashinfer.jit import JitSpec
 
-    ``parallel`` builds them in threads (nvcc runs outside the GIL): meant for a separate process
-    started before pytest, e.g. ``python3 -c "from tests.test_attention_gpu import
-    warm_up_flashinfer as w; w()" &`` (seen working on the H200: 152 s for all seven). The
-    JIT cache on disk is shared and guarded by file locks."""
+    original = JitSpec.build_and_load
+    JitSpec.build_and_load = lambda spec: hook(spec, original)
+    try:
+        yield
+    finally:
+        JitSpec.build_and_load = original
+
+
+def warm_up_flashinfer(variants=FLASHINFER_MODULES) -> FlashInferWarmUp:
+    """Compile every FlashInfer module ``variants`` need in ONE ninja process, then load them.
+
+    Why one ninja: FlashInfer runs each module's ninja with ``-C`` its shared ``cached_ops`` dir,
+    so concurrent builds (threads, or a second process) write the same ``.ninja_deps``; ninja
+    assigns node ids per process, the next ninja finds the id mismatch, truncates the log and
+    rebuilds every object whose deps went missing -- the warm cache is thrown away. So: a dry run
+    plans each variant through kvplug's backend with ``JitSpec.build_and_load`` recording the
+    spec (FlashInfer's own fa2/fa3 and tensor-core choices, nothing restated here), then
+    ``flashinfer.jit.build_jit_specs`` builds them all (parallel inside ninja; a no-op in about
+    a second when the cache is warm), then a real run loads them. Never run two at once."""
+    import flashinfer.jit
+
     start = time.perf_counter()
-    if parallel:
-        with ThreadPoolExecutor(max_workers=len(FLASHINFER_MODULES)) as pool:
-            list(pool.map(_compile_one, FLASHINFER_MODULES))
-    else:
-        for variant in FLASHINFER_MODULES:
-            _compile_one(variant)
-    return time.perf_counter() - start
+    requested: dict[str, Any] = {}
+
+    def record(spec, original):
+        requested[spec.name] = spec
+        raise _ModuleRequested(spec.name)
+
+    with _intercepted_build_and_load(record):
+        for variant in variants:
+            with contextlib.suppress(_ModuleRequested):
+                _plan_variant(variant)
+    flashinfer.jit.build_jit_specs(list(requested.values()), verbose=False)
+    late: list[str] = []
+
+    def load(spec, original):
+        if not spec.is_compiled:
+            late.append(spec.name)
+        return original(spec)
+
+    with _intercepted_build_and_load(load):
+        for variant in variants:
+            _plan_variant(variant)
+    return FlashInferWarmUp(time.perf_counter() - start, tuple(requested), tuple(late))
 
 
 @pytest.fixture(scope="module")
 def flashinfer_compiled():
-    # In the main thread: the same warm-up run from worker threads inside pytest produced no
-    # progress for 90-100 s on the H200 (twice), while it completes standalone.
-    seconds = warm_up_flashinfer(parallel=False)
-    logging.getLogger(__name__).warning("FlashInfer JIT warm-up took %.1f s", seconds)
+    log_warm_up(warm_up_flashinfer())
+
+
+def log_warm_up(warm_up: FlashInferWarmUp) -> None:
+    logger = logging.getLogger(__name__)
+    logger.warning("FlashInfer JIT warm-up took %.1f s for %d modules", warm_up.seconds, len(warm_up.modules))
+    if warm_up.compiled_late:  # slow, not wrong: the tests still run
+        logger.warning("FlashInfer modules compiled outside the batched build: %s", warm_up.compiled_late)
 
 
 @requires_flashinfer

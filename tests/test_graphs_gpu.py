@@ -31,6 +31,29 @@ BACKENDS = [
 ]
 
 
+# the FlashInfer modules these tests use: tensor-core decode (8 / 2 heads), CUDA-core decode
+# (16 / 8 heads, the 28-layer stack) and the prefill that fills the pools, all bf16 / 128
+FLASHINFER_GRAPH_MODULES = [
+    (torch.bfloat16, 128, 4, "decode"),
+    (torch.bfloat16, 128, 2, "decode"),
+    (torch.bfloat16, 128, 2, "extend_with_prefix"),
+]
+
+
+@pytest.fixture(scope="module")
+def flashinfer_graph_modules():
+    """Builds them in one ninja run before the first FlashInfer test (see ``warm_up_flashinfer``)."""
+    from tests.test_attention_gpu import log_warm_up, warm_up_flashinfer
+
+    log_warm_up(warm_up_flashinfer(FLASHINFER_GRAPH_MODULES))
+
+
+@pytest.fixture
+def compiled(request, backend):
+    if backend == "flashinfer":
+        request.getfixturevalue("flashinfer_graph_modules")
+
+
 def _worlds(backend, **overrides):
     args = dict(backend_name=backend, num_layers=4, page_size=16, max_reqs=40, max_seq_len=1024,
                 num_qo_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=5)
@@ -59,7 +82,7 @@ def _run_steps(eager_world, graph_world, runner, rows, lengths, steps, gen, max_
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_replay_equals_eager(backend):
+def test_replay_equals_eager(backend, compiled):
     eager_world, graph_world = _worlds(backend)
     gen = torch.Generator().manual_seed(11)
     rows = list(range(24))
@@ -77,7 +100,7 @@ def test_replay_equals_eager(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_replays_write_only_live_locations_and_the_dummy_page(backend):
+def test_padded_replays_write_only_live_locations_and_the_dummy_page(backend, compiled):
     (pool, table, attention, model), _ = _worlds(backend)
     prefill_world(pool, table, attention, model, [0, 5, 9], [100, 333, 17])
     runner = GraphRunner(attention, table, model, max_batch_size=8, max_seq_len=1024)
@@ -97,7 +120,7 @@ def test_padded_replays_write_only_live_locations_and_the_dummy_page(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:2])
-def test_28_layer_stack_captured_equals_eager(backend):
+def test_28_layer_stack_captured_equals_eager(backend, compiled):
     eager_world, graph_world = _worlds(backend, num_layers=28, num_qo_heads=16, num_kv_heads=8, max_reqs=16,
                                        max_seq_len=512, seed=28)
     rows = list(range(12))
