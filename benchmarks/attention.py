@@ -1,27 +1,13 @@
-"""Decode attention, store_kv and host metadata benchmark (same as ``kvplug bench attention``).
+"""Decode attention, store_kv and host metadata benchmark (same as ``kvplug bench attention``; CUDA).
 
-    python benchmarks/attention.py [--backends flashinfer,triton] [--out out.json] ...
+    python benchmarks/attention.py [--backends flashinfer,triton] [--out out.json] [--quick] ...
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 
-from kvplug.bench import attention
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    attention.add_arguments(parser)
-    parser.add_argument("--out", metavar="FILE.json", help="also write the results as JSON to this file")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a fast smoke run")
-    args = parser.parse_args()
-    results = attention.run(args)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=2)
-
+from kvplug.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "attention", *sys.argv[1:]]))

@@ -1,27 +1,13 @@
-"""Eager vs CUDA-graph decode-step latency (same as ``kvplug bench graphs``).
+"""Eager vs CUDA-graph decode step of a 28-layer model-shaped stack (same as ``kvplug bench graphs``; CUDA).
 
-    python benchmarks/graphs.py [--backends triton,flashinfer] [--batch-sizes 1,8,64] [--out out.json]
+    python benchmarks/graphs.py [--out out.json] [--quick] ...
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 
-from kvplug.bench import graphs
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    graphs.add_arguments(parser)
-    parser.add_argument("--out", metavar="FILE.json", help="also write the results as JSON to this file")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a fast smoke run")
-    args = parser.parse_args()
-    results = graphs.run(args)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=2)
-
+from kvplug.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "graphs", *sys.argv[1:]]))
