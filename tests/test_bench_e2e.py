@@ -185,6 +185,7 @@ def test_plot_script_draws_e2e_and_h200_figures(tmp_path):
             "model": {"shape": "qwen3-tiny", "dtype": "float32", "device": "cpu", "page_size": 16},
             "environment": {"torch_threads": 1}}
     plot.plot_e2e(data, tmp_path / "e2e.png")
-    plot.plot_h200_bandwidth(tmp_path / "bandwidth.png")
-    for name in ("e2e.png", "bandwidth.png"):
+    plot.plot_h200_bandwidth(json.loads((plot.RESULTS / "h200_attention.json").read_text()), tmp_path / "bandwidth.png")
+    plot.plot_h200_graph_step(json.loads((plot.RESULTS / "h200_graphs.json").read_text()), tmp_path / "graphs.png")
+    for name in ("e2e.png", "bandwidth.png", "graphs.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
