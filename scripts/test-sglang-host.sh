@@ -22,4 +22,6 @@ $pip install -q -c "$constraints" numpy==2.4.6 orjson==3.13.0 psutil==7.2.2 pyba
   ipython==9.18.1 aiohttp==3.14.5 transformers==5.19.0 dill==0.4.1 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 \
   compressed-tensors==0.18.0 gguf==0.19.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 einops==0.8.2
 rm -f "$constraints"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_sglang_host.py
+# SGLang's SWIG-built dependency warns at interpreter shutdown ("sys:1: DeprecationWarning"); keep
+# pytest's summary the last line of the run
+PYTHONWARNINGS="ignore::DeprecationWarning:sys" "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_sglang_host.py
