@@ -93,11 +93,15 @@ class HostStats:
         return {**asdict(self), "hit_rate": self.hit_rate, "utilisation": self.utilisation}
 
     def describe(self) -> str:
-        return (
+        totals = (
             f"kvplug cache: {self.cache_hit_tokens:,}/{self.queried_tokens:,} prompt tokens hit "
-            f"({self.hit_rate:.1%}), {self.evicted_tokens:,} tokens evicted, utilisation {self.utilisation:.1%} "
-            f"({self.used_pages:,}/{self.num_pages:,} pages, {self.cached_pages:,} cached), "
-            f"{self.running_requests} running, {self.finished_requests:,} finished"
+            f"({self.hit_rate:.1%}), {self.evicted_tokens:,} tokens evicted, "
+        )
+        if not self.live_caches:  # pools are released when the manager stops: no utilisation to show
+            return totals + f"no live pool, {self.finished_requests:,} finished"
+        return totals + (
+            f"utilisation {self.utilisation:.1%} ({self.used_pages:,}/{self.num_pages:,} pages, "
+            f"{self.cached_pages:,} cached), {self.running_requests} running, {self.finished_requests:,} finished"
         )
 
     @classmethod
