@@ -63,7 +63,7 @@ def build_attention_batch(
     device = host_ints(device_lens, "device_lens")
     num_rows, row_width = page_table.shape
     if validate:
-        extend = _validate(rows, cached, device, phase, num_padded, num_rows, row_width)
+        extend = validate_lengths(rows, cached, device, phase, num_padded, num_rows, row_width)
     else:
         extend = device - cached
     if phase is ForwardPhase.DECODE:
@@ -118,7 +118,7 @@ def _check_table(page_table: torch.Tensor) -> None:
         raise InvalidArgumentError(f"page_table has {page_table.numel()} entries; at most 2**31 - 1 are supported")
 
 
-def _validate(
+def validate_lengths(
     rows: np.ndarray,
     cached: np.ndarray,
     device: np.ndarray,
@@ -127,6 +127,16 @@ def _validate(
     num_rows: int,
     row_width: int,
 ) -> np.ndarray:
+    """Check one batch's host-side rows and lengths; return the extend lengths.
+
+    Args:
+        rows, cached, device: shape ``[bs]``, int64, cpu (numpy): table rows, cached and device lengths.
+        phase: decode requires exactly one new token per request, prefill at least one.
+        num_padded: trailing dummy requests (they may use the dummy row ``num_rows - 1``).
+        num_rows, row_width: the page table's shape.
+
+    Raises ``InvalidArgumentError`` saying what was expected and what was given; nothing is modified.
+    """
     bs = rows.shape[0]
     if bs == 0 or cached.shape[0] != bs or device.shape[0] != bs:
         raise InvalidArgumentError(

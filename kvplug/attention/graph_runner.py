@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from kvplug.attention.batch import _validate, host_buffer
+from kvplug.attention.batch import host_buffer, validate_lengths
 from kvplug.attention.graph_padding import decode_input_layout, default_batch_sizes, padded_decode_inputs, padded_size
 from kvplug.interface import AttentionBatch, BaseAttentionBackend, ForwardPhase, InvalidArgumentError
 from kvplug.memory.ragged import HostInts, host_ints
@@ -151,7 +151,7 @@ class GraphRunner:
         device = host_ints(device_lens, "device_lens")
         bs = rows.shape[0]
         padded = padded_size(bs, self._captured_sizes)
-        _validate(rows, cached, device, ForwardPhase.DECODE, 0, self.page_table.shape[0], self.max_seq_len)
+        validate_lengths(rows, cached, device, ForwardPhase.DECODE, 0, self.page_table.shape[0], self.max_seq_len)
         entry = self._captured[padded]
         host = host_buffer(entry.inputs.shape[0], self.page_table.device)
         host.numpy()[:] = padded_decode_inputs(rows, cached, padded, self._dummy_row, self.page_table.shape[1])

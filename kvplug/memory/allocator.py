@@ -97,7 +97,7 @@ class PagedAllocator(PrefixCaching):
         n = int(input_ids.shape[0])
         if not 1 <= n <= self.page_table.max_seq_len:
             raise InvalidArgumentError(f"a request needs 1 to max_seq_len={self.page_table.max_seq_len} tokens, got {n}")
-        self.page_table._check_row(row, allow_dummy=False)
+        self.page_table.check_row(row, allow_dummy=False)
         handle = self.prefix_cache.match_prefix(input_ids[: n - 1]).handle
         matched = int(handle.cached_len)
         self.prefix_cache.lock_handle(handle)

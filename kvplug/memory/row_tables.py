@@ -95,7 +95,8 @@ class RowTables:
             flat.scatter_(0, index_on_device(flat_index, self.device), values)
 
     # ------------------------------------------------------------------ validation
-    def _check_row(self, row: int, *, allow_dummy: bool) -> None:
+    def check_row(self, row: int, *, allow_dummy: bool) -> None:
+        """Raise ``InvalidArgumentError`` unless ``row`` is a request row (or, with ``allow_dummy``, the dummy row)."""
         limit = self.max_running_reqs + 1 if allow_dummy else self.max_running_reqs
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < limit:
             what = "a request row or the dummy row" if allow_dummy else "a request row"
@@ -107,7 +108,7 @@ class RowTables:
             raise InvalidArgumentError(f"rows must lie in [0, {limit}), got {rows.tolist()}")
 
     def _check_range(self, row: int, start: int, end: int, *, allow_dummy: bool = False) -> None:
-        self._check_row(row, allow_dummy=allow_dummy)
+        self.check_row(row, allow_dummy=allow_dummy)
         if not 0 <= start <= end <= self.row_width:
             raise InvalidArgumentError(
                 f"columns [{start}, {end}) must satisfy 0 <= start <= end <= row width {self.row_width}"
