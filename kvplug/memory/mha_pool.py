@@ -25,6 +25,7 @@ import torch
 
 from kvplug.interface import BaseKVPool, InvalidArgumentError, KVPoolConfig
 from kvplug.memory.tensor_parallel import local_kv_heads
+from kvplug.tensor_checks import check_int32_vector
 
 logger = logging.getLogger(__name__)
 
@@ -170,13 +171,7 @@ class MHAKVPool(BaseKVPool):
         return layer_id
 
     def _check_location_tensor(self, out_loc: torch.Tensor) -> None:
-        if not isinstance(out_loc, torch.Tensor):
-            raise InvalidArgumentError(f"out_loc must be a torch.Tensor, got {type(out_loc).__name__}")
-        if out_loc.dim() != 1 or out_loc.dtype != torch.int32 or out_loc.device != self.device:
-            raise InvalidArgumentError(
-                f"out_loc must be shape [n], int32, on {self.device}; got shape {tuple(out_loc.shape)}, "
-                f"{out_loc.dtype}, on {out_loc.device}"
-            )
+        check_int32_vector(out_loc, self.device, "out_loc")
 
     def _check_location_range(self, out_loc: torch.Tensor) -> None:
         # the only check that reads device data (a sync on CUDA); see the ``validate`` option

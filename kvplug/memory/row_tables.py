@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvplug.interface import InvalidArgumentError
+from kvplug.tensor_checks import check_int32_vector
 
 ROW_ALIGNMENT = 32  # int32 entries: 128 bytes
 
@@ -115,13 +116,7 @@ class RowTables:
             )
 
     def _check_values(self, values: torch.Tensor, name: str) -> None:
-        if not isinstance(values, torch.Tensor):
-            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
-        if values.dim() != 1 or values.dtype != torch.int32 or values.device != self.device:
-            raise InvalidArgumentError(
-                f"{name} must be shape [n], int32, on {self.device}; got shape {tuple(values.shape)}, "
-                f"{values.dtype}, on {values.device}"
-            )
+        check_int32_vector(values, self.device, name)
 
 
 def index_on_device(index: np.ndarray, device: torch.device) -> torch.Tensor:

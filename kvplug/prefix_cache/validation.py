@@ -5,18 +5,12 @@ from __future__ import annotations
 import torch
 
 from kvplug.interface import InvalidArgumentError
+from kvplug.tensor_checks import check_int32_vector
 
 
 def check_token_ids(input_ids: torch.Tensor, device: torch.device, name: str = "input_ids") -> None:
     """``input_ids`` must be shape ``[n]``, int32, on ``device``."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.dim() != 1:
-        raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(input_ids.shape)}")
-    if input_ids.dtype != torch.int32:
-        raise InvalidArgumentError(f"{name} must be int32, got {input_ids.dtype}")
-    if input_ids.device != device:
-        raise InvalidArgumentError(f"{name} must be on {device}, got {input_ids.device}")
+    check_int32_vector(input_ids, device, name)
 
 
 def check_insert_arguments(
