@@ -25,7 +25,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from kvplug.attention.batch import build_attention_batch, build_decode_batch
+from kvplug.attention.batch import build_attention_batch
+from kvplug.attention.decode_batch import build_decode_batch, stage_decode_batch
 from kvplug.backend_factory import create_backend
 from kvplug.backend_stats import BackendStats
 from kvplug.backend_view import KVBackendView
@@ -95,9 +96,20 @@ class KVBackend(KVBackendView):
                 f"request in row {rows[i]}: a {phase.value} forward needs {wanted}, got cached_len={cached[i]}, "
                 f"device_len={device_lens[i]}; call allocate() first"
             )
-        if phase is ForwardPhase.DECODE:
-            batch = build_decode_batch(self.tables.table, rows, cached, flat_table=self.tables.flat_table, row_starts=row_starts)
+        flat_table = self.tables.flat_table
+        if phase is ForwardPhase.DECODE and isinstance(flat_table, np.ndarray):  # tables in host memory
+            self._staged_decode = None
+            batch = build_decode_batch(self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts)
+        elif phase is ForwardPhase.DECODE:
+            upload = stage_decode_batch(
+                self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts,
+                out_loc=self.allocator.decode_locations(rows, cached),
+            )
+            # input_ids and append_tokens of this step use the indices uploaded with the batch
+            self._staged_decode = (rows, upload)
+            batch = upload.batch
         else:
+            self._staged_decode = None
             batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
         if self.attention is not None:
             self.attention.prepare_metadata(batch)
@@ -105,6 +117,9 @@ class KVBackend(KVBackendView):
 
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
         """Token ids of the batch's new tokens, gathered on the device: shape ``[num_tokens]``, int32."""
+        staged = self._staged_decode
+        if staged is not None and staged[1].batch is batch:
+            return self.tables.token_pool.view(-1).index_select(0, staged[1].token_index)
         if batch.is_decode:
             # one token per request: flat index row * width + position, one fused op and one gather
             flat_index = torch.add(batch.positions, batch.table_rows, alpha=self.tables.row_width)
@@ -143,7 +158,13 @@ class KVBackend(KVBackendView):
         if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
             self._reject_append(rows, cached, device_lens, num_tokens, not_ready)
         # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
-        self.tables.write_flat(self.tables.token_pool, row_starts + num_tokens, ids)
+        flat_index = row_starts + num_tokens
+        staged, self._staged_decode = self._staged_decode, None
+        if staged is not None and staged[0] is rows and np.array_equal(staged[1].append_index_host, flat_index):
+            # a decode prepare() of these requests uploaded this index with its batch
+            self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged[1].append_index, ids)
+        else:
+            self.tables.write_flat(self.tables.token_pool, flat_index, ids)
         states.cached_len[rows] = device_lens
         states.num_tokens[rows] = num_tokens + 1
 

@@ -38,6 +38,8 @@ class KVBackendView:
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._admitted = 0
+        # (rows, DecodeUpload) of the last decode prepare(), for that step's input_ids and append_tokens
+        self._staged_decode: tuple | None = None
         self._finished = 0
 
     # ------------------------------------------------------------------ shape

@@ -454,3 +454,53 @@ def test_a_repeated_request_list_is_still_checked(manager):
         backend.prepare([a, d], "decode")  # d's prefill computes 4 tokens
     assert backend.prepare([a, d], "prefill").num_tokens == 5
     backend.check_integrity()
+
+
+def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(manager, monkeypatch):
+    """On torch tables (a GPU's path) a page-size-1 decode step takes out_loc from allocate's
+    pages and the input_ids / append_tokens indices from prepare's upload; when the requests
+    passed differ from the prepared ones, the general path runs and the tables stay right."""
+    backend = _backend_with_tables(manager, 1, host_views=False)
+    requests = [backend.admit(list(range(5 + i, 12 + 2 * i))) for i in range(3)]
+    backend.allocate(requests)
+    backend.prepare(requests, "prefill")
+    backend.append_tokens(requests, [1, 2, 3])
+    calls: list[str] = []
+    for name in ("write_flat", "write_flat_uploaded"):
+        original = getattr(backend.tables, name)
+        monkeypatch.setattr(backend.tables, name, lambda *args, _name=name, _f=original: (calls.append(_name), _f(*args))[1])
+
+    backend.allocate(requests)
+    granted = backend.allocator._decode_pages[1]
+    batch = backend.prepare(requests, "decode")
+    assert batch.out_loc is granted
+    rows = torch.tensor([r.row for r in requests])
+    cached = torch.tensor([r.cached_len for r in requests])
+    assert torch.equal(batch.out_loc, backend.page_table[rows, cached])
+    assert torch.equal(backend.input_ids(batch), torch.tensor([1, 2, 3], dtype=torch.int32))
+    calls.clear()
+    backend.append_tokens(requests, torch.tensor([7, 8, 9], dtype=torch.int32))
+    assert calls == ["write_flat_uploaded"]
+    assert backend.token_pool[rows, cached + 1].tolist() == [7, 8, 9]
+
+    # prepared in one order, appended in another: the general path writes the right cells
+    backend.allocate(requests)
+    reordered = [requests[2], requests[0], requests[1]]
+    backend.prepare(requests, "decode")
+    calls.clear()
+    backend.append_tokens(reordered, torch.tensor([30, 10, 20], dtype=torch.int32))
+    assert calls == ["write_flat"]
+    cached += 1
+    assert backend.token_pool[rows, cached + 1].tolist() == [10, 20, 30]
+
+    # an admission between allocate and prepare: out_loc is gathered from the table again
+    backend.allocate(requests)
+    extra = backend.admit([4, 4, 4])
+    batch = backend.prepare(requests, "decode")
+    assert batch.out_loc is not backend.allocator._decode_pages[1]
+    assert torch.equal(batch.out_loc, backend.page_table[rows, cached + 1])
+    backend.append_tokens(requests, torch.tensor([1, 1, 1], dtype=torch.int32))
+    backend.finish(extra)
+    for request in requests:
+        backend.finish(request, computed=True)
+    backend.check_integrity()

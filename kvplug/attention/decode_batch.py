@@ -3,16 +3,41 @@
 One new token per request means positions are the cached lengths, ``extend_start`` is ``0 .. bs``
 and ``out_loc`` is one cell per row, so the host work is a few O(batch) numpy writes into one
 int32 host buffer (pinned on CUDA), moved to the device in a single copy. ``KVBackend.prepare``
-calls ``build_decode_batch`` directly (its lengths are valid by construction);
-``build_attention_batch`` validates and then takes it for decode batches.
+calls these directly (its lengths are valid by construction); on a GPU table it takes
+``stage_decode_batch`` and keeps the two flat indices uploaded with the batch, so ``input_ids``
+and ``append_tokens`` need no copy of their own. ``build_attention_batch`` validates and then
+takes ``build_decode_batch`` for decode batches.
+
+On a GPU host every torch call costs 7-15 us of host time whatever its size, so the per-step cost
+is set by the number of calls: one buffer, one copy, one split, one gather.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvplug.interface import AttentionBatch, ForwardPhase
+
+
+class DecodeUpload(NamedTuple):
+    """A decode batch and the two flat indices staged with it.
+
+    Attributes:
+        batch: the ``AttentionBatch``.
+        token_index: shape ``[bs]``, int32, table device; ``row * row_width + cached_len``, the
+            cell of each request's new token in the page table and the token pool (``input_ids``).
+        append_index: shape ``[bs]``, int64, table device; the next cell, ``row * row_width +
+            cached_len + 1``, where the sampled token goes (``append_tokens``).
+        append_index_host: shape ``[bs]``, int64, host (numpy); the same values.
+    """
+
+    batch: AttentionBatch
+    token_index: torch.Tensor
+    append_index: torch.Tensor
+    append_index_host: np.ndarray
 
 
 def build_decode_batch(
@@ -39,35 +64,72 @@ def build_decode_batch(
         row_starts: shape ``[bs]``, int64, host; ``table_rows * row_width``, from a caller that
             keeps it.
     """
+    if not isinstance(flat_table, np.ndarray):
+        return stage_decode_batch(
+            page_table, table_rows, cached_lens, num_padded=num_padded, flat_table=flat_table, row_starts=row_starts
+        ).batch
+    # host memory: every field is a view of one numpy-filled buffer, out_loc gathered by numpy
     bs = table_rows.shape[0]
-    # host layout: rows | cached | device | positions | table index or out_loc | extend_start (bs + 1)
-    sizes = (bs, bs, bs, bs, bs, bs + 1)
-    host_tensor, host = _host_arrays(6 * bs + 1, page_table.device)
-    block = host[: 5 * bs].reshape(5, bs)
+    host = np.empty(5 * bs + 1, dtype=np.int32)
+    block = host[: 4 * bs].reshape(4, bs)
     block[0] = table_rows
-    block[1::2] = cached_lens  # cached lengths, and positions: the new token sits at cached_len
+    block[1] = cached_lens
     np.add(cached_lens, 1, out=block[2], casting="unsafe")
-    host[5 * bs :] = np.arange(bs + 1, dtype=np.int32)
+    block[3] = flat_table[(table_rows * page_table.shape[1] if row_starts is None else row_starts) + cached_lens]
+    host[4 * bs :] = np.arange(bs + 1, dtype=np.int32)
+    rows, cached, device, out_loc, start = torch.from_numpy(host).split_with_sizes((bs, bs, bs, bs, bs + 1))
+    return AttentionBatch(
+        ForwardPhase.DECODE, rows, cached, device, cached, device, start, start, cached, out_loc, page_table, num_padded
+    )
+
+
+def stage_decode_batch(
+    page_table: torch.Tensor,
+    table_rows: np.ndarray,
+    cached_lens: np.ndarray,
+    *,
+    num_padded: int = 0,
+    flat_table: torch.Tensor | None = None,
+    row_starts: np.ndarray | None = None,
+    out_loc: torch.Tensor | None = None,
+) -> DecodeUpload:
+    """``build_decode_batch`` for a table used through torch (a GPU's): the batch and the step's
+    two flat indices, staged in one host buffer and moved to the device in one copy.
+
+    Args:
+        page_table, table_rows, cached_lens, num_padded, row_starts: as ``build_decode_batch``.
+        flat_table: ``page_table.view(-1)`` from a caller that keeps one.
+        out_loc: shape ``[bs]``, int32, table device; ``page_table[table_rows, cached_lens]``
+            from a caller that already holds it (the pages it just allocated), saving the gather.
+    """
+    bs = table_rows.shape[0]
+    # host layout: append index (bs int64 = 2 * bs int32, first so it is 8-byte aligned) | rows |
+    # cached = positions | device | token index | extend_start (bs + 1)
+    sizes = (2 * bs, bs, bs, bs, bs, bs + 1)
+    host_tensor, host = _host_arrays(7 * bs + 1, page_table.device)
     if row_starts is None:
         row_starts = table_rows * page_table.shape[1]
-    if isinstance(flat_table, np.ndarray):  # host memory: gather out_loc here, no device op
-        block[4] = flat_table[row_starts + cached_lens]
-        views = host_tensor.split_with_sizes(sizes)
-        d_rows, d_cached, d_device, d_positions, out_loc, d_start = views
-        return AttentionBatch(
-            ForwardPhase.DECODE, d_rows, d_cached, d_device, d_cached, d_device, d_start, d_start, d_positions,
-            out_loc, page_table, num_padded,
-        )
-    block[4] = row_starts + cached_lens
+    block = host[2 * bs : 6 * bs].reshape(4, bs)
+    block[0] = table_rows
+    block[1] = cached_lens
+    np.add(cached_lens, 1, out=block[2], casting="unsafe")
+    np.add(row_starts, cached_lens, out=block[3], casting="unsafe")
+    append_host = host[: 2 * bs].view(np.int64)
+    np.add(block[3], 1, out=append_host)
+    host[6 * bs :] = np.arange(bs + 1, dtype=np.int32)
     on_device = host_tensor.to(page_table.device, non_blocking=True)
-    views = on_device.split_with_sizes(sizes)
-    d_rows, d_cached, d_device, d_positions, d_index, d_start = views
-    _, h_cached, h_device, _, _, h_start = host_views(host_tensor, on_device, views, sizes)
-    out_loc = (page_table.view(-1) if flat_table is None else flat_table).index_select(0, d_index)
-    return AttentionBatch(
-        ForwardPhase.DECODE, d_rows, d_cached, d_device, h_cached, h_device, d_start, h_start, d_positions,
+    append, d_rows, d_cached, d_device, d_index, d_start = on_device.split_with_sizes(sizes)
+    if on_device is host_tensor:  # a CPU table used through torch (tests): views of one buffer
+        h_cached, h_device, h_start = d_cached, d_device, d_start
+    else:  # views of the pinned buffer; from_numpy is the cheapest way to make three
+        h_cached, h_device, h_start = (torch.from_numpy(part) for part in (block[1], block[2], host[6 * bs :]))
+    if out_loc is None:
+        out_loc = (page_table.view(-1) if flat_table is None else flat_table).index_select(0, d_index)
+    batch = AttentionBatch(
+        ForwardPhase.DECODE, d_rows, d_cached, d_device, h_cached, h_device, d_start, h_start, d_cached,
         out_loc, page_table, num_padded,
     )
+    return DecodeUpload(batch, d_index, append.view(torch.int64), append_host)
 
 
 def host_views(host_tensor: torch.Tensor, on_device: torch.Tensor, device_views: tuple, sizes: tuple) -> tuple:

@@ -95,6 +95,24 @@ class RowTables:
         else:  # scatter_ is the cheapest scattered write on the host side; indices are distinct
             flat.scatter_(0, index_on_device(flat_index, self.device), values)
 
+    def write_flat_uploaded(
+        self, target: torch.Tensor, flat_index: np.ndarray, device_index: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """``write_flat`` with the index also on the device already (uploaded with a batch), so
+        a GPU table pays one scatter and no copy.
+
+        Args:
+            target: ``table`` or ``token_pool``.
+            flat_index: shape ``[n]``, int64, host; distinct.
+            device_index: shape ``[n]``, int64, table device; the same values.
+            values: shape ``[n]``, int32, device.
+        """
+        if self._on_host:
+            self.write_flat(target, flat_index, values)
+            return
+        flat = self._flat_table if target is self.table else self._flat_token_pool
+        flat.scatter_(0, device_index, values)
+
     # ------------------------------------------------------------------ validation
     def check_row(self, row: int, *, allow_dummy: bool) -> None:
         """Raise ``InvalidArgumentError`` unless ``row`` is a request row (or, with ``allow_dummy``, the dummy row)."""
