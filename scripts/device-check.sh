@@ -52,7 +52,11 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
 
 # ---------------------------------------------------------------- warm-up || GPU tests without FlashInfer
 # 'auto' resolves to flashinfer, so it waits for the warm-up with the flashinfer cases
-step tf_host_other 220 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto" &
+{
+    step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
+    step tests_gpu_other 200 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
+        tests/test_store_kv_gpu.py tests/test_mha_pool.py tests/test_radix_cache.py tests/test_backend.py -k "not flashinfer"
+} &
 OTHER=$!
 step warmup 280 python3 -c "
 from tests.test_attention_gpu import warm_up_flashinfer
@@ -69,21 +73,33 @@ step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=1
 # ---------------------------------------------------------------- benchmarks
 step bench_attention 80 python3 -m kvplug bench attention --repeats 5 --out "$OUT/attention.json"
 step bench_graphs 70 python3 -m kvplug bench graphs --out "$OUT/graphs.json"
-# qwen3-0.6b shape, bf16, auto attention; sizes scaled from the issue's so the run takes ~2-3 min
-step bench_e2e 200 python3 -m kvplug bench e2e --device cuda --repeats 1 \
-    --requests 64 --system-prompts 4 --system-tokens 1024 --question-tokens 128 --output-tokens 32 \
-    --concurrency 16,64 --conversations 16 --turns 3 --max-batch-tokens 4096 --out "$OUT/e2e.json"
+step bench_host_step 40 python3 -m kvplug bench host-step --device cuda --out "$OUT/host_step.json"
+# the same suite on a baseline revision (BASELINE=dir holding its kvplug/), same machine, same run
+if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kvplug" ]; then
+    # run from inside it: 'python -m' puts the working directory first on sys.path
+    step bench_host_step_baseline 40 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
+        python3 -m kvplug bench host-step --device cuda --out '$OUT/host_step_baseline.json'"
+fi
 
 # ---------------------------------------------------------------- transformers host with FlashInfer
-# The tiny checkpoints have head_dim 16, which FlashInfer's sm90 (fa3) prefill cannot instantiate:
+# The bf16 cases build a head_dim-64 model (FlashInfer's sm90 prefill needs a multiple of 32);
 # stop at the first failure rather than recompiling for every case.
 step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_host.py -k "cuda and (flashinfer or auto)"
 
+# ---------------------------------------------------------------- end to end (last: takes what time is left)
+# qwen3-0.6b shape, bf16, auto attention; issue #6's workload: 64 requests sharing one 2,048-token
+# prefix (and the same lengths with no shared prefix), at concurrency 16 and 64
+[ "${E2E:-1}" = 1 ] && step bench_e2e 300 python3 -m kvplug bench e2e --device cuda --repeats 1 \
+    --requests 64 --system-prompts 1 --system-tokens 2048 --question-tokens 128 --output-tokens 32 \
+    --concurrency 16,64 --conversations 16 --turns 3 --max-batch-tokens 4096 --out "$OUT/e2e.json"
+
 # ---------------------------------------------------------------- summary
-for name in tests_flashinfer tf_host_other tf_host_flashinfer; do
+for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/$name.log" | tail -8; }
 done | tee -a "$SUMMARY"
-for name in bench_attention bench_graphs bench_e2e; do
+for name in bench_attention bench_graphs bench_host_step bench_host_step_baseline bench_e2e; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; tail -25 "$OUT/$name.log"; }
 done
 note "total"
+# the device tool brings back a handful of files: the logs travel as one archive
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.log summary.txt) && (cd "$OUT" && rm -f *.log)

@@ -25,19 +25,26 @@ def host_us(fn: Callable[[], Any], iters: int = 300) -> float:
 
 def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Host time per decode step of kvplug's own metadata work, FlashInfer's plan() apart."""
+    import numpy as np
+
     import kvplug
-    from kvplug.attention.batch import build_attention_batch
+    from kvplug.attention.batch import build_attention_batch, build_decode_batch
     from kvplug.bench.attention import DecodeSetup
     from kvplug.interface import ForwardPhase
 
     rows = []
     for bs in (int(b) for b in args.metadata_batch_sizes.split(",")):
         setup = DecodeSetup(args, bs, 2048, 16)
-        table = setup.page_table
+        table, flat = setup.page_table, setup.page_table.view(-1)
         live, cached, lens = list(range(bs)), [2047] * bs, [2048] * bs
-        build = lambda: build_attention_batch(table, live, cached, lens, ForwardPhase.DECODE)  # noqa: E731
+        live_rows, cached_lens = np.arange(bs, dtype=np.int64), np.full(bs, 2047, dtype=np.int64)
+        row_starts = live_rows * table.shape[1]
+        # what KVBackend.prepare runs per decode step (its inputs are valid by construction) ...
+        build = lambda: build_decode_batch(table, live_rows, cached_lens, flat_table=flat, row_starts=row_starts)  # noqa: E731
+        # ... and the public builder a host calls with Python lists, validating them
+        validated = lambda: build_attention_batch(table, live, cached, lens, ForwardPhase.DECODE)  # noqa: E731
         batch = build()
-        row = {"bs": bs, "build_batch_us": round(host_us(build), 1)}
+        row = {"bs": bs, "build_batch_us": round(host_us(build), 1), "validated_build_us": round(host_us(validated), 1)}
         for name in args.backends.split(","):
             backend = kvplug.create_attention_backend(name, setup.config())
             row[f"{name}_prepare_us"] = round(host_us(lambda: backend.prepare_metadata(batch)), 1)

@@ -114,17 +114,19 @@ def timed_attribute(owner: Any, name: str, sink: list[int]) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-def sub_phase_targets(backend) -> dict[str, tuple[Any, str]]:
-    """Where the sub-phases live: (object, attribute) wrapped for timing. The batch is built by
-    ``kvplug.backend.build_decode_batch`` (or, in revisions before the decode fast path,
-    ``kvplug.attention.batch.build_attention_batch``, so the suite also measures those)."""
+def sub_phase_targets(backend) -> dict[str, list[tuple[Any, str]]]:
+    """Where the sub-phases live: (object, attribute) pairs wrapped for timing. The decode batch
+    is built by ``kvplug.backend.build_decode_batch`` (tables in host memory) or
+    ``stage_decode_batch`` (tables used through torch, a GPU's); revisions before the decode fast
+    path built it with ``kvplug.attention.batch.build_attention_batch``, so the suite measures
+    those too."""
     import kvplug.attention.batch as batch_module
     import kvplug.backend as backend_module
 
-    build = (backend_module, "build_decode_batch")
-    if not hasattr(backend_module, "build_decode_batch"):
-        build = (batch_module, "build_attention_batch")
-    return {"table_write": (backend.allocator, "_write_pages"), "batch_build": build}
+    builders = [(backend_module, name) for name in ("build_decode_batch", "stage_decode_batch")
+                if hasattr(backend_module, name)]
+    return {"table_write": [(backend.allocator, "_write_pages")],
+            "batch_build": builders or [(batch_module, "build_attention_batch")]}
 
 
 def run_case(bs: int, page_size: int, sizes: dict, steps: int, args: argparse.Namespace) -> list[dict]:
@@ -150,10 +152,11 @@ def run_case(bs: int, page_size: int, sizes: dict, steps: int, args: argparse.Na
     results = dict(best)
     backend, requests = fresh_decoding_backend()
     with contextlib.ExitStack() as stack:
-        for phase, (owner, name) in sub_phase_targets(backend).items():
+        for phase, targets in sub_phase_targets(backend).items():
             results[phase] = []
-            if hasattr(owner, name):
-                stack.enter_context(timed_attribute(owner, name, results[phase]))
+            for owner, name in targets:  # one step calls one of them
+                if hasattr(owner, name):
+                    stack.enter_context(timed_attribute(owner, name, results[phase]))
         decode_steps(backend, requests, steps, sync)
     backend.check_integrity()
     return [{"bs": bs, "page_size": page_size, "phase": phase, **summarize_ns(samples)}
