@@ -1,12 +1,13 @@
 """Plots for BENCHMARKS.md (matplotlib, Agg backend; ``pip install matplotlib``).
 
-    python benchmarks/plot.py --e2e e2e_cpu.json [--attention ATT.json] [--graphs GRAPHS.json]
+    python benchmarks/plot.py --e2e e2e_cpu.json [--e2e e2e_h200.json] [--attention ATT.json] [--graphs GRAPHS.json]
                               [--out-dir benchmarks/plots]
 
 Writes:
 
-- ``e2e_throughput_vs_concurrency.png``: output tokens/s and TTFT p50 of the shared-prefix
-  workload against concurrency, one line per variant, from a ``kvplug bench e2e`` JSON;
+- ``e2e_throughput_vs_concurrency.png`` (a CPU run) or ``e2e_h200_throughput_vs_concurrency.png``
+  (a CUDA run): output tokens/s and TTFT p50 of the shared-prefix workload against concurrency,
+  one line per variant, from a ``kvplug bench e2e`` JSON;
 - ``h200_bandwidth.png``: decode attention bandwidth (KV bytes read per second of device time)
   against the KV tokens a step reads (batch × context), per implementation and page size, next to
   the device-to-device copy bandwidth measured in the same run, plus store_kv's share of it —
@@ -132,7 +133,8 @@ def plot_h200_graph_step(data: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--e2e", metavar="FILE.json", help="a kvplug bench e2e result (skipped if absent)")
+    parser.add_argument("--e2e", metavar="FILE.json", action="append", default=[],
+                        help="a kvplug bench e2e result (repeatable; a CUDA run is drawn as e2e_h200_*.png)")
     parser.add_argument("--attention", default=str(RESULTS / "h200_attention.json"), help="a kvplug bench attention result")
     parser.add_argument("--graphs", default=str(RESULTS / "h200_graphs.json"), help="a kvplug bench graphs result")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "plots"))
@@ -140,9 +142,12 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    if args.e2e:
-        plot_e2e(json.loads(Path(args.e2e).read_text()), out_dir / "e2e_throughput_vs_concurrency.png")
-        written.append("e2e_throughput_vs_concurrency.png")
+    for e2e_file in args.e2e:
+        data = json.loads(Path(e2e_file).read_text())
+        name = "e2e_h200_throughput_vs_concurrency.png" if data["model"]["device"].startswith("cuda") else \
+            "e2e_throughput_vs_concurrency.png"
+        plot_e2e(data, out_dir / name)
+        written.append(name)
     plot_h200_bandwidth(json.loads(Path(args.attention).read_text()), out_dir / "h200_bandwidth.png")
     plot_h200_graph_step(json.loads(Path(args.graphs).read_text()), out_dir / "h200_graph_step.png")
     written += ["h200_bandwidth.png", "h200_graph_step.png"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvplug.interface import InvalidArgumentError
@@ -25,10 +26,18 @@ def as_token_ids(values: torch.Tensor | Sequence[int], device: torch.device, *, 
             raise InvalidArgumentError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
         ids = values.to(device, torch.int32)
     else:
-        items = list(values)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKEN_ID for v in items):
-            raise InvalidArgumentError(f"token ids must be ints in [0, {MAX_TOKEN_ID}], got {items[:8]}...")
-        ids = torch.tensor(items, dtype=torch.int32, device=device)
+        # numpy converts the list in C: a Python check per token costs ~1 ms per 8k-token prompt.
+        # Floats, strings, None or out-of-int64 values give a non-integer array; all-bool lists a
+        # bool one (a bool mixed into ints reads as 0 / 1, as numpy and torch both read it)
+        try:
+            array = np.asarray(values)
+        except (ValueError, TypeError, OverflowError):  # ragged nesting and the like
+            array = None
+        if array is None or array.ndim != 1 or (
+            array.size and (array.dtype.kind not in "iu" or array.min() < 0 or array.max() > MAX_TOKEN_ID)
+        ):
+            raise InvalidArgumentError(f"token ids must be a flat list of ints in [0, {MAX_TOKEN_ID}], got {values!r:.120}")
+        ids = torch.from_numpy(array.astype(np.int32)).to(device)
     if ids.shape[0] == 0 and not allow_empty:
         raise InvalidArgumentError("a request needs at least one token id, got none")
     return ids
