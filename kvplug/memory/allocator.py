@@ -178,12 +178,10 @@ class PagedAllocator(PrefixCaching):
         return None
 
     def decode_locations(self, rows: np.ndarray, cached_lens: np.ndarray) -> torch.Tensor | None:
-        """The pool locations of a decode step's new tokens when the last ``allocate`` already
-        produced them, else ``None`` (the caller gathers them from the table).
-
-        That is the page-size-1 decode step: ``allocate`` gave each of these requests (``rows``,
-        the very array ``states.batch_rows`` returned, so nothing was admitted or finished since)
-        one page, at column ``allocated_len - 1``, which is the new token's column ``cached_len``.
+        """The pool locations of a decode step's new tokens when the last ``allocate`` produced
+        them, else ``None`` (the caller gathers them from the table): at page size 1, when it gave
+        each of these requests (``rows``, the very array ``states.batch_rows`` returned, so none
+        was admitted or finished since) one page, at the new token's column ``cached_len``.
 
         Args:
             rows: shape ``[bs]``, int64, host.
