@@ -321,8 +321,8 @@ def test_torch_attention_end_to_end_with_prefix_reuse_and_decode(manager):
 # ---------------------------------------------------------------------- per-step fast paths
 
 
-def _backend_with_tables(manager, page_size: int, host_views: bool, **options) -> KVBackend:
-    """A naive-cache backend whose tables use numpy views (CPU default) or the torch path a GPU takes."""
+def _backend_with_tables(manager, page_size: int, host_views: bool, prefix_cache: str = "naive", **options) -> KVBackend:
+    """A backend whose tables use numpy views (CPU default) or the torch path a GPU takes."""
     import dataclasses
 
     from kvplug.backend_factory import build_parts
@@ -332,7 +332,7 @@ def _backend_with_tables(manager, page_size: int, host_views: bool, **options) -
     sizes = dict(page_size=page_size, num_pages=6 * 96 // page_size + 6, max_running_reqs=6, max_seq_len=96,
                  memory_budget=None)
     sizes.update(options)
-    parts = build_parts(SHAPE, prefix_cache="naive", attention=None, device="cpu", dtype=None, tp_size=1, tp_rank=0,
+    parts = build_parts(SHAPE, prefix_cache=prefix_cache, attention=None, device="cpu", dtype=None, tp_size=1, tp_rank=0,
                         manager=manager, validate=None, attention_options=None, **sizes)
     tables = PageTable(sizes["max_running_reqs"], sizes["max_seq_len"], dummy_location=parts.pool.dummy_location,
                        device=torch.device("cpu"), host_views=host_views)
@@ -512,3 +512,49 @@ def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(
     for request in requests:
         backend.finish(request, computed=True)
     backend.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manager, page_size):
+    """The torch-table (GPU) decode path with the radix cache in a pool small enough to evict:
+    every decode batch's out_loc is the table's cell for the new token (whether it came from
+    allocate's pages or a gather), input_ids and appended ids land where the table says."""
+    rng = np.random.default_rng(page_size)
+    backend = _backend_with_tables(manager, page_size, host_views=False, prefix_cache="radix",
+                                   num_pages=200 // page_size)
+    prefixes = [rng.integers(0, 1000, 24).tolist() for _ in range(3)]
+    running: list = []
+    reused_pages = 0
+    for step in range(120):
+        if len(running) < 5 and rng.random() < 0.5:
+            prompt = prefixes[int(rng.integers(3))] + rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
+            request = backend.admit(prompt)  # a row is free: at most 5 of 6 are live
+            try:
+                run_prefill(backend, request, int(rng.integers(0, 1000)))
+                running.append(request)
+            except OutOfMemoryError:
+                backend.finish(request)
+        if running and (rng.random() < 0.2 or len(running) == 5):
+            backend.finish(running.pop(int(rng.integers(len(running)))), computed=False)
+        running = [r for r in running if r.num_tokens < backend.max_seq_len - 1]
+        if not running:
+            continue
+        try:
+            backend.allocate(running)
+        except OutOfMemoryError:
+            backend.finish(running.pop(0))
+            continue
+        batch = backend.prepare(running, "decode")
+        rows = torch.tensor([r.row for r in running])
+        cached = torch.tensor([r.cached_len for r in running])
+        assert torch.equal(batch.out_loc, backend.page_table[rows, cached]), f"step {step}"
+        decode_pages = backend.allocator._decode_pages
+        reused_pages += decode_pages is not None and batch.out_loc is decode_pages[1]
+        assert torch.equal(backend.input_ids(batch), backend.token_pool[rows, cached])
+        sampled = torch.tensor(rng.integers(0, 1000, len(running)), dtype=torch.int32)
+        backend.append_tokens(running, sampled)
+        assert torch.equal(backend.token_pool[rows, cached + 1], sampled)
+        backend.check_integrity()
+    stats = backend.stats()
+    assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
+    assert (reused_pages > 0) == (page_size == 1)
