@@ -9,6 +9,7 @@ and keeps a dense copy of every request's K/V for the oracle.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -21,6 +22,15 @@ from kvplug.attention.batch import build_attention_batch
 from kvplug.interface import AttentionBatch, AttentionConfig, ForwardPhase, KVPoolConfig
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` imports here (optional GPU libraries: triton, flashinfer, sgl_kernel)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(autouse=True, scope="module")

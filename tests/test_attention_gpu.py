@@ -10,7 +10,6 @@ run it in a separate process before pytest to pay the compile outside pytest's t
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import time
 from typing import Any, NamedTuple
@@ -24,6 +23,7 @@ from tests.attention_reference import (
     SCENARIOS,
     case_reference,
     chunk_lens,
+    importable,
     make_case,
     relative_error,
     requires_cuda,
@@ -39,17 +39,9 @@ BOUND = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-requires_triton = pytest.mark.skipif(not _importable("triton"), reason="needs triton (pip install kvplug[triton])")
+requires_triton = pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install kvplug[triton])")
 requires_flashinfer = pytest.mark.skipif(
-    not _importable("flashinfer"), reason="needs flashinfer (pip install kvplug[flashinfer])"
+    not importable("flashinfer"), reason="needs flashinfer (pip install kvplug[flashinfer])"
 )
 
 
@@ -210,7 +202,7 @@ def test_flashinfer_other_dtypes_and_dims(flashinfer_compiled, scenario, dtype, 
 
 # ------------------------------------------------------------------------------------ shared
 def _available(name: str) -> bool:
-    return {"triton": _importable("triton"), "flashinfer": _importable("flashinfer")}[name]
+    return {"triton": importable("triton"), "flashinfer": importable("flashinfer")}[name]
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
@@ -252,7 +244,7 @@ def test_auto_picks_the_best_installed(caplog):
     case = make_case(SCENARIOS["decode"], dtype=torch.bfloat16, device="cuda", num_qo_heads=4, num_kv_heads=2)
     with caplog.at_level(logging.INFO, logger="kvplug.attention.auto"):
         kvplug.create_attention_backend("auto", case.config())
-    expected = "flashinfer" if _importable("flashinfer") else "triton" if _importable("triton") else "torch"
+    expected = "flashinfer" if importable("flashinfer") else "triton" if importable("triton") else "torch"
     assert f"chose '{expected}'" in caplog.text
 
 
@@ -262,7 +254,7 @@ def test_torch_backend_on_gpu_matches_reference():
     check_backend("torch", case, BOUND[torch.bfloat16])
 
 
-@pytest.mark.skipif(not _importable("sgl_kernel"), reason="sgl-kernel is not installed: it cannot be installed on "
+@pytest.mark.skipif(not importable("sgl_kernel"), reason="sgl-kernel is not installed: it cannot be installed on "
                     "kvplug's CI or GPU test machine (pip install kvplug[fa3] on a Hopper host to run this)")
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("scenario", sorted(ALL_SCENARIOS))

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
-from tests.attention_reference import make_decode_world, prefill_world, relative_error, requires_cuda
+from tests.attention_reference import importable, make_decode_world, prefill_world, relative_error, requires_cuda
 from kvplug.attention import build_attention_batch
 from kvplug.attention.graph_runner import GraphRunner
 from kvplug.interface import ForwardPhase, InvalidArgumentError
@@ -16,17 +15,9 @@ from kvplug.interface import ForwardPhase, InvalidArgumentError
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
-def _have(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
 BACKENDS = [
-    pytest.param("triton", marks=pytest.mark.skipif(not _have("triton"), reason="needs triton")),
-    pytest.param("flashinfer", marks=pytest.mark.skipif(not _have("flashinfer"), reason="needs flashinfer")),
+    pytest.param("triton", marks=pytest.mark.skipif(not importable("triton"), reason="needs triton")),
+    pytest.param("flashinfer", marks=pytest.mark.skipif(not importable("flashinfer"), reason="needs flashinfer")),
     "torch",
 ]
 
@@ -134,7 +125,7 @@ def test_28_layer_stack_captured_equals_eager(backend, compiled):
 
 
 def test_flashinfer_replay_of_an_uncaptured_size_is_an_error():
-    if not _have("flashinfer"):
+    if not importable("flashinfer"):
         pytest.skip("needs flashinfer")
     (pool, table, attention, model), _ = _worlds("flashinfer")
     attention.init_capture_graph(1024, [1, 4])
