@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvplug.attention.batch import build_attention_batch
-from kvplug.attention.decode_batch import build_decode_batch, stage_decode_batch
+from kvplug.attention.decode_batch import ExtendStarts, build_decode_batch, stage_decode_batch
 from kvplug.backend_factory import create_backend
 from kvplug.backend_stats import BackendStats
 from kvplug.backend_view import KVBackendView
@@ -103,7 +103,7 @@ class KVBackend(KVBackendView):
         elif phase is ForwardPhase.DECODE:
             upload = stage_decode_batch(
                 self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts,
-                out_loc=self.allocator.decode_locations(rows, cached),
+                out_loc=self.allocator.decode_locations(rows, cached), extend_starts=self._extend_starts,
             )
             # input_ids and append_tokens of this step use the indices uploaded with the batch
             self._staged_decode = (rows, upload)

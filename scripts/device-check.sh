@@ -55,7 +55,7 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
 {
     step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
     step tests_gpu_other 200 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
-        tests/test_store_kv_gpu.py tests/test_mha_pool.py tests/test_radix_cache.py tests/test_backend.py -k "not flashinfer"
+        tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_mha_pool.py tests/test_radix_cache.py tests/test_backend.py -k "not flashinfer"
 } &
 OTHER=$!
 step warmup 280 python3 -c "
@@ -79,6 +79,8 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kvplug" ]; then
     # run from inside it: 'python -m' puts the working directory first on sys.path
     step bench_host_step_baseline 40 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
         python3 -m kvplug bench host-step --device cuda --out '$OUT/host_step_baseline.json'"
+    step bench_graphs_baseline 70 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
+        python3 -m kvplug bench graphs --out '$OUT/graphs_baseline.json'"
 fi
 
 # ---------------------------------------------------------------- transformers host with FlashInfer
@@ -97,7 +99,7 @@ step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_ho
 for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/$name.log" | tail -8; }
 done | tee -a "$SUMMARY"
-for name in bench_attention bench_graphs bench_host_step bench_host_step_baseline bench_e2e; do
+for name in bench_attention bench_graphs bench_graphs_baseline bench_host_step bench_host_step_baseline bench_e2e; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; tail -25 "$OUT/$name.log"; }
 done
 note "total"

@@ -144,6 +144,30 @@ def test_paged_indices_match_per_request_slicing(view_page_size):
     assert built.indices.dtype == built.indptr.dtype == built.last_page_len.dtype == torch.int32
 
 
+@pytest.mark.parametrize("view_page_size", [1, 4, 16])
+def test_kernel_path_host_side_matches_the_torch_path(view_page_size):
+    """The host-side indptr / last-page lengths of the GPU (kernel) path, with the kernel replaced
+    by the torch path's gather, so CPU CI checks them; the kernel itself is tested on the GPU."""
+    gen = torch.Generator().manual_seed(view_page_size)
+    table = torch.randint(0, 1 << 20, (NUM_ROWS, WIDTH), generator=gen, dtype=torch.int32)
+    rows, lens = torch.tensor([5, 0, 7, 2], dtype=torch.int32), torch.tensor([1, view_page_size, WIDTH, 37], dtype=torch.int32)
+    reference = PagedIndexBuilder(table, view_page_size, use_kernel=False)
+    expected = reference.build(rows, lens)
+    calls = []
+
+    def fake_kernel(page_table, table_rows, device_lens, size, total_pages):
+        calls.append((size, total_pages, device_lens.tolist()))
+        return expected.indices
+
+    kernel_path = PagedIndexBuilder(table, view_page_size, use_kernel=False)
+    kernel_path._kernel = fake_kernel
+    built = kernel_path.build(rows, lens)
+    assert calls == [(view_page_size, int(expected.indptr[-1]), lens.tolist())]
+    assert built.indptr.tolist() == expected.indptr.tolist()
+    assert built.last_page_len.tolist() == expected.last_page_len.tolist()
+    assert built.indptr.dtype == built.last_page_len.dtype == torch.int32
+
+
 def test_validation_can_be_skipped_by_a_trusted_caller():
     table = random_table()
     batch = build_attention_batch(table, [3, 0], [2, 0], [5, 1], ForwardPhase.PREFILL, validate=False)

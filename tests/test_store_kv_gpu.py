@@ -84,3 +84,26 @@ def test_mha_pool_triton_store_equals_torch_store(page_size):
         pool.store_kv(k, v, out_loc, 1)
     assert torch.equal(triton_pool.kv_buffer, torch_pool.kv_buffer)
     assert triton_pool.kv_buffer[:, 1].abs().sum() > 0 and triton_pool.kv_buffer[:, 0].abs().sum() == 0
+
+
+def test_fast_launch_reuses_the_compiled_kernel_and_stays_exact():
+    """Launches after the first go through kvplug's direct call (where this Triton is verified):
+    same results as indexed assignment, also for a misaligned view (a new specialization)."""
+    from kvplug.kernels import store_kv
+    from kvplug.kernels.launch import fast_path_available
+
+    locations, heads, dim = 5000, 8, 128
+    k_cache = torch.zeros(locations, heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    launcher = store_kv._launch_store_kv
+    for step, offset in enumerate((0, 0, 0, 1, 1)):  # offset 1: pointers not 16-byte aligned
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        out_loc = torch.randperm(locations, device="cuda", generator=gen)[: 300 + offset].to(torch.int32)[offset:]
+        k = torch.randn(300 + offset, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)[offset:]
+        v = torch.randn(300 + offset, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)[offset:]
+        expected_k, expected_v = k_cache.clone(), v_cache.clone()
+        _reference_store(expected_k, expected_v, out_loc, k, v)
+        store_kv.store_kv_triton(k_cache, v_cache, out_loc, k, v)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    if fast_path_available():
+        assert len(launcher._compiled) >= 2, "aligned and misaligned inputs are distinct specializations"

@@ -80,7 +80,7 @@ class FlashInferAttentionBackend(PoolAttentionBackend):
         batch.metadata = self._plan(wrapper, batch)
 
     def _plan(self, wrapper: Any, batch: AttentionBatch) -> FlashInferMetadata:
-        plan = self._indices.build(batch.table_rows, batch.device_lens_cpu)
+        plan = self._indices.build(batch.table_rows, batch.device_lens_cpu, batch.device_lens)
         common = dict(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,

@@ -2,12 +2,15 @@
 
 For a view of the pool with page size ``S`` (1 for the token view, P for the page view), request
 ``i`` owns ``pages_i = ceil(device_len_i / S)`` pages whose indices are
-``page_table[row_i, j * S] // S`` for ``j < pages_i``. Only O(batch) work happens on the host; the
-O(tokens) gather is four device ops, no Python loop and no sync.
+``page_table[row_i, j * S] // S`` for ``j < pages_i``. Only O(batch) work happens on the host (the
+host-side ``indptr`` and last-page lengths ``plan()`` takes); the O(tokens) gather happens on the
+device with no sync: on CUDA one Triton launch (``triton_kernels.page_lists``), elsewhere (or
+without Triton) four torch ops, which the kernel is tested against.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,15 +39,24 @@ class PagedIndexBuilder:
     Args:
         page_table: shape ``[rows, row_width]``, int32, contiguous, device.
         view_page_size: 1 (token view) or the pool's page size (page view).
+        use_kernel: build the page lists with the Triton kernel; ``None``: when the table is on
+            CUDA and Triton is importable.
     """
 
-    def __init__(self, page_table: torch.Tensor, view_page_size: int) -> None:
+    def __init__(self, page_table: torch.Tensor, view_page_size: int, *, use_kernel: bool | None = None) -> None:
         if not page_table.is_contiguous():
             raise InvalidArgumentError("page_table must be contiguous")
         self.page_table = page_table
         self.view_page_size = int(view_page_size)
         self._flat_table = page_table.view(-1)
         self._strided_arange = torch.empty(0, dtype=torch.int32, device=page_table.device)
+        if use_kernel is None:
+            use_kernel = page_table.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self._kernel = None
+        if use_kernel:
+            from kvplug.attention.triton_kernels.page_lists import build_page_lists
+
+            self._kernel = build_page_lists
 
     def _page_offsets(self, total: int) -> torch.Tensor:
         """``[0, S, 2S, ...]`` of length ``total``: shape ``[total]``, int32, device."""
@@ -55,21 +67,29 @@ class PagedIndexBuilder:
             )
         return self._strided_arange[:total]
 
-    def build(self, table_rows: torch.Tensor, device_lens_cpu: torch.Tensor) -> PagedIndices:
+    def build(
+        self, table_rows: torch.Tensor, device_lens_cpu: torch.Tensor, device_lens: torch.Tensor | None = None
+    ) -> PagedIndices:
         """Args:
             table_rows: shape ``[bs]``, int32, device.
             device_lens_cpu: shape ``[bs]``, int32, cpu; each >= 1.
+            device_lens: shape ``[bs]``, int32, device; the same values (a batch has both), read
+                by the kernel; uploaded from ``device_lens_cpu`` when not given.
         """
         size = self.view_page_size
+        if self._kernel is not None:
+            return self._build_with_kernel(table_rows, device_lens_cpu, device_lens)
         lens = device_lens_cpu.numpy().astype(np.int64, copy=False)
         bs = lens.shape[0]
         pages = (lens + size - 1) // size
+        # indptr | last_page_len | pages | -S * indptr[:-1]
         host_tensor = host_buffer(4 * bs + 1, self.page_table.device)
         host = host_tensor.numpy()
         indptr = host[: bs + 1]
         indptr[0] = 0
         np.cumsum(pages, out=indptr[1:])
         host[bs + 1 : 2 * bs + 1] = lens - (pages - 1) * size  # last_page_len
+        indptr_cpu, last_page_len_cpu = host_tensor[: bs + 1], host_tensor[bs + 1 : 2 * bs + 1]
         host[2 * bs + 1 : 3 * bs + 1] = pages
         # table index of request i's page j is row_i * width + S * (global page - indptr_i)
         host[3 * bs + 1 :] = -size * indptr[:-1]
@@ -81,4 +101,29 @@ class PagedIndexBuilder:
         indices = self._flat_table.index_select(0, table_index)
         if size > 1:
             indices = indices.div_(size, rounding_mode="floor")
-        return PagedIndices(host_tensor[: bs + 1], host_tensor[bs + 1 : 2 * bs + 1], indices)
+        return PagedIndices(indptr_cpu, last_page_len_cpu, indices)
+
+    def _build_with_kernel(
+        self, table_rows: torch.Tensor, device_lens_cpu: torch.Tensor, device_lens: torch.Tensor | None
+    ) -> PagedIndices:
+        # every numpy or torch call costs microseconds of host time on a GPU host: the fewest
+        # that give plan() its host indptr and last-page lengths
+        size = self.view_page_size
+        lens = device_lens_cpu.numpy()
+        bs = lens.shape[0]
+        host_tensor = host_buffer(2 * bs + 1, self.page_table.device)
+        host = host_tensor.numpy()
+        host[0] = 0
+        if size == 1:  # token view: a page per token, every last page holds one
+            np.cumsum(lens, out=host[1 : bs + 1])
+            host[bs + 1 :] = 1
+        else:
+            pages = (lens + (size - 1)) // size
+            np.cumsum(pages, out=host[1 : bs + 1])
+            host[bs + 1 :] = (lens - 1) % size + 1
+        if device_lens is None:
+            device_lens = device_lens_cpu.to(self.page_table.device, non_blocking=True)
+        indices = self._kernel(self.page_table, table_rows, device_lens, size, int(host[bs]))
+        # torch slices (not numpy views) of the pinned buffer: plan() copies them to the device,
+        # and only a slice of the allocator's own tensor keeps the block alive until that copy ran
+        return PagedIndices(host_tensor[: bs + 1], host_tensor[bs + 1 :], indices)

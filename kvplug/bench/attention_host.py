@@ -28,7 +28,8 @@ def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
     import numpy as np
 
     import kvplug
-    from kvplug.attention.batch import build_attention_batch, build_decode_batch
+    from kvplug.attention.batch import build_attention_batch
+    from kvplug.attention.decode_batch import ExtendStarts, stage_decode_batch
     from kvplug.bench.attention import DecodeSetup
     from kvplug.interface import ForwardPhase
 
@@ -39,8 +40,12 @@ def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
         live, cached, lens = list(range(bs)), [2047] * bs, [2048] * bs
         live_rows, cached_lens = np.arange(bs, dtype=np.int64), np.full(bs, 2047, dtype=np.int64)
         row_starts = live_rows * table.shape[1]
-        # what KVBackend.prepare runs per decode step (its inputs are valid by construction) ...
-        build = lambda: build_decode_batch(table, live_rows, cached_lens, flat_table=flat, row_starts=row_starts)  # noqa: E731
+        starts = ExtendStarts(table.device)
+        # what KVBackend.prepare runs per decode step (its inputs are valid by construction; the
+        # allocator's out_loc, which it passes at page size 1, is not assumed here) ...
+        build = lambda: stage_decode_batch(  # noqa: E731
+            table, live_rows, cached_lens, flat_table=flat, row_starts=row_starts, extend_starts=starts
+        ).batch
         # ... and the public builder a host calls with Python lists, validating them
         validated = lambda: build_attention_batch(table, live, cached, lens, ForwardPhase.DECODE)  # noqa: E731
         batch = build()
@@ -50,7 +55,8 @@ def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
             row[f"{name}_prepare_us"] = round(host_us(lambda: backend.prepare_metadata(batch)), 1)
             if name == "flashinfer":
                 indices = backend._indices
-                row["flashinfer_indices_us"] = round(host_us(lambda: indices.build(batch.table_rows, batch.device_lens_cpu)), 1)
+                page_lists = lambda: indices.build(batch.table_rows, batch.device_lens_cpu, batch.device_lens)  # noqa: E731
+                row["flashinfer_indices_us"] = round(host_us(page_lists), 1)
                 row["flashinfer_plan_us"] = round(row["flashinfer_prepare_us"] - row["flashinfer_indices_us"], 1)
                 row["flashinfer_total_excl_plan_us"] = round(row["build_batch_us"] + row["flashinfer_indices_us"], 1)
             if name == "triton":

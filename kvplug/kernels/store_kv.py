@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kvplug.interface import InvalidArgumentError
+from kvplug.kernels.launch import FastLauncher
 
 BLOCK_TOKENS = 32
 
@@ -47,6 +48,9 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + destination, tl.load(v_source, mask=mask), mask=mask)
 
 
+_launch_store_kv = FastLauncher(_store_kv_kernel)
+
+
 def store_kv_triton(
     k_cache_flat: torch.Tensor,
     v_cache_flat: torch.Tensor,
@@ -78,7 +82,8 @@ def store_kv_triton(
     if num_tokens == 0:
         return
     grid = (triton.cdiv(num_tokens, BLOCK_TOKENS), heads)
-    _store_kv_kernel[grid](
+    _launch_store_kv(
+        grid,
         k_cache_flat,
         v_cache_flat,
         out_loc,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplug.kernels.launch import FastLauncher
+
 LOG2_E = 1.4426950408889634
 
 
@@ -114,6 +116,9 @@ def _decode_partial_kernel(
         tl.store(part_lse_ptr + part_index, lse, mask=head_mask)
 
 
+_launch_decode_partial = FastLauncher(_decode_partial_kernel)
+
+
 @triton.jit
 def _decode_merge_kernel(
     part_out_ptr,
@@ -143,6 +148,9 @@ def _decode_merge_kernel(
         merged.to(out_ptr.dtype.element_ty),
         mask=dims < DIM,
     )
+
+
+_launch_decode_merge = FastLauncher(_decode_merge_kernel)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
@@ -190,7 +198,8 @@ def decode_attention(
     wide = dim_p2 * q.element_size() <= 256  # 128-token K and V tiles, two stages, fit shared memory
     block_n = block_n or (128 if wide else 64)
     num_warps = num_warps or (8 if block_n >= 128 else 4)
-    _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
+    _launch_decode_partial(
+        (bs, num_kv_heads, num_splits),
         q,
         k_flat,
         v_flat,
@@ -222,7 +231,8 @@ def decode_attention(
     )
     if num_splits == 1:
         return
-    _decode_merge_kernel[(bs, num_qo_heads)](
+    _launch_decode_merge(
+        (bs, num_qo_heads),
         part_out,
         part_lse,
         out,

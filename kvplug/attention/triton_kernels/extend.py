@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplug.kernels.launch import FastLauncher
+
 LOG2_E = 1.4426950408889634
 
 
@@ -105,6 +107,9 @@ def _extend_kernel(
     )
 
 
+_launch_extend = FastLauncher(_extend_kernel)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -142,7 +147,8 @@ def extend_attention(
     if q.dtype == torch.float32:
         block_m, block_n = min(block_m, 32), min(block_n, 32)  # fp32 tiles take twice the shared memory
     grid = (bs, num_qo_heads, triton.cdiv(max_extend_len, block_m))
-    _extend_kernel[grid](
+    _launch_extend(
+        grid,
         q,
         k_flat,
         v_flat,
