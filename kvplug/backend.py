@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvplug.attention.batch import build_attention_batch
-from kvplug.attention.decode_batch import ExtendStarts, build_decode_batch, stage_decode_batch
+from kvplug.attention.decode_batch import build_decode_batch
 from kvplug.backend_factory import create_backend
 from kvplug.backend_stats import BackendStats
 from kvplug.backend_view import KVBackendView
@@ -101,10 +101,7 @@ class KVBackend(KVBackendView):
             self._staged_decode = None
             batch = build_decode_batch(self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts)
         elif phase is ForwardPhase.DECODE:
-            upload = stage_decode_batch(
-                self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts,
-                out_loc=self.allocator.decode_locations(rows, cached), extend_starts=self._extend_starts,
-            )
+            upload = self._decode_stager.stage(rows, cached)
             # input_ids and append_tokens of this step use the indices uploaded with the batch
             self._staged_decode = (rows, upload)
             batch = upload.batch
@@ -160,7 +157,7 @@ class KVBackend(KVBackendView):
         # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
         flat_index = row_starts + num_tokens
         staged, self._staged_decode = self._staged_decode, None
-        if staged is not None and staged[0] is rows and np.array_equal(staged[1].append_index_host, flat_index):
+        if staged is not None and staged[0] is rows and np.array_equal(staged[1].device_lens_host, num_tokens):
             # a decode prepare() of these requests uploaded this index with its batch
             self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged[1].append_index, ids)
         else:

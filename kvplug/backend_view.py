@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplug.attention.decode_batch import ExtendStarts
+from kvplug.attention.decode_staging import DecodeStager
 from kvplug.backend_factory import BackendParts
 from kvplug.backend_stats import BackendStats
 from kvplug.memory.request import Request
@@ -41,7 +41,8 @@ class KVBackendView:
         self._admitted = 0
         # (rows, DecodeUpload) of the last decode prepare(), for that step's input_ids and append_tokens
         self._staged_decode: tuple | None = None
-        self._extend_starts = ExtendStarts(self.device)
+        # GPU tables: the decode batch's device fields come from a ring of slots (see DecodeStager)
+        self._decode_stager = DecodeStager(self.tables.table)
         self._finished = 0
 
     # ------------------------------------------------------------------ shape

@@ -55,7 +55,7 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
 {
     step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
     step tests_gpu_other 200 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
-        tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_mha_pool.py tests/test_radix_cache.py tests/test_backend.py -k "not flashinfer"
+        tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py tests/test_radix_cache.py tests/test_backend.py -k "not flashinfer"
 } &
 OTHER=$!
 step warmup 280 python3 -c "

@@ -155,14 +155,14 @@ def test_kernel_path_host_side_matches_the_torch_path(view_page_size):
     expected = reference.build(rows, lens)
     calls = []
 
-    def fake_kernel(page_table, table_rows, device_lens, size, total_pages):
-        calls.append((size, total_pages, device_lens.tolist()))
+    def fake_kernel(table_rows, device_lens, total_pages):
+        calls.append((total_pages, device_lens.tolist()))
         return expected.indices
 
     kernel_path = PagedIndexBuilder(table, view_page_size, use_kernel=False)
     kernel_path._kernel = fake_kernel
     built = kernel_path.build(rows, lens)
-    assert calls == [(view_page_size, int(expected.indptr[-1]), lens.tolist())]
+    assert calls == [(int(expected.indptr[-1]), lens.tolist())]
     assert built.indptr.tolist() == expected.indptr.tolist()
     assert built.last_page_len.tolist() == expected.last_page_len.tolist()
     assert built.indptr.dtype == built.last_page_len.dtype == torch.int32

@@ -465,9 +465,9 @@ def test_a_repeated_request_list_is_still_checked(manager):
 
 
 def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(manager, monkeypatch):
-    """On torch tables (a GPU's path) a page-size-1 decode step takes out_loc from allocate's
-    pages and the input_ids / append_tokens indices from prepare's upload; when the requests
-    passed differ from the prepared ones, the general path runs and the tables stay right."""
+    """On torch tables (a GPU's path) a decode step's out_loc and the input_ids / append_tokens
+    indices come from prepare's staged slot; when the requests passed differ from the prepared
+    ones, the general path runs and the tables stay right."""
     backend = _backend_with_tables(manager, 1, host_views=False)
     requests = [backend.admit(list(range(5 + i, 12 + 2 * i))) for i in range(3)]
     backend.allocate(requests)
@@ -479,9 +479,7 @@ def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(
         monkeypatch.setattr(backend.tables, name, lambda *args, _name=name, _f=original: (calls.append(_name), _f(*args))[1])
 
     backend.allocate(requests)
-    granted = backend.allocator._decode_pages[1]
     batch = backend.prepare(requests, "decode")
-    assert batch.out_loc is granted
     rows = torch.tensor([r.row for r in requests])
     cached = torch.tensor([r.cached_len for r in requests])
     assert torch.equal(batch.out_loc, backend.page_table[rows, cached])
@@ -500,31 +498,45 @@ def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(
     assert calls == ["write_flat"]
     cached += 1
     assert backend.token_pool[rows, cached + 1].tolist() == [10, 20, 30]
-
-    # an admission between allocate and prepare: out_loc is gathered from the table again
-    backend.allocate(requests)
-    extra = backend.admit([4, 4, 4])
-    batch = backend.prepare(requests, "decode")
-    assert batch.out_loc is not backend.allocator._decode_pages[1]
-    assert torch.equal(batch.out_loc, backend.page_table[rows, cached + 1])
-    backend.append_tokens(requests, torch.tensor([1, 1, 1], dtype=torch.int32))
-    backend.finish(extra)
     for request in requests:
         backend.finish(request, computed=True)
     backend.check_integrity()
 
 
+def test_staged_decode_batches_live_until_the_ring_comes_round(manager):
+    """A GPU-path decode batch's device tensors are a ring slot's views: intact through the next
+    ``ring_size - 1`` decode prepares (a host may prepare ahead), reused by the one after."""
+    backend = _backend_with_tables(manager, 1, host_views=False)
+    requests = [backend.admit([1, 2, 3]), backend.admit([4, 5])]
+    backend.allocate(requests)
+    backend.prepare(requests, "prefill")
+    backend.append_tokens(requests, [6, 7])
+    ring = backend._decode_stager.ring_size
+    assert ring >= 2
+    batches, snapshots = [], []
+    for _ in range(ring + 1):
+        backend.allocate(requests)
+        batch = backend.prepare(requests, "decode")
+        batches.append(batch)
+        snapshots.append(batch.cached_lens.clone())
+        for earlier, snapshot in zip(batches[-ring:], snapshots[-ring:]):
+            assert torch.equal(earlier.cached_lens, snapshot)
+        backend.append_tokens(requests, [8, 9])
+    assert batches[0].cached_lens.data_ptr() == batches[ring].cached_lens.data_ptr()
+    assert not torch.equal(batches[0].cached_lens, snapshots[0])  # the slot came round
+    assert batches[1].cached_lens.data_ptr() != batches[0].cached_lens.data_ptr()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manager, page_size):
     """The torch-table (GPU) decode path with the radix cache in a pool small enough to evict:
-    every decode batch's out_loc is the table's cell for the new token (whether it came from
-    allocate's pages or a gather), input_ids and appended ids land where the table says."""
+    every decode batch's out_loc is the table's cell for the new token, input_ids and appended
+    ids land where the table says."""
     rng = np.random.default_rng(page_size)
     backend = _backend_with_tables(manager, page_size, host_views=False, prefix_cache="radix",
                                    num_pages=200 // page_size)
     prefixes = [rng.integers(0, 1000, 24).tolist() for _ in range(3)]
     running: list = []
-    reused_pages = 0
     for step in range(120):
         if len(running) < 5 and rng.random() < 0.5:
             prompt = prefixes[int(rng.integers(3))] + rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
@@ -548,8 +560,6 @@ def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manage
         rows = torch.tensor([r.row for r in running])
         cached = torch.tensor([r.cached_len for r in running])
         assert torch.equal(batch.out_loc, backend.page_table[rows, cached]), f"step {step}"
-        decode_pages = backend.allocator._decode_pages
-        reused_pages += decode_pages is not None and batch.out_loc is decode_pages[1]
         assert torch.equal(backend.input_ids(batch), backend.token_pool[rows, cached])
         sampled = torch.tensor(rng.integers(0, 1000, len(running)), dtype=torch.int32)
         backend.append_tokens(running, sampled)
@@ -557,4 +567,3 @@ def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manage
         backend.check_integrity()
     stats = backend.stats()
     assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
-    assert (reused_pages > 0) == (page_size == 1)

@@ -46,3 +46,23 @@ def test_kernel_handles_an_empty_batch():
     empty = torch.zeros(0, dtype=torch.int32)
     built = PagedIndexBuilder(table, 16, use_kernel=True).build(empty.cuda(), empty, empty.cuda())
     assert built.indices.numel() == 0 and built.indptr.tolist() == [0]
+
+
+def test_results_live_for_the_ring_and_bound_launches_follow_new_values():
+    """The same rows/lengths tensors (a stager slot's) with new values each build: every build is
+    right (the bound launch reads the tensors' current values), and a result stays intact until
+    the ring comes round."""
+    table = torch.randint(0, 1 << 20, (9, 256), dtype=torch.int32, device="cuda")
+    builder = PagedIndexBuilder(table, 16, use_kernel=True)
+    reference = PagedIndexBuilder(table, 16, use_kernel=False)
+    rows, lens = torch.zeros(3, dtype=torch.int32, device="cuda"), torch.zeros(3, dtype=torch.int32, device="cuda")
+    results = []
+    for step in range(5):
+        rows.copy_(torch.tensor([step, 7 - step, 8], dtype=torch.int32))
+        lens.copy_(torch.tensor([1 + 30 * step, 200 - step, 16], dtype=torch.int32))
+        built = builder.build(rows, lens.cpu(), lens)
+        expected = reference.build(rows, lens.cpu())
+        assert torch.equal(built.indices, expected.indices), step
+        results.append((built.indices, expected.indices.clone()))
+        for indices, snapshot in results[-3:]:
+            assert torch.equal(indices, snapshot)

@@ -1,43 +1,19 @@
 """The ``DECODE`` fast path of batch building, and the host buffers every batch is staged in.
 
 One new token per request means positions are the cached lengths, ``extend_start`` is ``0 .. bs``
-and ``out_loc`` is one cell per row, so the host work is a few O(batch) numpy writes into one
-int32 host buffer (pinned on CUDA), moved to the device in a single copy. ``KVBackend.prepare``
-calls these directly (its lengths are valid by construction); on a GPU table it takes
-``stage_decode_batch`` and keeps the two flat indices uploaded with the batch, so ``input_ids``
-and ``append_tokens`` need no copy of their own. ``build_attention_batch`` validates and then
-takes ``build_decode_batch`` for decode batches.
-
-On a GPU host every torch call costs 7-15 us of host time whatever its size, so the per-step cost
-is set by the number of calls: one buffer, one copy, one split, one gather.
+and ``out_loc`` is one cell per row, so the host work is a few O(batch) numpy writes. For a table
+in host memory ``build_decode_batch`` makes every field a view of one numpy-filled buffer; for a
+table used through torch (a GPU's) it takes ``kvplug.attention.decode_staging`` (one upload, one
+kernel). ``KVBackend.prepare`` calls these directly (its lengths are valid by construction);
+``build_attention_batch`` validates and then takes ``build_decode_batch`` for decode batches.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvplug.interface import AttentionBatch, ForwardPhase
-
-
-class DecodeUpload(NamedTuple):
-    """A decode batch and the two flat indices staged with it.
-
-    Attributes:
-        batch: the ``AttentionBatch``.
-        token_index: shape ``[bs]``, int32, table device; ``row * row_width + cached_len``, the
-            cell of each request's new token in the page table and the token pool (``input_ids``).
-        append_index: shape ``[bs]``, int64, table device; the next cell, ``row * row_width +
-            cached_len + 1``, where the sampled token goes (``append_tokens``).
-        append_index_host: shape ``[bs]``, int64, host (numpy); the same values.
-    """
-
-    batch: AttentionBatch
-    token_index: torch.Tensor
-    append_index: torch.Tensor
-    append_index_host: np.ndarray
 
 
 def build_decode_batch(
@@ -65,9 +41,10 @@ def build_decode_batch(
             keeps it.
     """
     if not isinstance(flat_table, np.ndarray):
-        return stage_decode_batch(
-            page_table, table_rows, cached_lens, num_padded=num_padded, flat_table=flat_table, row_starts=row_starts
-        ).batch
+        from kvplug.attention.decode_staging import DecodeStager
+
+        # a one-slot stager of its own: the batch owns its tensors
+        return DecodeStager(page_table, ring_size=1).stage(table_rows, cached_lens, num_padded=num_padded).batch
     # host memory: every field is a view of one numpy-filled buffer, out_loc gathered by numpy
     bs = table_rows.shape[0]
     host = np.empty(5 * bs + 1, dtype=np.int32)
@@ -85,8 +62,8 @@ def build_decode_batch(
 
 class ExtendStarts:
     """A decode batch's ``extend_start``, ``0 .. bs``, on the device and on the host, made once
-    per batch size and shared by every batch of that size (no one writes into it): one fewer
-    host write, and one fewer piece of the step's upload to split."""
+    per batch size and shared by every batch of that size (no one writes into it), so a decode
+    step neither writes nor uploads it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -101,57 +78,6 @@ class ExtendStarts:
         return pair
 
 
-def stage_decode_batch(
-    page_table: torch.Tensor,
-    table_rows: np.ndarray,
-    cached_lens: np.ndarray,
-    *,
-    num_padded: int = 0,
-    flat_table: torch.Tensor | None = None,
-    row_starts: np.ndarray | None = None,
-    out_loc: torch.Tensor | None = None,
-    extend_starts: ExtendStarts | None = None,
-) -> DecodeUpload:
-    """``build_decode_batch`` for a table used through torch (a GPU's): the batch and the step's
-    two flat indices, staged in one host buffer and moved to the device in one copy.
-
-    Args:
-        page_table, table_rows, cached_lens, num_padded, row_starts: as ``build_decode_batch``.
-        flat_table: ``page_table.view(-1)`` from a caller that keeps one.
-        out_loc: shape ``[bs]``, int32, table device; ``page_table[table_rows, cached_lens]``
-            from a caller that already holds it (the pages it just allocated), saving the gather.
-        extend_starts: the caller's ``ExtendStarts`` for the table's device (one is made for
-            this call otherwise).
-    """
-    bs = table_rows.shape[0]
-    # host layout: append index (bs int64 = 2 * bs int32, first so it is 8-byte aligned) | rows |
-    # cached = positions | device | token index
-    host_tensor, host = _host_arrays(6 * bs, page_table.device)
-    if row_starts is None:
-        row_starts = table_rows * page_table.shape[1]
-    block = host[2 * bs :].reshape(4, bs)
-    block[0] = table_rows
-    block[1] = cached_lens
-    np.add(cached_lens, 1, out=block[2], casting="unsafe")
-    np.add(row_starts, cached_lens, out=block[3], casting="unsafe")
-    append_host = host[: 2 * bs].view(np.int64)
-    np.add(block[3], 1, out=append_host)
-    on_device = host_tensor.to(page_table.device, non_blocking=True)
-    append, d_rows, d_cached, d_device, d_index = on_device.split_with_sizes((2 * bs, bs, bs, bs, bs))
-    d_start, h_start = (extend_starts or ExtendStarts(page_table.device)).get(bs)
-    if on_device is host_tensor:  # a CPU table used through torch (tests): views of one buffer
-        h_cached, h_device = d_cached, d_device
-    else:  # views of the pinned buffer (which they keep alive); from_numpy is the cheapest way
-        h_cached, h_device = torch.from_numpy(block[1]), torch.from_numpy(block[2])
-    if out_loc is None:
-        out_loc = (page_table.view(-1) if flat_table is None else flat_table).index_select(0, d_index)
-    batch = AttentionBatch(
-        ForwardPhase.DECODE, d_rows, d_cached, d_device, h_cached, h_device, d_start, h_start, d_cached,
-        out_loc, page_table, num_padded,
-    )
-    return DecodeUpload(batch, d_index, append.view(torch.int64), append_host)
-
-
 def host_views(host_tensor: torch.Tensor, on_device: torch.Tensor, device_views: tuple, sizes: tuple) -> tuple:
     """The host buffer split like the device copy (on a CPU table the copy *is* the buffer)."""
     return device_views if on_device is host_tensor else host_tensor.split_with_sizes(sizes)
@@ -162,12 +88,3 @@ def host_buffer(size: int, device: torch.device) -> torch.Tensor:
     torch's caching host allocator, so the copy is truly asynchronous and the block is not
     reused before the copy finishes), plain memory otherwise."""
     return torch.empty(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-
-
-def _host_arrays(size: int, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
-    """``host_buffer(size, device)`` and a numpy view of it (cheapest from numpy off CUDA)."""
-    if device.type == "cuda":
-        tensor = host_buffer(size, device)
-        return tensor, tensor.numpy()
-    array = np.empty(size, dtype=np.int32)
-    return torch.from_numpy(array), array

@@ -39,8 +39,9 @@ class PagedIndexBuilder:
     Args:
         page_table: shape ``[rows, row_width]``, int32, contiguous, device.
         view_page_size: 1 (token view) or the pool's page size (page view).
-        use_kernel: build the page lists with the Triton kernel; ``None``: when the table is on
-            CUDA and Triton is importable.
+        use_kernel: build the page lists with the Triton kernel (``PageListWriter``: results
+            stay valid for 3 builds, as decode batches do); ``None``: when the table is on CUDA
+            and Triton is importable.
     """
 
     def __init__(self, page_table: torch.Tensor, view_page_size: int, *, use_kernel: bool | None = None) -> None:
@@ -54,9 +55,9 @@ class PagedIndexBuilder:
             use_kernel = page_table.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self._kernel = None
         if use_kernel:
-            from kvplug.attention.triton_kernels.page_lists import build_page_lists
+            from kvplug.attention.triton_kernels.page_lists import PageListWriter
 
-            self._kernel = build_page_lists
+            self._kernel = PageListWriter(page_table, self.view_page_size).write
 
     def _page_offsets(self, total: int) -> torch.Tensor:
         """``[0, S, 2S, ...]`` of length ``total``: shape ``[total]``, int32, device."""
@@ -123,7 +124,7 @@ class PagedIndexBuilder:
             host[bs + 1 :] = (lens - 1) % size + 1
         if device_lens is None:
             device_lens = device_lens_cpu.to(self.page_table.device, non_blocking=True)
-        indices = self._kernel(self.page_table, table_rows, device_lens, size, int(host[bs]))
+        indices = self._kernel(table_rows, device_lens, int(host[bs]))
         # torch slices (not numpy views) of the pinned buffer: plan() copies them to the device,
         # and only a slice of the allocator's own tensor keeps the block alive until that copy ran
         return PagedIndices(host_tensor[: bs + 1], host_tensor[bs + 1 :], indices)

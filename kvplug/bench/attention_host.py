@@ -29,23 +29,19 @@ def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import kvplug
     from kvplug.attention.batch import build_attention_batch
-    from kvplug.attention.decode_batch import ExtendStarts, stage_decode_batch
+    from kvplug.attention.decode_staging import DecodeStager
     from kvplug.bench.attention import DecodeSetup
     from kvplug.interface import ForwardPhase
 
     rows = []
     for bs in (int(b) for b in args.metadata_batch_sizes.split(",")):
         setup = DecodeSetup(args, bs, 2048, 16)
-        table, flat = setup.page_table, setup.page_table.view(-1)
+        table = setup.page_table
         live, cached, lens = list(range(bs)), [2047] * bs, [2048] * bs
         live_rows, cached_lens = np.arange(bs, dtype=np.int64), np.full(bs, 2047, dtype=np.int64)
-        row_starts = live_rows * table.shape[1]
-        starts = ExtendStarts(table.device)
-        # what KVBackend.prepare runs per decode step (its inputs are valid by construction; the
-        # allocator's out_loc, which it passes at page size 1, is not assumed here) ...
-        build = lambda: stage_decode_batch(  # noqa: E731
-            table, live_rows, cached_lens, flat_table=flat, row_starts=row_starts, extend_starts=starts
-        ).batch
+        stager = DecodeStager(table)
+        # what KVBackend.prepare runs per decode step (its inputs are valid by construction) ...
+        build = lambda: stager.stage(live_rows, cached_lens).batch  # noqa: E731
         # ... and the public builder a host calls with Python lists, validating them
         validated = lambda: build_attention_batch(table, live, cached, lens, ForwardPhase.DECODE)  # noqa: E731
         batch = build()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 from typing import Any, Callable
 
@@ -22,13 +23,17 @@ def interleaved_device_times(
     fns: dict[str, Callable[[int], Any]], calls: int, repeats: int, warmup: int = 3
 ) -> dict[str, float]:
     """``device_time_us`` of several functions, their repeats interleaved (repeat r times every
-    function once), so clock and thermal drift during the run weighs on all of them alike."""
+    function once), so clock and thermal drift during the run weighs on all of them alike. Each
+    repeat runs the functions in a new (seeded) random order, so no function always runs first
+    or right after the same neighbour."""
     for fn in fns.values():
         for i in range(warmup):
             fn(i)
     samples: dict[str, list[float]] = {label: [] for label in fns}
+    order = random.Random(0)
     for _ in range(repeats):
-        for label, fn in fns.items():
+        for label in order.sample(list(fns), len(fns)):
+            fn = fns[label]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(calls):

@@ -116,15 +116,18 @@ def timed_attribute(owner: Any, name: str, sink: list[int]) -> Iterator[None]:
 
 def sub_phase_targets(backend) -> dict[str, list[tuple[Any, str]]]:
     """Where the sub-phases live: (object, attribute) pairs wrapped for timing. The decode batch
-    is built by ``kvplug.backend.build_decode_batch`` (tables in host memory) or
-    ``stage_decode_batch`` (tables used through torch, a GPU's); revisions before the decode fast
-    path built it with ``kvplug.attention.batch.build_attention_batch``, so the suite measures
-    those too."""
+    is built by ``kvplug.backend.build_decode_batch`` (tables in host memory) or the backend's
+    ``DecodeStager`` (tables used through torch, a GPU's); earlier revisions built it with
+    ``stage_decode_batch`` or ``kvplug.attention.batch.build_attention_batch``, so the suite
+    measures those too (a baseline run on an older checkout)."""
     import kvplug.attention.batch as batch_module
     import kvplug.backend as backend_module
 
     builders = [(backend_module, name) for name in ("build_decode_batch", "stage_decode_batch")
                 if hasattr(backend_module, name)]
+    stager = getattr(backend, "_decode_stager", None)
+    if stager is not None:
+        builders.append((stager, "stage"))
     return {"table_write": [(backend.allocator, "_write_pages")],
             "batch_build": builders or [(batch_module, "build_attention_batch")]}
 

@@ -54,9 +54,6 @@ class PagedAllocator(PrefixCaching):
         self._live: dict[int, Request] = {}
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         self.evicted_tokens = 0
-        # (rows, pages) of the last allocate() when it gave every request of a page-size-1 batch
-        # one page: the decode step's out_loc, which prepare() then need not gather again
-        self._decode_pages: tuple[np.ndarray, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -141,24 +138,16 @@ class PagedAllocator(PrefixCaching):
         growth = lengths - allocated
         # only requests growing past their last page need pages (in decode: about 1 in page_size)
         growing = (growth > 0).nonzero()[0]
-        self._decode_pages = None
         if growing.size and growing.size == rows.size:
-            pages = self._grow(rows, row_starts, allocated, growth)
-            if self.page_size == 1 and pages is not None:
-                self._decode_pages = (rows, pages)
+            self._grow(rows, row_starts, allocated, growth)
         elif growing.size:
             self._grow(rows[growing], row_starts[growing], allocated[growing], growth[growing])
         states.device_len[rows] = lengths
 
-    def _grow(
-        self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray
-    ) -> torch.Tensor | None:
+    def _grow(self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray) -> None:
         """Give each request row ``rows[i]`` (flat start ``row_starts[i]``) the pages that grow it
         from ``allocated[i]`` tokens (whole pages) by ``growth[i] >= 1`` tokens; all shape
-        ``[g]``, int64, host. Raises ``OutOfMemoryError`` before changing anything.
-
-        Returns the new pages (shape ``[g]``, int32, device) when each request took exactly one,
-        else ``None``."""
+        ``[g]``, int64, host. Raises ``OutOfMemoryError`` before changing anything."""
         size = self.page_size
         # flat table index of each request's first new cell (a page start)
         first_cells = row_starts + allocated
@@ -166,7 +155,7 @@ class PagedAllocator(PrefixCaching):
             pages = self._take_pages(int(rows.size), int(rows.size))
             self._write_pages(first_cells, pages)
             self.states.allocated_len[rows] = allocated + size
-            return pages
+            return
         needs = -(-growth // size)
         total = int(needs.sum())
         pages = self._take_pages(total, int(rows.size))
@@ -175,28 +164,6 @@ class PagedAllocator(PrefixCaching):
         page_cells = np.repeat(first_cells - share_begin * size, needs) + np.arange(0, total * size, size)
         self._write_pages(page_cells, pages)
         self.states.allocated_len[rows] = allocated + needs * size
-        return None
-
-    def decode_locations(self, rows: np.ndarray, cached_lens: np.ndarray) -> torch.Tensor | None:
-        """The pool locations of a decode step's new tokens when the last ``allocate`` produced
-        them, else ``None`` (the caller gathers them from the table): at page size 1, when it gave
-        each of these requests (``rows``, the very array ``states.batch_rows`` returned, so none
-        was admitted or finished since) one page, at the new token's column ``cached_len``.
-
-        Args:
-            rows: shape ``[bs]``, int64, host.
-            cached_lens: shape ``[bs]``, int64, host.
-
-        Returns:
-            shape ``[bs]``, int32, device, or ``None``.
-        """
-        record = self._decode_pages
-        if record is None or record[0] is not rows:
-            return None
-        allocated = self.states.allocated_len[rows]
-        if not np.array_equal(allocated, cached_lens + 1):
-            return None
-        return record[1]
 
     def mark_computed(self, requests: Sequence[Request]) -> None:
         """The forward over ``requests`` ran: their K/V up to ``device_len`` is in the pool."""

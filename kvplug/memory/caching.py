@@ -30,7 +30,6 @@ class PrefixCaching:
     prefix_cache: BasePrefixCache
     free_list: FreeList
     _live: dict[int, Request]
-    _decode_pages: object
 
     def cache_request(self, request: Request, *, finished: bool) -> None:
         """Move ``request``'s computed page-aligned prefix into the prefix cache.
@@ -42,7 +41,6 @@ class PrefixCaching:
         stops being live (its row is the caller's to free).
         """
         self.check_live(request)
-        self._decode_pages = None  # the table changes below: nothing may reuse the last allocation's pages
         size, row = self.page_size, request.row
         aligned = request.cached_len // size * size
         old_handle = request.handle

@@ -1,0 +1,143 @@
+"""``DecodeStager``: a decode step's ``AttentionBatch`` for a page table used through torch (a
+GPU's), at the fewest host-side calls.
+
+On the H200 hosts every torch call costs 3-19 us of host time whatever its size, so the per-step
+cost is the number of calls. A step here makes: one pinned host buffer (three numpy writes: rows,
+cached lengths, device lengths), one copy into a device *slot*, and one kernel launch that
+derives the rest on the device (``triton_kernels.decode_step``; three torch ops off CUDA or
+without Triton). The slot's views (rows, cached, device, token index, out_loc, append index) are
+made once per slot and batch size, so no split or slicing happens per step.
+
+Slots form a ring (``ring_size``, default 3): a batch's device tensors are reused by the decode
+batch staged ``ring_size`` prepares later. Work enqueued on the same stream before that is safe
+(the copy that overwrites a slot is ordered after it); a host must not hold a decode batch for
+longer than that (hosts describe one forward per batch). ``build_decode_batch`` and
+``build_attention_batch`` still return batches that own their tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from kvplug.attention.decode_batch import ExtendStarts, host_buffer
+from kvplug.interface import AttentionBatch, ForwardPhase
+
+
+class DecodeUpload(NamedTuple):
+    """A decode batch and the two flat indices staged with it.
+
+    Attributes:
+        batch: the ``AttentionBatch``.
+        token_index: shape ``[bs]``, int32, table device; ``row * row_width + cached_len``, the
+            cell of each request's new token in the page table and the token pool (``input_ids``).
+        append_index: shape ``[bs]``, int64, table device; the next cell, where the sampled token
+            goes (``append_tokens``).
+        device_lens_host: shape ``[bs]``, int32, host (numpy); ``cached_len + 1``, the column of
+            that next cell (``append_tokens`` checks it against the requests it is given).
+    """
+
+    batch: AttentionBatch
+    token_index: torch.Tensor
+    append_index: torch.Tensor
+    device_lens_host: np.ndarray
+
+
+class _SlotViews(NamedTuple):
+    """Views of one ring slot for one batch size ``n`` (int32 unless noted)."""
+
+    upload: torch.Tensor  # [3n]: rows | cached | device, the part the host copies in
+    append_index: torch.Tensor  # [n], int64
+    rows: torch.Tensor
+    cached: torch.Tensor
+    device: torch.Tensor
+    token_index: torch.Tensor
+    out_loc: torch.Tensor
+    derive: Callable[[], None]  # fills token index, out_loc and append index from the upload
+
+
+class DecodeStager:
+    """Stages decode batches over ``page_table`` (see the module docstring).
+
+    Args:
+        page_table: shape ``[max_running_reqs + 1, row_width]``, int32, contiguous, device.
+        ring_size: device slots in the ring (>= 1).
+        use_kernel: derive on the device with the Triton kernel; ``None``: when the table is on
+            CUDA and Triton is importable.
+    """
+
+    def __init__(self, page_table: torch.Tensor, *, ring_size: int = 3, use_kernel: bool | None = None) -> None:
+        self.page_table = page_table
+        self.device = page_table.device
+        self.ring_size = int(ring_size)
+        self._flat_table = page_table.view(-1)
+        self._capacity = page_table.shape[0]  # the largest batch: every row, dummy included
+        self._slots: list[torch.Tensor | None] = [None] * self.ring_size
+        self._views: dict[tuple[int, int], _SlotViews] = {}
+        self._next = 0
+        self.extend_starts = ExtendStarts(self.device)
+        if use_kernel is None:
+            use_kernel = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self._bind_kernel = None
+        if use_kernel:
+            from kvplug.attention.triton_kernels.decode_step import bind_decode_fields
+
+            self._bind_kernel = bind_decode_fields
+
+    def stage(self, table_rows: np.ndarray, cached_lens: np.ndarray, *, num_padded: int = 0) -> DecodeUpload:
+        """The ``DECODE`` batch of ``build_attention_batch`` for ``device_lens = cached_lens + 1``,
+        without validation (the caller guarantees what it checks), and the step's flat indices.
+
+        Args:
+            table_rows: shape ``[bs]``, integers, host (numpy); live rows, distinct, padding on
+                the dummy row.
+            cached_lens: shape ``[bs]``, integers, host (numpy); ``0 <= cached_len < row_width``.
+            num_padded: trailing requests that are CUDA-graph padding.
+        """
+        n = table_rows.shape[0]
+        slot = self._next
+        self._next = slot + 1 if slot + 1 < self.ring_size else 0
+        views = self._views.get((slot, n)) or self._make_views(slot, n)
+        host_tensor = host_buffer(3 * n, self.device)
+        block = host_tensor.numpy().reshape(3, n)
+        block[0] = table_rows
+        block[1] = cached_lens
+        np.add(cached_lens, 1, out=block[2], casting="unsafe")
+        views.upload.copy_(host_tensor, non_blocking=True)
+        views.derive()
+        d_start, h_start = self.extend_starts.get(n)
+        # host views of the pinned buffer (which they keep alive); from_numpy is the cheapest way
+        h_cached, h_device = torch.from_numpy(block[1]), torch.from_numpy(block[2])
+        batch = AttentionBatch(
+            ForwardPhase.DECODE, views.rows, views.cached, views.device, h_cached, h_device, d_start, h_start,
+            views.cached, views.out_loc, self.page_table, num_padded,
+        )
+        return DecodeUpload(batch, views.token_index, views.append_index, block[2])
+
+    def _make_views(self, slot: int, n: int) -> _SlotViews:
+        buffer = self._slots[slot]
+        if buffer is None or buffer.numel() < 7 * n:  # padded batches may repeat the dummy row
+            # views made earlier keep the old buffer alive, so their batches stay valid
+            size = 7 * max(self._capacity, n)
+            buffer = self._slots[slot] = torch.zeros(size, dtype=torch.int32, device=self.device)
+        # int32 layout: append index (int64: 2n, first so it is 8-byte aligned) | rows | cached |
+        # device | token index | out_loc; the host uploads rows .. device
+        whole = buffer[: 7 * n]
+        append, rows, cached, device, token_index, out_loc = whole.split_with_sizes((2 * n, n, n, n, n, n))
+        append = append.view(torch.int64)
+        if self._bind_kernel is not None:
+            derive = self._bind_kernel(whole, append, self.page_table, n)
+        else:
+            width, flat_table = self.page_table.shape[1], self._flat_table
+
+            def derive() -> None:
+                torch.add(cached, rows, alpha=width, out=token_index)
+                torch.index_select(flat_table, 0, token_index, out=out_loc)
+                torch.add(token_index, 1, out=append)
+
+        views = _SlotViews(whole[2 * n : 5 * n], append, rows, cached, device, token_index, out_loc, derive)
+        self._views[(slot, n)] = views
+        return views
