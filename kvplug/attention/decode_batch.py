@@ -40,13 +40,27 @@ def build_decode_batch(
         row_starts: shape ``[bs]``, int64, host; ``table_rows * row_width``, from a caller that
             keeps it.
     """
-    if not isinstance(flat_table, np.ndarray):
-        from kvplug.attention.decode_staging import DecodeStager
-
-        # a one-slot stager of its own: the batch owns its tensors
-        return DecodeStager(page_table, ring_size=1).stage(table_rows, cached_lens, num_padded=num_padded).batch
-    # host memory: every field is a view of one numpy-filled buffer, out_loc gathered by numpy
     bs = table_rows.shape[0]
+    if not isinstance(flat_table, np.ndarray):
+        # a table used through torch: one fresh buffer the batch owns (KVBackend's per-step path
+        # is DecodeStager), one copy, the out_loc gather on the device
+        host_tensor = host_buffer(4 * bs + 1, page_table.device)
+        block = host_tensor.numpy()[: 3 * bs].reshape(3, bs)
+        block[0] = table_rows
+        block[1] = cached_lens
+        np.add(cached_lens, 1, out=block[2], casting="unsafe")
+        host_tensor.numpy()[3 * bs :] = np.arange(bs + 1, dtype=np.int32)
+        on_device = host_tensor.to(page_table.device, non_blocking=True)
+        sizes = (bs, bs, bs, bs + 1)
+        views = rows, cached, device, start = on_device.split_with_sizes(sizes)
+        _, h_cached, h_device, h_start = host_views(host_tensor, on_device, views, sizes)
+        flat = page_table.view(-1) if flat_table is None else flat_table
+        out_loc = flat.index_select(0, torch.add(cached, rows, alpha=page_table.shape[1]))
+        return AttentionBatch(
+            ForwardPhase.DECODE, rows, cached, device, h_cached, h_device, start, h_start, cached, out_loc,
+            page_table, num_padded,
+        )
+    # host memory: every field is a view of one numpy-filled buffer, out_loc gathered by numpy
     host = np.empty(5 * bs + 1, dtype=np.int32)
     block = host[: 4 * bs].reshape(4, bs)
     block[0] = table_rows
