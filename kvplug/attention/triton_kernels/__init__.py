@@ -1,2 +1,4 @@
-"""kvplug's Triton attention kernels (``decode``: split-K paged decode; ``extend``: paged
-prefill/extend). Each module imports Triton, so import them only where it is installed."""
+"""kvplug's Triton kernels for attention (``decode``: split-K paged decode; ``extend``: paged
+prefill/extend) and for a step's metadata (``decode_step``: a decode batch's derived fields;
+``page_lists``: FlashInfer's CSR page lists). Each module imports Triton, so import them only
+where it is installed."""
