@@ -12,7 +12,8 @@ launch, which goes through Triton as usual (compiling if needed).
 The direct call is Triton-version specific: it is used only on the versions it was verified on
 (``VERIFIED_TRITON``) and only while no launch hooks are registered (profilers register them);
 otherwise, or with ``KVPLUG_TRITON_FAST_LAUNCH=0``, every launch goes through Triton. Either way
-the kernel and its arguments are the same, so results are identical (tested on the GPU).
+the kernel and its arguments are the same, so results are identical (tested on the GPU; the
+bookkeeping also on CPU with a stand-in kernel). Triton is imported where it is used.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 from typing import Any, Callable, Sequence
 
 import torch
-import triton
 
 VERIFIED_TRITON = ("3.6.",)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
@@ -31,6 +31,8 @@ def fast_path_available() -> bool:
     """Whether this Triton is one the direct call was verified on, and it is not turned off."""
     if os.environ.get("KVPLUG_TRITON_FAST_LAUNCH", "1") == "0":
         return False
+    import triton
+
     return triton.__version__.startswith(VERIFIED_TRITON)
 
 
@@ -112,5 +114,7 @@ class FastLauncher:
         if compiled is None or not in_order or _hooks_registered():
             return
         if self._stream is None:
+            import triton
+
             self._stream = triton.runtime.driver.active.get_current_stream
         self._compiled[key] = compiled
