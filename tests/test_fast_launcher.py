@@ -78,6 +78,7 @@ def test_out_of_order_constexprs_hooks_or_the_switch_keep_triton_launching(launc
     for _ in range(2):
         launcher((1,), x, 100, FLAG=True, BLOCK=128)  # keywords not in signature order
     assert kinds(launcher) == ["triton", "triton"]
+    assert launch._THROUGH_TRITON in launcher._compiled.values()  # decided once, not re-checked
     monkeypatch.setattr(launch, "_hooks_registered", lambda: True)
     for _ in range(2):
         launcher((1,), x, 100, BLOCK=128, FLAG=True)

@@ -25,6 +25,7 @@ import torch
 
 VERIFIED_TRITON = ("3.6.",)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+_THROUGH_TRITON = object()  # a key the direct call cannot serve (constexpr order, hooks)
 
 
 def fast_path_available() -> bool:
@@ -76,6 +77,9 @@ class FastLauncher:
         if compiled is None:
             self._first_launch(key, grid, args, keywords)
             return
+        if compiled is _THROUGH_TRITON:
+            self.kernel[grid](*args, **keywords)
+            return
         constexprs = [value for name, value in keywords.items() if name not in LAUNCH_OPTIONS]
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled.run(
@@ -98,6 +102,9 @@ class FastLauncher:
             if compiled is None:
                 self._first_launch(key, grid, args, keywords)
                 return
+            if compiled is _THROUGH_TRITON:
+                self.kernel[grid](*args, **keywords)
+                return
             compiled.run(
                 grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
                 None, None, None, *arguments,
@@ -111,7 +118,10 @@ class FastLauncher:
         # the direct call passes runtime args then constexprs positionally: only valid when that
         # is the signature's order, and while no launch hook expects its metadata
         in_order = list(self.kernel.arg_names) == [*self.kernel.arg_names[: len(args)], *constexpr_names]
-        if compiled is None or not in_order or _hooks_registered():
+        if compiled is None:
+            return
+        if not in_order or _hooks_registered():
+            self._compiled[key] = _THROUGH_TRITON  # decided once: later launches skip these checks
             return
         if self._stream is None:
             import triton
