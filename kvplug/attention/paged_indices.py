@@ -78,19 +78,17 @@ class PagedIndexBuilder:
                 by the kernel; uploaded from ``device_lens_cpu`` when not given.
         """
         size = self.view_page_size
-        if self._kernel is not None:
-            return self._build_with_kernel(table_rows, device_lens_cpu, device_lens)
-        lens = device_lens_cpu.numpy().astype(np.int64, copy=False)
-        bs = lens.shape[0]
-        pages = (lens + size - 1) // size
-        # indptr | last_page_len | pages | -S * indptr[:-1]
-        host_tensor = host_buffer(4 * bs + 1, self.page_table.device)
-        host = host_tensor.numpy()
-        indptr = host[: bs + 1]
-        indptr[0] = 0
-        np.cumsum(pages, out=indptr[1:])
-        host[bs + 1 : 2 * bs + 1] = lens - (pages - 1) * size  # last_page_len
+        bs = device_lens_cpu.shape[0]
+        # indptr | last_page_len, and for the torch path: pages | -S * indptr[:-1]
+        host_tensor, host, pages = self._plan_arrays(device_lens_cpu, extra=0 if self._kernel is not None else 2 * bs)
+        # torch slices (not numpy views) of the pinned buffer: plan() copies them to the device,
+        # and only a slice of the allocator's own tensor keeps the block alive until that copy ran
         indptr_cpu, last_page_len_cpu = host_tensor[: bs + 1], host_tensor[bs + 1 : 2 * bs + 1]
+        if self._kernel is not None:
+            if device_lens is None:
+                device_lens = device_lens_cpu.to(self.page_table.device, non_blocking=True)
+            return PagedIndices(indptr_cpu, last_page_len_cpu, self._kernel(table_rows, device_lens, int(host[bs])))
+        indptr = host[: bs + 1]
         host[2 * bs + 1 : 3 * bs + 1] = pages
         # table index of request i's page j is row_i * width + S * (global page - indptr_i)
         host[3 * bs + 1 :] = -size * indptr[:-1]
@@ -104,27 +102,22 @@ class PagedIndexBuilder:
             indices = indices.div_(size, rounding_mode="floor")
         return PagedIndices(indptr_cpu, last_page_len_cpu, indices)
 
-    def _build_with_kernel(
-        self, table_rows: torch.Tensor, device_lens_cpu: torch.Tensor, device_lens: torch.Tensor | None
-    ) -> PagedIndices:
-        # every numpy or torch call costs microseconds of host time on a GPU host: the fewest
-        # that give plan() its host indptr and last-page lengths
+    def _plan_arrays(self, device_lens_cpu: torch.Tensor, extra: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """A pinned buffer holding ``indptr`` (``[bs + 1]``) and ``last_page_len`` (``[bs]``), the
+        host arrays ``plan()`` takes, then ``extra`` free ints; its numpy view; pages per request.
+        Every numpy call costs microseconds of host time on a GPU host: the token view needs
+        no division."""
         size = self.view_page_size
         lens = device_lens_cpu.numpy()
         bs = lens.shape[0]
-        host_tensor = host_buffer(2 * bs + 1, self.page_table.device)
+        host_tensor = host_buffer(2 * bs + 1 + extra, self.page_table.device)
         host = host_tensor.numpy()
         host[0] = 0
         if size == 1:  # token view: a page per token, every last page holds one
-            np.cumsum(lens, out=host[1 : bs + 1])
-            host[bs + 1 :] = 1
+            pages = lens
+            host[bs + 1 : 2 * bs + 1] = 1
         else:
             pages = (lens + (size - 1)) // size
-            np.cumsum(pages, out=host[1 : bs + 1])
-            host[bs + 1 :] = (lens - 1) % size + 1
-        if device_lens is None:
-            device_lens = device_lens_cpu.to(self.page_table.device, non_blocking=True)
-        indices = self._kernel(table_rows, device_lens, int(host[bs]))
-        # torch slices (not numpy views) of the pinned buffer: plan() copies them to the device,
-        # and only a slice of the allocator's own tensor keeps the block alive until that copy ran
-        return PagedIndices(host_tensor[: bs + 1], host_tensor[bs + 1 :], indices)
+            host[bs + 1 : 2 * bs + 1] = (lens - 1) % size + 1
+        np.cumsum(pages, out=host[1 : bs + 1])
+        return host_tensor, host, pages

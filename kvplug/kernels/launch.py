@@ -54,6 +54,16 @@ def _argument_key(value: Any) -> Any:
     return -(1 << 31) <= value < (1 << 31), value == 1, value % 16 == 0
 
 
+def _launch_key(args: tuple, keywords: dict) -> tuple:
+    """The facts a compiled kernel is specialised on, plus the device."""
+    return (torch.cuda.current_device(), tuple(keywords.items()), *map(_argument_key, args))
+
+
+def _positional(args: tuple, keywords: dict) -> tuple:
+    """The compiled launcher's arguments: runtime args, then the constexprs (not launch options)."""
+    return (*args, *(value for name, value in keywords.items() if name not in LAUNCH_OPTIONS))
+
+
 class FastLauncher:
     """Launches one ``@triton.jit`` kernel (see the module docstring).
 
@@ -72,20 +82,7 @@ class FastLauncher:
         if not self.enabled:
             self.kernel[grid](*args, **keywords)
             return
-        key = (torch.cuda.current_device(), tuple(keywords.items()), *map(_argument_key, args))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._first_launch(key, grid, args, keywords)
-            return
-        if compiled is _THROUGH_TRITON:
-            self.kernel[grid](*args, **keywords)
-            return
-        constexprs = [value for name, value in keywords.items() if name not in LAUNCH_OPTIONS]
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        compiled.run(
-            grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
-            None, None, None, *args, *constexprs,
-        )
+        self._launch(_launch_key(args, keywords), grid, args, keywords, _positional(args, keywords))
 
     def bind(self, grid: Sequence[int], *args: Any, **keywords: Any) -> Callable[[], None]:
         """A launch of exactly these arguments, for a caller that repeats it over persistent
@@ -93,24 +90,24 @@ class FastLauncher:
         each call costs the launch alone (on the stream current at the call)."""
         if not self.enabled:
             return lambda: self.kernel[grid](*args, **keywords)
-        key = (torch.cuda.current_device(), tuple(keywords.items()), *map(_argument_key, args))
-        arguments = (*args, *(value for name, value in keywords.items() if name not in LAUNCH_OPTIONS))
+        key, arguments = _launch_key(args, keywords), _positional(args, keywords)
+        return lambda: self._launch(key, grid, args, keywords, arguments)
+
+    def _launch(self, key: tuple, grid: Sequence[int], args: tuple, keywords: dict, arguments: tuple) -> None:
+        """Launch through the compiled kernel of ``key`` (``arguments``: runtime args then
+        constexprs), or through Triton the first time and wherever the direct call cannot serve."""
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._first_launch(key, grid, args, keywords)
+            return
+        if compiled is _THROUGH_TRITON:
+            self.kernel[grid](*args, **keywords)
+            return
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-
-        def launch() -> None:
-            compiled = self._compiled.get(key)
-            if compiled is None:
-                self._first_launch(key, grid, args, keywords)
-                return
-            if compiled is _THROUGH_TRITON:
-                self.kernel[grid](*args, **keywords)
-                return
-            compiled.run(
-                grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
-                None, None, None, *arguments,
-            )
-
-        return launch
+        compiled.run(
+            grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
+            None, None, None, *arguments,
+        )
 
     def _first_launch(self, key: tuple, grid: Sequence[int], args: tuple, keywords: dict) -> None:
         compiled = self.kernel[grid](*args, **keywords)
