@@ -50,3 +50,50 @@ def test_a_one_slot_ring_reuses_its_views_with_each_steps_values():
     second = stager.stage(rows, cached + 1)
     assert second.batch.out_loc is first.batch.out_loc  # one slot: the same views
     assert second.batch.out_loc.tolist() == [3 * 64 + 6, 64 + 10]
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16, 64])
+def test_kernel_writes_deferred_pages_like_the_torch_path(page_size):
+    """Deferred pages written by the kernel equal the torch path's writes (page 5: pages clipped
+    at a row end that 5 does not divide), and out_loc is each new page."""
+    from kvplug.memory.deferred_pages import DeferredPages
+
+    rng = np.random.default_rng(page_size)
+    num_rows, width = 301, 4096
+    kernel_table = torch.randint(0, 1 << 28, (num_rows, width), dtype=torch.int32, device="cuda")
+    torch_table = kernel_table.clone()
+    storage = (torch.randperm(4096, device="cuda") * page_size).to(torch.int32)
+    kernel_stager = DecodeStager(kernel_table, page_size=page_size, use_kernel=True)
+    torch_stager = DecodeStager(torch_table, page_size=page_size, use_kernel=False)
+    for bs in (1, 7, 256, 300, 7):
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, width // page_size, bs) * page_size
+        cached[0] = width - 1 if page_size > 1 else cached[0]  # a page reaching past the row's end
+        page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(4096)[:bs], -1).astype(np.int32)
+        deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
+        by_kernel = kernel_stager.stage(rows, cached, deferred=deferred)
+        by_torch = torch_stager.stage(rows, cached, deferred=deferred)
+        assert torch.equal(kernel_table, torch_table), bs
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
+            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), name
+        assert torch.equal(by_kernel.append_index, by_torch.append_index)
+        growing = torch.from_numpy(page_slot >= 0).cuda()
+        assert torch.equal(by_kernel.batch.out_loc[growing], storage[torch.from_numpy(page_slot[page_slot >= 0]).long().cuda()])
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_backend_on_cuda_tables_matches_a_reference_through_random_steps(page_size):
+    """KVBackend on CUDA (its decode pages written by the stager's launch): random prefills,
+    decode steps, finishes and admissions keep the page table and token pool equal to a
+    one-page-at-a-time reference (the CPU suite's test, on the GPU path)."""
+    import kvplug
+    from kvplug.memory.model_shape import ModelShape
+    from tests.test_backend import run_random_decode_steps
+
+    shape = ModelShape(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=8, dtype=torch.float16)
+    backend = kvplug.create_backend(
+        shape, page_size=page_size, num_pages=6 * 96 // page_size + 6, max_running_reqs=6, max_seq_len=96,
+        prefix_cache="naive", attention=None, device="cuda",
+    )
+    assert backend.allocator.defer_decode_pages
+    run_random_decode_steps(backend, np.random.default_rng(page_size))

@@ -109,6 +109,30 @@ class FastLauncher:
             None, None, None, *arguments,
         )
 
+    def bind_all_but(self, position: int, grid: Sequence[int], *args: Any, **keywords: Any) -> Callable[[Any], None]:
+        """``bind`` with the runtime argument at ``position`` given per call: ``launch(value)``.
+        ``args[position]`` is an example; a value whose specialization differs from it (dtype,
+        16-byte alignment, integer class) goes through ``__call__``. The example is not kept."""
+        example_key = _argument_key(args[position])
+        head, tail = args[:position], args[position + 1 :]
+        if not self.enabled:
+            return lambda value: self.kernel[grid](*head, value, *tail, **keywords)
+        key = (torch.cuda.current_device(), tuple(keywords.items()), *map(_argument_key, args))
+        constexprs = tuple(value for name, value in keywords.items() if name not in LAUNCH_OPTIONS)
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+
+        def launch(value: Any) -> None:
+            compiled = self._compiled.get(key)
+            if compiled is None or _argument_key(value) != example_key:
+                self(grid, *head, value, *tail, **keywords)
+                return
+            compiled.run(
+                grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
+                None, None, None, *head, value, *tail, *constexprs,
+            )
+
+        return launch
+
     def _first_launch(self, key: tuple, grid: Sequence[int], args: tuple, keywords: dict) -> None:
         compiled = self.kernel[grid](*args, **keywords)
         constexpr_names = [name for name in keywords if name not in LAUNCH_OPTIONS]
