@@ -123,7 +123,7 @@ class FastLauncher:
 
         def launch(value: Any) -> None:
             compiled = self._compiled.get(key)
-            if compiled is None or _argument_key(value) != example_key:
+            if compiled is None or compiled is _THROUGH_TRITON or _argument_key(value) != example_key:
                 self(grid, *head, value, *tail, **keywords)
                 return
             compiled.run(
