@@ -117,19 +117,15 @@ class FastLauncher:
         head, tail = args[:position], args[position + 1 :]
         if not self.enabled:
             return lambda value: self.kernel[grid](*head, value, *tail, **keywords)
-        key = (torch.cuda.current_device(), tuple(keywords.items()), *map(_argument_key, args))
-        constexprs = tuple(value for name, value in keywords.items() if name not in LAUNCH_OPTIONS)
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        key = _launch_key(args, keywords)
+        constexprs = _positional((), keywords)
 
         def launch(value: Any) -> None:
-            compiled = self._compiled.get(key)
-            if compiled is None or compiled is _THROUGH_TRITON or _argument_key(value) != example_key:
+            if _argument_key(value) != example_key:
                 self(grid, *head, value, *tail, **keywords)
                 return
-            compiled.run(
-                grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
-                None, None, None, *head, value, *tail, *constexprs,
-            )
+            values = (*head, value, *tail)
+            self._launch(key, grid, values, keywords, (*values, *constexprs))
 
         return launch
 
