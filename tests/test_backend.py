@@ -421,7 +421,7 @@ def run_random_decode_steps(backend: KVBackend, rng: np.random.Generator) -> Non
             assert torch.equal(backend.input_ids(batch), expected_ids)
             sampled = torch.tensor(rng.integers(0, 1000, len(rows)), dtype=torch.int32)
             backend.append_tokens(batch_requests, sampled)
-            reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled
+            reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled.to(reference.tokens.device)
             assert torch.equal(backend.page_table, reference.table), f"step {step}"
             assert torch.equal(backend.token_pool, reference.tokens), f"step {step}"
             batch_requests = [r for r in batch_requests if r.num_tokens < backend.max_seq_len]
