@@ -97,3 +97,40 @@ def test_backend_on_cuda_tables_matches_a_reference_through_random_steps(page_si
     )
     assert backend.allocator.defer_decode_pages
     run_random_decode_steps(backend, np.random.default_rng(page_size))
+
+
+@pytest.mark.parametrize("page_size, list_size", [(1, 1), (16, 1), (16, 16), (64, 64), (5, 5)])
+@pytest.mark.parametrize("with_pages", [False, True])
+def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages):
+    """The page lists the decode-step launch writes equal the torch path's (PagedIndexBuilder over
+    the table after the deferred pages went in), with the batch fields and table writes, through
+    ring reuse, batch sizes that change and page-list buffers that grow (short rows first)."""
+    from kvplug.memory.deferred_pages import DeferredPages
+
+    rng = np.random.default_rng(page_size * 100 + list_size * 2 + with_pages)
+    num_rows, width = 301, 4096
+    kernel_table = (torch.randint(0, 1 << 20, (num_rows, width), dtype=torch.int32, device="cuda") * page_size)
+    torch_table = kernel_table.clone()
+    storage = (torch.randperm(8192, device="cuda") * page_size).to(torch.int32)
+    stagers = [
+        DecodeStager(table, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
+        for table, use_kernel in ((kernel_table, True), (torch_table, False))
+    ]
+    for step, (bs, longest) in enumerate([(1, 40), (7, 40), (256, 300), (300, width), (7, width), (1, width), (256, width)]):
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, max(1, longest // page_size), bs) * page_size
+        if not with_pages:
+            cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
+        deferred = None
+        if with_pages:
+            page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(8192)[:bs], -1).astype(np.int32)
+            deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
+        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred) for stager in stagers)
+        assert torch.equal(kernel_table, torch_table), step
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
+            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (step, name)
+        lists, expected = by_kernel.batch.page_lists, by_torch.batch.page_lists
+        assert lists.view_page_size == list_size
+        assert torch.equal(lists.indptr, expected.indptr) and torch.equal(lists.last_page_len, expected.last_page_len)
+        assert lists.indptr.is_pinned() and lists.indices.device.type == "cuda"
+        assert torch.equal(lists.indices, expected.indices), step

@@ -12,6 +12,11 @@ request (an index into the free list's tensor, or -1): the kernel first writes t
 the table, token by token from the request's cached length (a decode step's new page starts
 there), clipped to the row, and takes ``out_loc`` from it - the allocator's table write, without
 its upload and scatter.
+
+With page lists (the attention backend's FlashInfer-style CSR ``indices``), the host uploads
+their ``indptr`` too (it computes it for ``plan()`` anyway) and programs after the batch fields'
+copy each request's every ``S``-th table entry, over ``S`` - the ``PageListWriter`` launch folded
+into this one. A page this launch writes is taken from the free list, not read back.
 """
 
 from __future__ import annotations
@@ -24,23 +29,16 @@ import triton.language as tl
 
 from kvplug.kernels.launch import FastLauncher
 
+LIST_BLOCK_PAGES = 1024
+TARGET_LIST_PROGRAMS = 512  # covers the SMs a few times over for a lone long request
 
-@triton.jit(do_not_specialize=["batch_size", "row_width"])
-def _decode_step_kernel(
-    slot_ptr,
-    append_ptr,
-    table_ptr,
-    pages_ptr,
-    batch_size,
-    row_width,
-    PAGE_SIZE: tl.constexpr,
-    PAGE_P2: tl.constexpr,
-    HAS_PAGES: tl.constexpr,
-    BLOCK: tl.constexpr,
+
+@triton.jit
+def _batch_fields(
+    slot_ptr, append_ptr, table_ptr, pages_ptr, batch_size, row_width, program,
+    PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # slot layout, int32 units for a batch of n: append index (int64, 2n) | rows | cached |
-    # device | page slot | token index | out_loc (see kvplug.attention.decode_staging)
-    request = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    request = program * BLOCK + tl.arange(0, BLOCK)
     mask = request < batch_size
     rows = tl.load(slot_ptr + 2 * batch_size + request, mask=mask, other=0)
     cached = tl.load(slot_ptr + 3 * batch_size + request, mask=mask, other=0)
@@ -54,15 +52,80 @@ def _decode_step_kernel(
         write = growing[:, None] & (offsets[None, :] < PAGE_SIZE) & (cached[:, None] + offsets[None, :] < row_width)
         tl.store(table_ptr + cell[:, None] + offsets[None, :], page[:, None] + offsets[None, :], mask=write)
         location = tl.where(growing, page, location)
-    tl.store(slot_ptr + 6 * batch_size + request, cell.to(tl.int32), mask=mask)
-    tl.store(slot_ptr + 7 * batch_size + request, location, mask=mask)
+    tl.store(slot_ptr + 8 * batch_size + 1 + request, cell.to(tl.int32), mask=mask)
+    tl.store(slot_ptr + 9 * batch_size + 1 + request, location, mask=mask)
     tl.store(append_ptr + request, cell + 1, mask=mask)
+
+
+@triton.jit
+def _page_list(
+    slot_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits, job,
+    HAS_PAGES: tl.constexpr, LIST_PAGE_SIZE: tl.constexpr, LIST_BLOCK: tl.constexpr,
+):
+    # job = request * list_splits + split: the split's strided blocks of the request's pages
+    request = job // list_splits
+    split = job % list_splits
+    row = tl.load(slot_ptr + 2 * batch_size + request)
+    cached = tl.load(slot_ptr + 3 * batch_size + request)
+    start = tl.load(slot_ptr + 6 * batch_size + request)
+    own_pages = cached // LIST_PAGE_SIZE + 1  # the new token at `cached` is in the last one
+    row_base = table_ptr + row.to(tl.int64) * row_width
+    fresh_page = -1
+    new_location = 0
+    if HAS_PAGES:
+        # a page this launch writes: the other programs' table store is not ordered before
+        # this load, so it comes from the free list (it starts the request's last view page)
+        page_slot = tl.load(slot_ptr + 5 * batch_size + request)
+        new_location = tl.load(pages_ptr + page_slot, mask=page_slot >= 0, other=0)
+        fresh_page = tl.where(page_slot >= 0, cached // LIST_PAGE_SIZE, -1)
+    for first in range(split * LIST_BLOCK, own_pages, list_splits * LIST_BLOCK):
+        page = first + tl.arange(0, LIST_BLOCK)
+        mask = page < own_pages
+        location = tl.load(row_base + page.to(tl.int64) * LIST_PAGE_SIZE, mask=mask, other=0)
+        if HAS_PAGES:
+            location = tl.where(page == fresh_page, new_location, location)
+        if LIST_PAGE_SIZE > 1:
+            location = location // LIST_PAGE_SIZE  # locations are >= 0: floor division
+        tl.store(indices_ptr + start + page, location, mask=mask)
+
+
+@triton.jit(do_not_specialize=["batch_size", "row_width", "list_splits"])
+def _decode_step_kernel(
+    slot_ptr,
+    append_ptr,
+    table_ptr,
+    pages_ptr,
+    indices_ptr,
+    batch_size,
+    row_width,
+    list_splits,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_P2: tl.constexpr,
+    HAS_PAGES: tl.constexpr,
+    LIST_PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LIST_BLOCK: tl.constexpr,
+):
+    # slot layout: see kvplug.attention.decode_slot. The first programs fill the batch fields,
+    # BLOCK requests each; with page lists (LIST_PAGE_SIZE > 0) list_splits programs per request follow
+    program = tl.program_id(0)
+    field_programs = tl.cdiv(batch_size, BLOCK)
+    if program < field_programs:
+        _batch_fields(
+            slot_ptr, append_ptr, table_ptr, pages_ptr, batch_size, row_width, program,
+            PAGE_SIZE, PAGE_P2, HAS_PAGES, BLOCK,
+        )
+    elif LIST_PAGE_SIZE > 0:
+        _page_list(
+            slot_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits,
+            program - field_programs, HAS_PAGES, LIST_PAGE_SIZE, LIST_BLOCK,
+        )
 
 
 _launch_decode_step = FastLauncher(_decode_step_kernel)
 
 
-def bind_decode_fields(
+def bind_decode_step(
     slot: torch.Tensor,
     append_index: torch.Tensor,
     page_table: torch.Tensor,
@@ -70,27 +133,41 @@ def bind_decode_fields(
     page_size: int,
     *,
     with_pages: torch.Tensor | None = None,
+    page_lists: tuple[torch.Tensor, int] | None = None,
 ) -> Callable[..., None]:
-    """The launch that fills a staged slot's token index, out_loc and append index, bound once
-    per slot and batch size (each call then costs the launch).
+    """The launch that fills a staged slot's token index, out_loc and append index (and page
+    lists), bound once per slot, batch size and page-list buffer (each call then costs the launch).
 
     Without ``with_pages`` it is called with no argument. With it (an example free-list tensor,
     not kept) it is called with the step's pages tensor and writes the deferred pages first.
 
     Args:
-        slot: shape ``[8 * batch_size]``, int32, cuda; rows at ``[2n, 3n)``, cached lengths at
-            ``[3n, 4n)`` and (with pages) page slots at ``[5n, 6n)``, uploaded (in stream
-            order) before each call.
+        slot: shape ``[10 * batch_size + 1]``, int32, cuda; the ring slot (``decode_slot``
+            layout), its uploaded part copied in (in stream order) before each call.
         append_index: shape ``[batch_size]``, int64, cuda; ``slot[: 2n]`` viewed as int64.
         page_table: shape ``[rows, row_width]``, int32, contiguous, cuda.
         page_size: tokens per page.
         with_pages: int32, cuda; an example of the free-list tensor the page slots index.
+        page_lists: ``(indices, S)``: also write each request's CSR page list for a view of
+            ``S`` tokens a page into ``indices`` (int32, cuda, large enough for every step this
+            launch serves) from the uploaded ``indptr``.
     """
     page_p2 = max(2, 1 << (page_size - 1).bit_length())
     block = _block(page_p2)
-    args = (slot, append_index, page_table, slot if with_pages is None else with_pages, batch_size, page_table.shape[1])
-    grid = (triton.cdiv(batch_size, block),)
-    constexprs = dict(PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None, BLOCK=block)
+    field_programs = triton.cdiv(batch_size, block)
+    indices, list_page_size = page_lists if page_lists is not None else (slot, 0)
+    # a request's pages split over enough programs to fill the GPU when one request is long;
+    # programs past a request's last block exit at once, so one grid serves every step
+    list_splits = triton.cdiv(TARGET_LIST_PROGRAMS, batch_size) if page_lists is not None else 1
+    grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
+    args = (
+        slot, append_index, page_table, slot if with_pages is None else with_pages, indices,
+        batch_size, page_table.shape[1], list_splits,
+    )
+    constexprs = dict(
+        PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None, LIST_PAGE_SIZE=list_page_size,
+        BLOCK=block, LIST_BLOCK=LIST_BLOCK_PAGES,
+    )
     if with_pages is None:  # the pages pointer is not read: the slot stands in
         return _launch_decode_step.bind(grid, *args, **constexprs)
     return _launch_decode_step.bind_all_but(3, grid, *args, **constexprs)
