@@ -99,6 +99,7 @@ class DecodeStager:
         self._capacity = page_table.shape[0]  # the largest batch: every row, dummy included
         self._slots: list[torch.Tensor | None] = [None] * self.ring_size
         self._list_buffers = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(self.ring_size)]
+        self._list_capacity = [0] * self.ring_size  # entries of each list buffer, kept as ints
         self._views: dict[tuple[int, int], SlotViews] = {}
         self._next = 0
         self.extend_starts = ExtendStarts(self.device)
@@ -146,21 +147,24 @@ class DecodeStager:
         total_pages = 0
         if list_size is not None:
             total_pages = write_page_list_arrays(device, list_size, host[4 * n : 5 * n + 1], host[5 * n + 1 :], cached)
-            if self._bind_kernel is not None and self._list_buffers[slot].shape[0] < total_pages:
+            if self._list_capacity[slot] < total_pages and self._bind_kernel is not None:
                 self._grow_list_buffer(slot, total_pages)
         views.uploads[size].copy_(host_tensor, non_blocking=True)
         self._derive(views, slot, n, None if deferred is None else deferred.storage)
-        # host views of the pinned buffer (which they keep alive); from_numpy is the cheapest way
-        h_cached, h_device = torch.from_numpy(cached), torch.from_numpy(device)
-        page_lists = None
-        if list_size is not None:
+        if list_size is None:
+            # host views of the pinned buffer (which they keep alive); from_numpy is the cheapest way
+            h_cached, h_device = torch.from_numpy(cached), torch.from_numpy(device)
+            page_lists = None
+        else:
+            # torch views (not numpy ones) for plan(), which copies indptr and last-page lengths:
+            # only views of the allocator's own tensor keep the pinned block from reuse until
+            # that copy ran; one split makes them all
+            _, h_cached, h_device, _, indptr, last_page_len = host_tensor.split_with_sizes((n, n, n, n, n + 1, n))
             if self._list_builder is not None:
                 indices = self._list_builder.build(views.rows, h_device).indices
             else:
                 indices = self._list_buffers[slot][:total_pages]
-            # torch slices (not numpy views): plan() copies them, and only the allocator's own
-            # tensor keeps the pinned block from reuse until that copy ran
-            page_lists = PagedIndices(host_tensor[4 * n : 5 * n + 1], host_tensor[5 * n + 1 :], indices, list_size)
+            page_lists = PagedIndices(indptr, last_page_len, indices, list_size)
         d_start, h_start = self.extend_starts.get(n)
         batch = StagedDecodeBatch(
             ForwardPhase.DECODE, views.rows, views.cached, views.device, h_cached, h_device, d_start, h_start,
@@ -181,9 +185,8 @@ class DecodeStager:
     def _grow_list_buffer(self, slot: int, total_pages: int) -> None:
         """A bigger page-list buffer for ``slot``: launches bound to the old one go (batches
         holding views of it keep it alive)."""
-        self._list_buffers[slot] = torch.empty(
-            1 << (total_pages - 1).bit_length(), dtype=torch.int32, device=self.device
-        )
+        capacity = self._list_capacity[slot] = 1 << (total_pages - 1).bit_length()
+        self._list_buffers[slot] = torch.empty(capacity, dtype=torch.int32, device=self.device)
         for (views_slot, _), views in self._views.items():
             if views_slot == slot:
                 views.launches.clear()

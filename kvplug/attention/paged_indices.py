@@ -11,7 +11,7 @@ without Triton) four torch ops, which the kernel is tested against.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,8 +20,7 @@ from kvplug.attention.batch import host_buffer
 from kvplug.interface import InvalidArgumentError
 
 
-@dataclass(frozen=True)
-class PagedIndices:
+class PagedIndices(NamedTuple):
     """Attributes:
         indptr: shape ``[bs + 1]``, int32, cpu; exclusive prefix sum of pages per request.
         last_page_len: shape ``[bs]``, int32, cpu; tokens in each request's last page (1..S).
@@ -55,15 +54,16 @@ def write_page_list_arrays(
     """
     indptr[0] = 0
     if view_page_size == 1:  # token view: a page per token, every last page holds one
-        np.cumsum(device_lens, out=indptr[1:])
+        np.cumsum(device_lens, dtype=indptr.dtype, out=indptr[1:])
         last_page_len[:] = 1
     else:
         if last_positions is None:
             last_positions = device_lens - 1
-        pages, offsets = np.divmod(last_positions, view_page_size)
-        pages += 1
-        np.cumsum(pages, out=indptr[1:])
-        np.add(offsets, 1, out=last_page_len)
+        # pages = last_position // S + 1 and last_page_len = last_position % S + 1, written in place
+        np.divmod(last_positions, view_page_size, out=(indptr[1:], last_page_len))
+        indptr[1:] += 1
+        np.cumsum(indptr[1:], dtype=indptr.dtype, out=indptr[1:])
+        last_page_len += 1
     return int(indptr[-1])
 
 
