@@ -76,3 +76,53 @@ def test_a_stager_without_page_lists_stages_none():
     batch = DecodeStager(table, use_kernel=False).stage(np.array([2, 0]), np.array([3, 6])).batch
     assert isinstance(batch, StagedDecodeBatch) and batch.page_lists is None
     assert batch.out_loc.tolist() == [19, 6]
+
+
+def test_step_progress_numbers_steps_and_refuses_a_slot_the_device_never_released():
+    """Without reports, a ring of 3 hands out steps 1..3 (fresh slots), then the fourth step's
+    slot (step 1's) needs step 2 reported: after a sync (nothing is pending on the CPU) at least
+    step 3 must be, so a launch that never reports is an error, not a silent sync per step."""
+    from kvplug.attention.step_progress import StepProgress, StepProgressError
+
+    progress = StepProgress(torch.device("cpu"), ring_size=3)
+    assert [progress.begin_step() for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(StepProgressError, match="expected at least 3"):
+        progress.begin_step()
+    progress.report(torch.tensor([4], dtype=torch.int32))
+    assert progress.reached(2) and progress.reached(4) and not progress.reached(5)
+    assert progress.begin_step() == 5
+
+
+def test_step_progress_compares_numbers_modulo_2_to_the_31():
+    from kvplug.attention.step_progress import StepProgress
+
+    progress = StepProgress(torch.device("cpu"), ring_size=3)
+    progress.report(torch.tensor([(1 << 31) - 2], dtype=torch.int32))
+    assert progress.reached((1 << 31) - 3) and progress.reached((1 << 31) - 2)
+    assert not progress.reached((1 << 31) - 1) and not progress.reached(1 << 31)
+    progress.report(torch.tensor([1], dtype=torch.int32))  # step 2**31 + 1, wrapped
+    assert progress.reached((1 << 31) + 1) and progress.reached((1 << 31) - 2)
+
+
+def test_each_stage_reports_its_step_and_batches_keep_their_host_fields_for_a_ring():
+    """Every stage's launch (here the torch path) reports its step; a batch's host fields are
+    persistent views that stay intact until the stage ``ring_size`` later reuses the slot."""
+    table = torch.arange(6 * 32, dtype=torch.int32).view(6, 32)
+    stager = DecodeStager(table, page_list_size=1, ring_size=2, use_kernel=False)
+    first = stager.stage(np.array([1, 4]), np.array([3, 7])).batch
+    assert int(stager.progress.tensor[0]) == 1
+    second = stager.stage(np.array([2, 0]), np.array([5, 9])).batch
+    assert int(stager.progress.tensor[0]) == 2
+    assert first.device_lens_cpu.tolist() == [4, 8] and first.page_lists.indptr.tolist() == [0, 4, 12]
+    third = stager.stage(np.array([3, 5]), np.array([1, 2])).batch
+    assert third.cached_lens_cpu is first.cached_lens_cpu  # slot 0 again: the same views
+    assert first.device_lens_cpu.tolist() == [2, 3] and second.device_lens_cpu.tolist() == [6, 10]
+    assert third.page_lists.indices.tolist() == [96, 97, 160, 161, 162]
+
+
+def test_a_one_slot_ring_waits_for_the_previous_step_only():
+    table = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
+    stager = DecodeStager(table, ring_size=1, use_kernel=False)
+    for step in range(1, 5):
+        batch = stager.stage(np.array([2]), np.array([step])).batch
+        assert batch.out_loc.tolist() == [32 + step] and int(stager.progress.tensor[0]) == step

@@ -1,18 +1,24 @@
-"""One ring slot of ``DecodeStager``: where a staged decode batch's fields live on the device,
-and the torch ops equal to the decode-step kernel that fills the derived ones.
+"""One ring slot of ``DecodeStager``: a persistent host buffer the step is written into, the device
+buffer it is copied to, and the views of both for one batch size - made once, so a step slices
+nothing.
 
-Layout of a slot for a batch of ``n``, in int32 units (one tensor, so one upload and one kernel
-argument cover every field)::
+Host buffer (pinned for a GPU table), int32 units for a batch of ``n``::
+
+    [0]                step number (the kernel reports it back: see ``DecodeStager``)
+    [1, n + 1)         table rows
+    [n + 1, 2n + 1)    cached lengths
+    [2n + 1, 3n + 1)   device lengths
+    [3n + 1, 4n + 1)   page slot (deferred pages)
+    [4n + 1, 5n + 2)   page-list indptr
+    [5n + 2, 6n + 2)   last-page lengths
+
+A step copies its first ``3n + 1`` entries (``4n + 1`` with deferred pages, ``6n + 2`` with page
+lists; ``upload_size``) to offset ``2n`` of the device buffer::
 
     [0, 2n)            append index (int64; first, so it is 8-byte aligned)
-    [2n, 3n)           table rows          -+
-    [3n, 4n)           cached lengths       |  uploaded: the first 3n,
-    [4n, 5n)           device lengths       |  4n with deferred pages,
-    [5n, 6n)           page slot            |  6n + 1 with page lists
-    [6n, 7n + 1)       page-list indptr     |
-    [7n + 1, 8n + 1)   last-page lengths   -+
-    [8n + 1, 9n + 1)   token index
-    [9n + 1, 10n + 1)  out_loc
+    [2n, 8n + 2)       the host buffer's entries, as above
+    [8n + 2, 9n + 2)   token index
+    [9n + 2, 10n + 2)  out_loc
 
 The kernel (``triton_kernels.decode_step``) reads these offsets; the GPU tests hold it to
 ``derive_with_torch``.
@@ -22,33 +28,66 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
-def slot_size(batch_size: int) -> int:
-    """int32 entries a slot needs for a batch of ``batch_size``."""
-    return 10 * batch_size + 1
+def device_size(batch_size: int) -> int:
+    """int32 entries the device buffer needs for a batch of ``batch_size``."""
+    return 10 * batch_size + 2
+
+
+def host_size(batch_size: int) -> int:
+    """int32 entries the host buffer needs for a batch of ``batch_size``."""
+    return 6 * batch_size + 2
 
 
 def upload_size(batch_size: int, with_pages: bool, with_page_lists: bool) -> int:
-    """int32 entries the host copies in, from offset ``2n``."""
+    """int32 entries a step copies from the host buffer to offset ``2n`` of the device buffer."""
     if with_page_lists:
-        return 6 * batch_size + 1
-    return 4 * batch_size if with_pages else 3 * batch_size
+        return 6 * batch_size + 2
+    return 4 * batch_size + 1 if with_pages else 3 * batch_size + 1
+
+
+class HostViews(NamedTuple):
+    """The host buffer's fields for one batch size ``n``: numpy views the step writes (int32) and
+    torch views of the same memory the batch carries (shape ``[n]`` unless noted).
+
+    Attributes:
+        uploads: upload size -> the leading part of the buffer a step copies.
+        step: shape ``[1]``; rows, cached, device, page_slot, indptr (``[n + 1]``), last: numpy.
+        cached_lens, device_lens, indptr, last_page_len: torch, cpu (pinned for a GPU table).
+    """
+
+    uploads: dict
+    step: np.ndarray
+    rows: np.ndarray
+    cached: np.ndarray
+    device: np.ndarray
+    page_slot: np.ndarray
+    indptr_array: np.ndarray
+    last_array: np.ndarray
+    cached_lens: torch.Tensor
+    device_lens: torch.Tensor
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
 
 
 class SlotViews(NamedTuple):
-    """Views of one ring slot for one batch size ``n``: shape ``[n]``, int32, device, unless noted.
+    """The device buffer's fields for one batch size ``n``: shape ``[n]``, int32, table device,
+    unless noted; ``host`` the host buffer's.
 
     Attributes:
-        whole: shape ``[10n + 1]``; the slot (the kernel's argument).
-        uploads: upload size -> the view the host buffer is copied into (see ``upload_size``).
+        whole: shape ``[10n + 2]``; the kernel's argument.
+        uploads: upload size -> the part of ``whole`` a step's host part is copied into.
+        step: shape ``[1]``; the step number copied in.
         append_index: int64.
         launches: bound kernel launches, by whether the step has deferred pages.
     """
 
     whole: torch.Tensor
     uploads: dict
+    step: torch.Tensor
     append_index: torch.Tensor
     rows: torch.Tensor
     cached: torch.Tensor
@@ -56,19 +95,30 @@ class SlotViews(NamedTuple):
     page_slot: torch.Tensor
     token_index: torch.Tensor
     out_loc: torch.Tensor
+    host: HostViews
     launches: dict
 
 
-def make_slot_views(buffer: torch.Tensor, batch_size: int) -> SlotViews:
-    """The views of ``buffer`` (int32, at least ``slot_size(batch_size)`` entries) for a batch."""
+def make_slot_views(device_buffer: torch.Tensor, host_buffer: torch.Tensor, batch_size: int) -> SlotViews:
+    """The views of a slot's buffers (int32, at least ``device_size`` / ``host_size`` entries)."""
     n = batch_size
-    whole = buffer[: slot_size(n)]
-    append, rows, cached, device, page_slot, _lists, token_index, out_loc = whole.split_with_sizes(
-        (2 * n, n, n, n, n, 2 * n + 1, n, n)
+    sizes = (3 * n + 1, 4 * n + 1, 6 * n + 2)
+    host_whole = host_buffer[: host_size(n)]
+    array = host_whole.numpy()
+    _, _, h_cached, h_device, _, h_indptr, h_last = host_whole.split_with_sizes((1, n, n, n, n, n + 1, n))
+    host = HostViews(
+        {size: host_whole[:size] for size in sizes}, array[:1], array[1 : n + 1], array[n + 1 : 2 * n + 1],
+        array[2 * n + 1 : 3 * n + 1], array[3 * n + 1 : 4 * n + 1], array[4 * n + 1 : 5 * n + 2],
+        array[5 * n + 2 :], h_cached, h_device, h_indptr, h_last,
     )
-    uploads = {size: whole[2 * n : 2 * n + size] for size in {3 * n, 4 * n, 6 * n + 1}}
+    whole = device_buffer[: device_size(n)]
+    append, step, rows, cached, device, page_slot, _lists, token_index, out_loc = whole.split_with_sizes(
+        (2 * n, 1, n, n, n, n, 2 * n + 1, n, n)
+    )
+    uploads = {size: whole[2 * n : 2 * n + size] for size in sizes}
     return SlotViews(
-        whole, uploads, append.view(torch.int64), rows, cached, device, page_slot, token_index, out_loc, {}
+        whole, uploads, step, append.view(torch.int64), rows, cached, device, page_slot, token_index, out_loc,
+        host, {},
     )
 
 

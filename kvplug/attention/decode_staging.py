@@ -2,22 +2,27 @@
 GPU's), at the fewest host-side calls.
 
 On the H200 hosts every torch call costs 2-19 us of host time whatever its size, so the per-step
-cost is the number of calls. A step here makes: one pinned host buffer (a few numpy writes: rows,
-cached lengths, device lengths; deferred page slots; page-list ``indptr`` and last-page lengths),
-one copy into a device *slot* (``decode_slot``), and one kernel launch that derives the rest on
-the device (``triton_kernels.decode_step``; torch ops off CUDA or without Triton). The slot's
-views are made once per slot and batch size, so no split or slicing happens per step.
+cost is the number of calls. A step here makes: a few numpy writes into a persistent pinned host
+buffer (rows, cached lengths, device lengths; deferred page slots; page-list ``indptr`` and
+last-page lengths), one copy of it into a device buffer, and one kernel launch that derives the
+rest on the device (``triton_kernels.decode_step``; torch ops off CUDA or without Triton). Both
+buffers and every view of them (the batch's host fields included) are made once per ring slot
+and batch size (``decode_slot``), so a step allocates and slices nothing.
 
 Page lists: an attention backend that plans decode batches with FlashInfer-style CSR page lists
 says so (``decode_page_list_size``, the tokens per page of its view); a stager built with that
 size writes them in the same launch and hands them over on the batch
 (``StagedDecodeBatch.page_lists``), so the backend's ``prepare_metadata`` builds nothing.
 
-Slots form a ring (``ring_size``, default 3): a batch's device tensors (page lists included) are
-reused by the decode batch staged ``ring_size`` prepares later. Work enqueued on the same stream
-before that is safe (the copy that overwrites a slot is ordered after it); a host must not hold a
-decode batch for longer than that (hosts describe one forward per batch). ``build_decode_batch``
-and ``build_attention_batch`` still return batches that own their tensors.
+Slots form a ring (``ring_size``, default 3): a batch's tensors, host and device, are reused by
+the decode batch staged ``ring_size`` prepares later; a host must not hold a decode batch for
+longer than that (hosts describe one forward per batch). Device work is safe by stream order (the
+copy that overwrites a slot is ordered after every earlier use). Host memory is not: the copy and
+``plan()``'s copies read it asynchronously. So each launch writes its step number into pinned
+host memory (``StepProgress``), and a slot's host buffer is rewritten only once the device
+reported the step after that slot's last use - a wait (a stream sync) only when the host runs
+``ring_size - 1`` steps ahead of the device. Everything runs on the current stream.
+``build_decode_batch`` and ``build_attention_batch`` still return batches that own their tensors.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvplug.attention.decode_batch import ExtendStarts, host_buffer
-from kvplug.attention.decode_slot import SlotViews, derive_with_torch, make_slot_views, slot_size, upload_size
+from kvplug.attention.decode_batch import ExtendStarts
+from kvplug.attention.decode_slot import (
+    SlotViews,
+    derive_with_torch,
+    device_size,
+    host_size,
+    make_slot_views,
+    upload_size,
+)
+from kvplug.attention.step_progress import StepProgress
 from kvplug.attention.paged_indices import PagedIndexBuilder, PagedIndices, write_page_list_arrays
 from kvplug.interface import AttentionBatch, ForwardPhase
 from kvplug.memory.deferred_pages import DeferredPages
@@ -97,11 +110,12 @@ class DecodeStager:
         self.ring_size = int(ring_size)
         self._flat_table = page_table.view(-1)
         self._capacity = page_table.shape[0]  # the largest batch: every row, dummy included
-        self._slots: list[torch.Tensor | None] = [None] * self.ring_size
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.ring_size
         self._list_buffers = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(self.ring_size)]
         self._list_capacity = [0] * self.ring_size  # entries of each list buffer, kept as ints
         self._views: dict[tuple[int, int], SlotViews] = {}
         self._next = 0
+        self.progress = StepProgress(self.device, self.ring_size)
         self.extend_starts = ExtendStarts(self.device)
         if use_kernel is None:
             use_kernel = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
@@ -134,52 +148,45 @@ class DecodeStager:
         slot = self._next
         self._next = slot + 1 if slot + 1 < self.ring_size else 0
         views = self._views.get((slot, n)) or self._make_views(slot, n)
-        list_size = self.page_list_size
-        size = upload_size(n, deferred is not None, list_size is not None)
-        host_tensor = host_buffer(size, self.device)
-        host = host_tensor.numpy()
-        host[:n] = table_rows
-        cached, device = host[n : 2 * n], host[2 * n : 3 * n]
-        cached[:] = cached_lens
-        np.add(cached_lens, 1, out=device, casting="unsafe")
+        host = views.host
+        host.step[0] = self.progress.begin_step()  # waits if this slot's host buffer may still be read
+        host.rows[:] = table_rows
+        host.cached[:] = cached_lens
+        np.add(cached_lens, 1, out=host.device, casting="unsafe")
         if deferred is not None:
-            host[3 * n : 4 * n] = deferred.page_slot
-        total_pages = 0
+            host.page_slot[:] = deferred.page_slot
+        list_size = self.page_list_size
+        page_lists = None
         if list_size is not None:
-            total_pages = write_page_list_arrays(device, list_size, host[4 * n : 5 * n + 1], host[5 * n + 1 :], cached)
+            total_pages = write_page_list_arrays(host.device, list_size, host.indptr_array, host.last_array, host.cached)
             if self._list_capacity[slot] < total_pages and self._bind_kernel is not None:
                 self._grow_list_buffer(slot, total_pages)
-        views.uploads[size].copy_(host_tensor, non_blocking=True)
+        size = upload_size(n, deferred is not None, list_size is not None)
+        views.uploads[size].copy_(host.uploads[size], non_blocking=True)
         self._derive(views, slot, n, None if deferred is None else deferred.storage)
-        if list_size is None:
-            # host views of the pinned buffer (which they keep alive); from_numpy is the cheapest way
-            h_cached, h_device = torch.from_numpy(cached), torch.from_numpy(device)
-            page_lists = None
-        else:
-            # torch views (not numpy ones) for plan(), which copies indptr and last-page lengths:
-            # only views of the allocator's own tensor keep the pinned block from reuse until
-            # that copy ran; one split makes them all
-            _, h_cached, h_device, _, indptr, last_page_len = host_tensor.split_with_sizes((n, n, n, n, n + 1, n))
+        if list_size is not None:
             if self._list_builder is not None:
-                indices = self._list_builder.build(views.rows, h_device).indices
+                indices = self._list_builder.build(views.rows, host.device_lens).indices
             else:
                 indices = self._list_buffers[slot][:total_pages]
-            page_lists = PagedIndices(indptr, last_page_len, indices, list_size)
+            page_lists = PagedIndices(host.indptr, host.last_page_len, indices, list_size)
         d_start, h_start = self.extend_starts.get(n)
         batch = StagedDecodeBatch(
-            ForwardPhase.DECODE, views.rows, views.cached, views.device, h_cached, h_device, d_start, h_start,
-            views.cached, views.out_loc, self.page_table, num_padded, None, page_lists,
+            ForwardPhase.DECODE, views.rows, views.cached, views.device, host.cached_lens, host.device_lens,
+            d_start, h_start, views.cached, views.out_loc, self.page_table, num_padded, None, page_lists,
         )
-        return DecodeUpload(batch, views.token_index, views.append_index, device)
+        return DecodeUpload(batch, views.token_index, views.append_index, host.device)
 
     def _make_views(self, slot: int, n: int) -> SlotViews:
-        buffer = self._slots[slot]
-        if buffer is None or buffer.numel() < slot_size(n):  # padded batches may repeat the dummy row
-            # views made earlier keep the old buffer alive, so their batches stay valid
-            buffer = self._slots[slot] = torch.zeros(
-                slot_size(max(self._capacity, n)), dtype=torch.int32, device=self.device
+        buffers = self._buffers[slot]
+        if buffers is None or buffers[0].numel() < device_size(n):  # padded batches may repeat the dummy row
+            # views made earlier keep the old buffers alive, so their batches stay valid
+            capacity = max(self._capacity, n)
+            buffers = self._buffers[slot] = (
+                torch.zeros(device_size(capacity), dtype=torch.int32, device=self.device),
+                torch.zeros(host_size(capacity), dtype=torch.int32, pin_memory=self.device.type == "cuda"),
             )
-        views = self._views[(slot, n)] = make_slot_views(buffer, n)
+        views = self._views[(slot, n)] = make_slot_views(*buffers, n)
         return views
 
     def _grow_list_buffer(self, slot: int, total_pages: int) -> None:
@@ -194,16 +201,17 @@ class DecodeStager:
     def _derive(self, views: SlotViews, slot: int, n: int, storage: torch.Tensor | None) -> None:
         """Token index, out_loc and append index (and page lists) from the uploaded part; with
         ``storage`` (deferred pages), first each page slot's page into the table at its
-        request's cached length."""
+        request's cached length. Then the step number goes to ``progress``."""
         if self._bind_kernel is None:
             derive_with_torch(views, self._flat_table, self.page_table.shape[1], self.page_size, storage)
+            self.progress.report(views.step)
             return
         with_pages = storage is not None
         launch = views.launches.get(with_pages)
         if launch is None:
             page_lists = None if self.page_list_size is None else (self._list_buffers[slot], self.page_list_size)
             launch = views.launches[with_pages] = self._bind_kernel(
-                views.whole, views.append_index, self.page_table, n, self.page_size,
+                views.whole, views.append_index, self.page_table, n, self.page_size, self.progress.tensor,
                 with_pages=storage, page_lists=page_lists,
             )
         if with_pages:

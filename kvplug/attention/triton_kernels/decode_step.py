@@ -35,26 +35,30 @@ TARGET_LIST_PROGRAMS = 512  # covers the SMs a few times over for a lone long re
 
 @triton.jit
 def _batch_fields(
-    slot_ptr, append_ptr, table_ptr, pages_ptr, batch_size, row_width, program,
+    slot_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
     PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     request = program * BLOCK + tl.arange(0, BLOCK)
     mask = request < batch_size
-    rows = tl.load(slot_ptr + 2 * batch_size + request, mask=mask, other=0)
-    cached = tl.load(slot_ptr + 3 * batch_size + request, mask=mask, other=0)
+    rows = tl.load(slot_ptr + 2 * batch_size + 1 + request, mask=mask, other=0)
+    cached = tl.load(slot_ptr + 3 * batch_size + 1 + request, mask=mask, other=0)
     cell = rows.to(tl.int64) * row_width + cached
     location = tl.load(table_ptr + cell, mask=mask, other=0)
     if HAS_PAGES:
-        page_slot = tl.load(slot_ptr + 5 * batch_size + request, mask=mask, other=-1)
+        page_slot = tl.load(slot_ptr + 5 * batch_size + 1 + request, mask=mask, other=-1)
         growing = mask & (page_slot >= 0)
         page = tl.load(pages_ptr + page_slot, mask=growing, other=0)
         offsets = tl.arange(0, PAGE_P2)
         write = growing[:, None] & (offsets[None, :] < PAGE_SIZE) & (cached[:, None] + offsets[None, :] < row_width)
         tl.store(table_ptr + cell[:, None] + offsets[None, :], page[:, None] + offsets[None, :], mask=write)
         location = tl.where(growing, page, location)
-    tl.store(slot_ptr + 8 * batch_size + 1 + request, cell.to(tl.int32), mask=mask)
-    tl.store(slot_ptr + 9 * batch_size + 1 + request, location, mask=mask)
+    tl.store(slot_ptr + 8 * batch_size + 2 + request, cell.to(tl.int32), mask=mask)
+    tl.store(slot_ptr + 9 * batch_size + 2 + request, location, mask=mask)
     tl.store(append_ptr + request, cell + 1, mask=mask)
+    if program == 0:
+        # the host may reuse the host buffers of every step before this one once it sees this
+        # number: all their readers (copies, plan()'s) precede this launch on the stream
+        tl.store(progress_ptr, tl.load(slot_ptr + 2 * batch_size))
 
 
 @triton.jit
@@ -65,9 +69,9 @@ def _page_list(
     # job = request * list_splits + split: the split's strided blocks of the request's pages
     request = job // list_splits
     split = job % list_splits
-    row = tl.load(slot_ptr + 2 * batch_size + request)
-    cached = tl.load(slot_ptr + 3 * batch_size + request)
-    start = tl.load(slot_ptr + 6 * batch_size + request)
+    row = tl.load(slot_ptr + 2 * batch_size + 1 + request)
+    cached = tl.load(slot_ptr + 3 * batch_size + 1 + request)
+    start = tl.load(slot_ptr + 6 * batch_size + 1 + request)
     own_pages = cached // LIST_PAGE_SIZE + 1  # the new token at `cached` is in the last one
     row_base = table_ptr + row.to(tl.int64) * row_width
     fresh_page = -1
@@ -75,7 +79,7 @@ def _page_list(
     if HAS_PAGES:
         # a page this launch writes: the other programs' table store is not ordered before
         # this load, so it comes from the free list (it starts the request's last view page)
-        page_slot = tl.load(slot_ptr + 5 * batch_size + request)
+        page_slot = tl.load(slot_ptr + 5 * batch_size + 1 + request)
         new_location = tl.load(pages_ptr + page_slot, mask=page_slot >= 0, other=0)
         fresh_page = tl.where(page_slot >= 0, cached // LIST_PAGE_SIZE, -1)
     for first in range(split * LIST_BLOCK, own_pages, list_splits * LIST_BLOCK):
@@ -96,6 +100,7 @@ def _decode_step_kernel(
     table_ptr,
     pages_ptr,
     indices_ptr,
+    progress_ptr,
     batch_size,
     row_width,
     list_splits,
@@ -112,7 +117,7 @@ def _decode_step_kernel(
     field_programs = tl.cdiv(batch_size, BLOCK)
     if program < field_programs:
         _batch_fields(
-            slot_ptr, append_ptr, table_ptr, pages_ptr, batch_size, row_width, program,
+            slot_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
             PAGE_SIZE, PAGE_P2, HAS_PAGES, BLOCK,
         )
     elif LIST_PAGE_SIZE > 0:
@@ -131,6 +136,7 @@ def bind_decode_step(
     page_table: torch.Tensor,
     batch_size: int,
     page_size: int,
+    progress: torch.Tensor,
     *,
     with_pages: torch.Tensor | None = None,
     page_lists: tuple[torch.Tensor, int] | None = None,
@@ -142,11 +148,13 @@ def bind_decode_step(
     not kept) it is called with the step's pages tensor and writes the deferred pages first.
 
     Args:
-        slot: shape ``[10 * batch_size + 1]``, int32, cuda; the ring slot (``decode_slot``
-            layout), its uploaded part copied in (in stream order) before each call.
+        slot: shape ``[10 * batch_size + 2]``, int32, cuda; the ring slot's device buffer
+            (``decode_slot`` layout), its uploaded part copied in (in stream order) before each call.
         append_index: shape ``[batch_size]``, int64, cuda; ``slot[: 2n]`` viewed as int64.
         page_table: shape ``[rows, row_width]``, int32, contiguous, cuda.
         page_size: tokens per page.
+        progress: shape ``[1]``, int32, pinned host memory (device-accessible); each launch
+            writes the uploaded step number there.
         with_pages: int32, cuda; an example of the free-list tensor the page slots index.
         page_lists: ``(indices, S)``: also write each request's CSR page list for a view of
             ``S`` tokens a page into ``indices`` (int32, cuda, large enough for every step this
@@ -161,7 +169,7 @@ def bind_decode_step(
     list_splits = triton.cdiv(TARGET_LIST_PROGRAMS, batch_size) if page_lists is not None else 1
     grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
     args = (
-        slot, append_index, page_table, slot if with_pages is None else with_pages, indices,
+        slot, append_index, page_table, slot if with_pages is None else with_pages, indices, progress,
         batch_size, page_table.shape[1], list_splits,
     )
     constexprs = dict(
