@@ -1,8 +1,9 @@
-"""One ring slot of ``DecodeStager``: a persistent host buffer the step is written into, the device
-buffer it is copied to, and the views of both for one batch size - made once, so a step slices
+"""One ring slot of ``DecodeStager``: a persistent host buffer per batch size that a step writes,
+the device buffer its fields end up in, and the views of both - made once, so a step slices
 nothing.
 
-Host buffer (pinned for a GPU table), int32 units for a batch of ``n``::
+Host buffer (pinned for a GPU table; one per slot and batch size, so fields written once stay:
+``indptr[0] = 0``, the token view's last-page lengths of 1), int32 units for a batch of ``n``::
 
     [0]                step number (the kernel reports it back: see ``DecodeStager``)
     [1, n + 1)         table rows
@@ -12,11 +13,14 @@ Host buffer (pinned for a GPU table), int32 units for a batch of ``n``::
     [4n + 1, 5n + 2)   page-list indptr
     [5n + 2, 6n + 2)   last-page lengths
 
-A step copies its first ``3n + 1`` entries (``4n + 1`` with deferred pages, ``6n + 2`` with page
-lists; ``upload_size``) to offset ``2n`` of the device buffer::
+The decode-step kernel reads it in place (pinned memory is device-accessible) and writes rows,
+cached and device lengths to the device buffer; without the kernel, a step copies the buffer's
+first ``3n + 1`` entries (``4n + 1`` with deferred pages, ``6n + 2`` with page lists;
+``upload_size``) to offset ``2n`` of the device buffer::
 
     [0, 2n)            append index (int64; first, so it is 8-byte aligned)
-    [2n, 8n + 2)       the host buffer's entries, as above
+    [2n, 8n + 2)       the host buffer's entries, as above (the kernel writes rows, cached
+                       and device lengths only)
     [8n + 2, 9n + 2)   token index
     [9n + 2, 10n + 2)  out_loc
 
@@ -54,18 +58,22 @@ class HostViews(NamedTuple):
     torch views of the same memory the batch carries (shape ``[n]`` unless noted).
 
     Attributes:
-        uploads: upload size -> the leading part of the buffer a step copies.
-        step: shape ``[1]``; rows, cached, device, page_slot, indptr (``[n + 1]``), last: numpy.
-        cached_lens, device_lens, indptr, last_page_len: torch, cpu (pinned for a GPU table).
+        whole: shape ``[6n + 2]``; the buffer (the kernel's argument).
+        uploads: upload size -> the leading part of the buffer a step copies (without the kernel).
+        step: shape ``[1]``; rows, cached, device, page_slot, page_ends (``indptr[1:]``), last:
+            numpy.
+        cached_lens, device_lens, indptr (``[n + 1]``), last_page_len: torch, cpu (pinned for a
+            GPU table).
     """
 
+    whole: torch.Tensor
     uploads: dict
     step: np.ndarray
     rows: np.ndarray
     cached: np.ndarray
     device: np.ndarray
     page_slot: np.ndarray
-    indptr_array: np.ndarray
+    page_ends: np.ndarray
     last_array: np.ndarray
     cached_lens: torch.Tensor
     device_lens: torch.Tensor
@@ -100,16 +108,16 @@ class SlotViews(NamedTuple):
 
 
 def make_slot_views(device_buffer: torch.Tensor, host_buffer: torch.Tensor, batch_size: int) -> SlotViews:
-    """The views of a slot's buffers (int32, at least ``device_size`` / ``host_size`` entries)."""
+    """The views of a slot's buffers: ``device_buffer`` int32 with at least ``device_size``
+    entries, ``host_buffer`` int32, zeroed, ``host_size`` entries (this batch size's own)."""
     n = batch_size
     sizes = (3 * n + 1, 4 * n + 1, 6 * n + 2)
-    host_whole = host_buffer[: host_size(n)]
-    array = host_whole.numpy()
-    _, _, h_cached, h_device, _, h_indptr, h_last = host_whole.split_with_sizes((1, n, n, n, n, n + 1, n))
+    array = host_buffer.numpy()
+    _, _, h_cached, h_device, _, h_indptr, h_last = host_buffer.split_with_sizes((1, n, n, n, n, n + 1, n))
     host = HostViews(
-        {size: host_whole[:size] for size in sizes}, array[:1], array[1 : n + 1], array[n + 1 : 2 * n + 1],
-        array[2 * n + 1 : 3 * n + 1], array[3 * n + 1 : 4 * n + 1], array[4 * n + 1 : 5 * n + 2],
-        array[5 * n + 2 :], h_cached, h_device, h_indptr, h_last,
+        host_buffer, {size: host_buffer[:size] for size in sizes}, array[:1], array[1 : n + 1],
+        array[n + 1 : 2 * n + 1], array[2 * n + 1 : 3 * n + 1], array[3 * n + 1 : 4 * n + 1],
+        array[4 * n + 2 : 5 * n + 2], array[5 * n + 2 :], h_cached, h_device, h_indptr, h_last,
     )
     whole = device_buffer[: device_size(n)]
     append, step, rows, cached, device, page_slot, _lists, token_index, out_loc = whole.split_with_sizes(

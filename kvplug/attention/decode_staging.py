@@ -110,7 +110,7 @@ class DecodeStager:
         self.ring_size = int(ring_size)
         self._flat_table = page_table.view(-1)
         self._capacity = page_table.shape[0]  # the largest batch: every row, dummy included
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.ring_size
+        self._buffers: list[torch.Tensor | None] = [None] * self.ring_size  # device buffers
         self._list_buffers = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(self.ring_size)]
         self._list_capacity = [0] * self.ring_size  # entries of each list buffer, kept as ints
         self._views: dict[tuple[int, int], SlotViews] = {}
@@ -158,11 +158,10 @@ class DecodeStager:
         list_size = self.page_list_size
         page_lists = None
         if list_size is not None:
-            total_pages = write_page_list_arrays(host.device, list_size, host.indptr_array, host.last_array, host.cached)
+            last = None if list_size == 1 else host.last_array  # the token view's stays all ones
+            total_pages = write_page_list_arrays(host.device, list_size, host.page_ends, last, host.cached)
             if self._list_capacity[slot] < total_pages and self._bind_kernel is not None:
                 self._grow_list_buffer(slot, total_pages)
-        size = upload_size(n, deferred is not None, list_size is not None)
-        views.uploads[size].copy_(host.uploads[size], non_blocking=True)
         self._derive(views, slot, n, None if deferred is None else deferred.storage)
         if list_size is not None:
             if self._list_builder is not None:
@@ -178,15 +177,15 @@ class DecodeStager:
         return DecodeUpload(batch, views.token_index, views.append_index, host.device)
 
     def _make_views(self, slot: int, n: int) -> SlotViews:
-        buffers = self._buffers[slot]
-        if buffers is None or buffers[0].numel() < device_size(n):  # padded batches may repeat the dummy row
-            # views made earlier keep the old buffers alive, so their batches stay valid
-            capacity = max(self._capacity, n)
-            buffers = self._buffers[slot] = (
-                torch.zeros(device_size(capacity), dtype=torch.int32, device=self.device),
-                torch.zeros(host_size(capacity), dtype=torch.int32, pin_memory=self.device.type == "cuda"),
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < device_size(n):  # padded batches may repeat the dummy row
+            # views made earlier keep the old buffer alive, so their batches stay valid
+            buffer = self._buffers[slot] = torch.zeros(
+                device_size(max(self._capacity, n)), dtype=torch.int32, device=self.device
             )
-        views = self._views[(slot, n)] = make_slot_views(*buffers, n)
+        host = torch.zeros(host_size(n), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        views = self._views[(slot, n)] = make_slot_views(buffer, host, n)
+        views.host.last_array[:] = 1  # the token view's last pages, written once
         return views
 
     def _grow_list_buffer(self, slot: int, total_pages: int) -> None:
@@ -199,10 +198,13 @@ class DecodeStager:
                 views.launches.clear()
 
     def _derive(self, views: SlotViews, slot: int, n: int, storage: torch.Tensor | None) -> None:
-        """Token index, out_loc and append index (and page lists) from the uploaded part; with
-        ``storage`` (deferred pages), first each page slot's page into the table at its
-        request's cached length. Then the step number goes to ``progress``."""
+        """The batch fields in the device buffer, token index, out_loc and append index (and page
+        lists) from the host buffer; with ``storage`` (deferred pages), first each page slot's
+        page into the table at its request's cached length. Then the step number goes to
+        ``progress``. The kernel reads the pinned host buffer in place; the torch path copies it."""
         if self._bind_kernel is None:
+            size = upload_size(n, storage is not None, self.page_list_size is not None)
+            views.uploads[size].copy_(views.host.uploads[size], non_blocking=True)
             derive_with_torch(views, self._flat_table, self.page_table.shape[1], self.page_size, storage)
             self.progress.report(views.step)
             return
@@ -211,7 +213,8 @@ class DecodeStager:
         if launch is None:
             page_lists = None if self.page_list_size is None else (self._list_buffers[slot], self.page_list_size)
             launch = views.launches[with_pages] = self._bind_kernel(
-                views.whole, views.append_index, self.page_table, n, self.page_size, self.progress.tensor,
+                views.whole, views.host.whole, views.append_index, self.page_table, n, self.page_size,
+                self.progress.tensor,
                 with_pages=storage, page_lists=page_lists,
             )
         if with_pages:

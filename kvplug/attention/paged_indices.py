@@ -37,34 +37,37 @@ class PagedIndices(NamedTuple):
 def write_page_list_arrays(
     device_lens: np.ndarray,
     view_page_size: int,
-    indptr: np.ndarray,
-    last_page_len: np.ndarray,
+    page_ends: np.ndarray,
+    last_page_len: np.ndarray | None,
     last_positions: np.ndarray | None = None,
 ) -> int:
-    """Fills the host arrays ``plan()`` takes and returns the batch's total pages.
+    """Fills the host arrays ``plan()`` takes (``indptr = [0, *page_ends]``) and returns the
+    batch's total pages. Every numpy call costs microseconds of host time on a GPU host, so the
+    token view skips what it can.
 
     Args:
         device_lens: shape ``[bs]``, integers, host (numpy); each >= 1.
         view_page_size: ``S``.
-        indptr: shape ``[bs + 1]``, int32, host (numpy), written: exclusive prefix sum of
-            ``ceil(device_len / S)``.
-        last_page_len: shape ``[bs]``, int32, host (numpy), written: ``(device_len - 1) % S + 1``.
+        page_ends: shape ``[bs]``, int32, host (numpy), written: ``indptr[1:]``, the inclusive
+            prefix sum of ``ceil(device_len / S)`` (the caller's ``indptr[0]`` holds 0).
+        last_page_len: shape ``[bs]``, int32, host (numpy), written: ``(device_len - 1) % S + 1``;
+            ``None`` for the token view (``S == 1``) when it already holds ones.
         last_positions: ``device_lens - 1`` from a caller that has it (a decode batch's cached
-            lengths); every numpy call costs microseconds on a GPU host.
+            lengths).
     """
-    indptr[0] = 0
     if view_page_size == 1:  # token view: a page per token, every last page holds one
-        np.cumsum(device_lens, dtype=indptr.dtype, out=indptr[1:])
-        last_page_len[:] = 1
+        np.cumsum(device_lens, dtype=page_ends.dtype, out=page_ends)
+        if last_page_len is not None:
+            last_page_len[:] = 1
     else:
         if last_positions is None:
             last_positions = device_lens - 1
-        # pages = last_position // S + 1 and last_page_len = last_position % S + 1, written in place
-        np.divmod(last_positions, view_page_size, out=(indptr[1:], last_page_len))
-        indptr[1:] += 1
-        np.cumsum(indptr[1:], dtype=indptr.dtype, out=indptr[1:])
+        # pages = last_position // S + 1 and last_page_len = last_position % S + 1, in place
+        np.divmod(last_positions, view_page_size, out=(page_ends, last_page_len))
+        page_ends += 1
+        np.cumsum(page_ends, dtype=page_ends.dtype, out=page_ends)
         last_page_len += 1
-    return int(indptr[-1])
+    return int(page_ends[-1])
 
 
 class PagedIndexBuilder:
@@ -117,7 +120,8 @@ class PagedIndexBuilder:
         host_tensor = host_buffer(2 * bs + 1 + (0 if self._kernel is not None else 2 * bs), self.page_table.device)
         host = host_tensor.numpy()
         indptr = host[: bs + 1]
-        total = write_page_list_arrays(device_lens_cpu.numpy(), size, indptr, host[bs + 1 : 2 * bs + 1])
+        indptr[0] = 0
+        total = write_page_list_arrays(device_lens_cpu.numpy(), size, indptr[1:], host[bs + 1 : 2 * bs + 1])
         # torch slices (not numpy views) of the pinned buffer: plan() copies them to the device,
         # and only a slice of the allocator's own tensor keeps the block alive until that copy ran
         indptr_cpu, last_page_len_cpu = host_tensor[: bs + 1], host_tensor[bs + 1 : 2 * bs + 1]

@@ -35,17 +35,22 @@ TARGET_LIST_PROGRAMS = 512  # covers the SMs a few times over for a lone long re
 
 @triton.jit
 def _batch_fields(
-    slot_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
+    slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
     PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     request = program * BLOCK + tl.arange(0, BLOCK)
     mask = request < batch_size
-    rows = tl.load(slot_ptr + 2 * batch_size + 1 + request, mask=mask, other=0)
-    cached = tl.load(slot_ptr + 3 * batch_size + 1 + request, mask=mask, other=0)
+    # the host buffer is pinned memory, read in place: copy the batch fields to the device
+    rows = tl.load(host_ptr + 1 + request, mask=mask, other=0)
+    cached = tl.load(host_ptr + 1 + batch_size + request, mask=mask, other=0)
+    device = tl.load(host_ptr + 1 + 2 * batch_size + request, mask=mask, other=0)
+    tl.store(slot_ptr + 2 * batch_size + 1 + request, rows, mask=mask)
+    tl.store(slot_ptr + 3 * batch_size + 1 + request, cached, mask=mask)
+    tl.store(slot_ptr + 4 * batch_size + 1 + request, device, mask=mask)
     cell = rows.to(tl.int64) * row_width + cached
     location = tl.load(table_ptr + cell, mask=mask, other=0)
     if HAS_PAGES:
-        page_slot = tl.load(slot_ptr + 5 * batch_size + 1 + request, mask=mask, other=-1)
+        page_slot = tl.load(host_ptr + 1 + 3 * batch_size + request, mask=mask, other=-1)
         growing = mask & (page_slot >= 0)
         page = tl.load(pages_ptr + page_slot, mask=growing, other=0)
         offsets = tl.arange(0, PAGE_P2)
@@ -58,20 +63,20 @@ def _batch_fields(
     if program == 0:
         # the host may reuse the host buffers of every step before this one once it sees this
         # number: all their readers (copies, plan()'s) precede this launch on the stream
-        tl.store(progress_ptr, tl.load(slot_ptr + 2 * batch_size))
+        tl.store(progress_ptr, tl.load(host_ptr))
 
 
 @triton.jit
 def _page_list(
-    slot_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits, job,
+    host_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits, job,
     HAS_PAGES: tl.constexpr, LIST_PAGE_SIZE: tl.constexpr, LIST_BLOCK: tl.constexpr,
 ):
     # job = request * list_splits + split: the split's strided blocks of the request's pages
     request = job // list_splits
     split = job % list_splits
-    row = tl.load(slot_ptr + 2 * batch_size + 1 + request)
-    cached = tl.load(slot_ptr + 3 * batch_size + 1 + request)
-    start = tl.load(slot_ptr + 6 * batch_size + 1 + request)
+    row = tl.load(host_ptr + 1 + request)
+    cached = tl.load(host_ptr + 1 + batch_size + request)
+    start = tl.load(host_ptr + 1 + 4 * batch_size + request)
     own_pages = cached // LIST_PAGE_SIZE + 1  # the new token at `cached` is in the last one
     row_base = table_ptr + row.to(tl.int64) * row_width
     fresh_page = -1
@@ -79,7 +84,7 @@ def _page_list(
     if HAS_PAGES:
         # a page this launch writes: the other programs' table store is not ordered before
         # this load, so it comes from the free list (it starts the request's last view page)
-        page_slot = tl.load(slot_ptr + 5 * batch_size + 1 + request)
+        page_slot = tl.load(host_ptr + 1 + 3 * batch_size + request)
         new_location = tl.load(pages_ptr + page_slot, mask=page_slot >= 0, other=0)
         fresh_page = tl.where(page_slot >= 0, cached // LIST_PAGE_SIZE, -1)
     for first in range(split * LIST_BLOCK, own_pages, list_splits * LIST_BLOCK):
@@ -96,6 +101,7 @@ def _page_list(
 @triton.jit(do_not_specialize=["batch_size", "row_width", "list_splits"])
 def _decode_step_kernel(
     slot_ptr,
+    host_ptr,
     append_ptr,
     table_ptr,
     pages_ptr,
@@ -117,12 +123,12 @@ def _decode_step_kernel(
     field_programs = tl.cdiv(batch_size, BLOCK)
     if program < field_programs:
         _batch_fields(
-            slot_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
+            slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
             PAGE_SIZE, PAGE_P2, HAS_PAGES, BLOCK,
         )
     elif LIST_PAGE_SIZE > 0:
         _page_list(
-            slot_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits,
+            host_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits,
             program - field_programs, HAS_PAGES, LIST_PAGE_SIZE, LIST_BLOCK,
         )
 
@@ -132,6 +138,7 @@ _launch_decode_step = FastLauncher(_decode_step_kernel)
 
 def bind_decode_step(
     slot: torch.Tensor,
+    host: torch.Tensor,
     append_index: torch.Tensor,
     page_table: torch.Tensor,
     batch_size: int,
@@ -149,7 +156,9 @@ def bind_decode_step(
 
     Args:
         slot: shape ``[10 * batch_size + 2]``, int32, cuda; the ring slot's device buffer
-            (``decode_slot`` layout), its uploaded part copied in (in stream order) before each call.
+            (``decode_slot`` layout).
+        host: shape ``[6 * batch_size + 2]``, int32, pinned host memory (device-accessible); the
+            slot's host buffer for this batch size, written before each call and read in place.
         append_index: shape ``[batch_size]``, int64, cuda; ``slot[: 2n]`` viewed as int64.
         page_table: shape ``[rows, row_width]``, int32, contiguous, cuda.
         page_size: tokens per page.
@@ -169,7 +178,7 @@ def bind_decode_step(
     list_splits = triton.cdiv(TARGET_LIST_PROGRAMS, batch_size) if page_lists is not None else 1
     grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
     args = (
-        slot, append_index, page_table, slot if with_pages is None else with_pages, indices, progress,
+        slot, host, append_index, page_table, slot if with_pages is None else with_pages, indices, progress,
         batch_size, page_table.shape[1], list_splits,
     )
     constexprs = dict(
@@ -178,7 +187,7 @@ def bind_decode_step(
     )
     if with_pages is None:  # the pages pointer is not read: the slot stands in
         return _launch_decode_step.bind(grid, *args, **constexprs)
-    return _launch_decode_step.bind_all_but(3, grid, *args, **constexprs)
+    return _launch_decode_step.bind_all_but(4, grid, *args, **constexprs)
 
 
 def _block(page_p2: int) -> int:
