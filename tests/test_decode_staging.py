@@ -24,7 +24,7 @@ def reference_page_lists(table: torch.Tensor, rows, device_lens, view_page_size:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    lens=st.lists(st.integers(1, 5000), min_size=1, max_size=40),
+    lens=st.lists(st.integers(1, 5000), min_size=0, max_size=40),
     view_page_size=st.sampled_from([1, 2, 5, 16, 64]),
     give_positions=st.booleans(),
 )
@@ -35,7 +35,7 @@ def test_page_list_arrays_match_their_definition(lens, view_page_size, give_posi
     indptr[0] = 0
     total = write_page_list_arrays(device_lens, view_page_size, indptr[1:], last, positions)
     pages = [-(-n // view_page_size) for n in lens]
-    assert indptr.tolist() == [0, *np.cumsum(pages).tolist()]
+    assert indptr.tolist() == [0, *np.cumsum(pages, dtype=np.int64).tolist()]
     assert last.tolist() == [(n - 1) % view_page_size + 1 for n in lens]
     assert total == sum(pages)
     if view_page_size == 1:  # the token view may leave a last-page array of ones alone
@@ -129,3 +129,11 @@ def test_a_one_slot_ring_waits_for_the_previous_step_only():
     for step in range(1, 5):
         batch = stager.stage(np.array([2]), np.array([step])).batch
         assert batch.out_loc.tolist() == [32 + step] and int(stager.progress.tensor[0]) == step
+
+
+def test_the_torch_page_list_builder_takes_an_empty_batch():
+    from kvplug.attention.paged_indices import PagedIndexBuilder
+
+    empty = torch.zeros(0, dtype=torch.int32)
+    built = PagedIndexBuilder(torch.zeros(4, 64, dtype=torch.int32), 16, use_kernel=False).build(empty, empty)
+    assert built.indices.numel() == 0 and built.indptr.tolist() == [0] and built.last_page_len.numel() == 0

@@ -10,6 +10,7 @@ import torch
 
 from kvplug.attention.batch import build_attention_batch
 from kvplug.attention.decode_staging import DecodeStager
+from kvplug.attention.paged_indices import PagedIndexBuilder
 from kvplug.interface import ForwardPhase
 from tests.attention_reference import importable, requires_cuda
 from tests.test_attention_batch import assert_same_batch
@@ -134,3 +135,33 @@ def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages
         assert torch.equal(lists.indptr, expected.indptr) and torch.equal(lists.last_page_len, expected.last_page_len)
         assert lists.indptr.is_pinned() and lists.indices.device.type == "cuda"
         assert torch.equal(lists.indices, expected.indices), step
+
+
+def test_staging_ahead_of_a_busy_device_keeps_every_step_intact():
+    """The host stages while the device is busy (a sleep kernel first): each step's fields, its
+    page lists and its host arrays read by stream-ordered copies (as plan() does) hold that
+    step's values once the device gets there - the ring waits for the device's step reports
+    rather than rewriting host memory still to be read."""
+    rng = np.random.default_rng(5)
+    num_rows, width = 33, 512
+    table = torch.randint(0, 1 << 20, (num_rows, width), dtype=torch.int32, device="cuda") * 16
+    stager = DecodeStager(table, page_size=16, page_list_size=16)
+    captured, expected = [], []
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the host runs ahead
+    for _ in range(12):
+        bs = int(rng.integers(1, num_rows))
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, width - 1, bs)
+        batch = stager.stage(rows, cached).batch
+        lists = batch.page_lists
+        captured.append([batch.out_loc.clone(), lists.indices.clone(), batch.device_lens_cpu.to("cuda", non_blocking=True),
+                         lists.indptr.to("cuda", non_blocking=True), lists.last_page_len.to("cuda", non_blocking=True)])
+        reference = PagedIndexBuilder(table, 16, use_kernel=False).build(torch.from_numpy(rows).int().cuda(),
+                                                                          torch.from_numpy(cached + 1).int())
+        expected.append([table[torch.from_numpy(rows).cuda(), torch.from_numpy(cached).cuda()], reference.indices,
+                         torch.from_numpy(cached + 1).int(), reference.indptr, reference.last_page_len])
+    torch.cuda.synchronize()
+    assert int(stager.progress.tensor[0]) == 12
+    for step, (got, want) in enumerate(zip(captured, expected)):
+        for name, a, b in zip(("out_loc", "indices", "device_lens", "indptr", "last_page_len"), got, want):
+            assert torch.equal(a.cpu(), b.cpu()), (step, name)

@@ -67,7 +67,7 @@ def write_page_list_arrays(
         page_ends += 1
         np.cumsum(page_ends, dtype=page_ends.dtype, out=page_ends)
         last_page_len += 1
-    return int(page_ends[-1])
+    return int(page_ends[-1]) if page_ends.shape[0] else 0
 
 
 class PagedIndexBuilder:

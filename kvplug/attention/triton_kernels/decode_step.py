@@ -1,21 +1,24 @@
 """A decode step's device-side batch fields in one Triton launch (``DecodeStager``'s kernel).
 
-The host uploads each request's table row and cached length (and its device length, which it
-needs itself); this kernel derives the rest where they are used: the flat cell of the new token
+The host writes each request's table row, cached and device length (and the step's number) into
+a pinned host buffer (``decode_slot``); this kernel reads it in place - pinned memory is
+device-accessible, so no upload call - and writes the batch fields the attention kernels read to
+the slot's device buffer, with what derives from them: the flat cell of the new token
 (``row * row_width + cached``, int32, for ``input_ids``), the cell after it (int64, for
 ``append_tokens``' scatter) and ``out_loc``, the new token's pool location read from the page
-table. Three torch ops (an add, a gather, an add) would cost ~40 us of host time on the H200
-hosts; one launch bound through ``FastLauncher.bind`` costs ~9.
+table. Program 0 writes the step's number back to pinned memory (``StepProgress``): every read of
+earlier steps' host buffers precedes this launch on the stream. Bound through
+``FastLauncher.bind``, a step costs one launch of host time.
 
-With deferred pages (``kvplug.memory.deferred_pages``) the host also uploads a page slot per
+With deferred pages (``kvplug.memory.deferred_pages``) the host also writes a page slot per
 request (an index into the free list's tensor, or -1): the kernel first writes that page into
 the table, token by token from the request's cached length (a decode step's new page starts
 there), clipped to the row, and takes ``out_loc`` from it - the allocator's table write, without
 its upload and scatter.
 
-With page lists (the attention backend's FlashInfer-style CSR ``indices``), the host uploads
-their ``indptr`` too (it computes it for ``plan()`` anyway) and programs after the batch fields'
-copy each request's every ``S``-th table entry, over ``S`` - the ``PageListWriter`` launch folded
+With page lists (the attention backend's FlashInfer-style CSR ``indices``), the host writes their
+``indptr`` too (it computes it for ``plan()`` anyway) and programs after the batch fields' copy
+each request's every ``S``-th table entry, over ``S`` - the ``PageListWriter`` launch folded
 into this one. A page this launch writes is taken from the free list, not read back.
 """
 
