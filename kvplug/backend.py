@@ -101,12 +101,13 @@ class KVBackend(KVBackendView):
             self._staged_decode = None
             batch = build_decode_batch(self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts)
         elif phase is ForwardPhase.DECODE:
-            upload = self._decode_stager.stage(rows, cached)
+            upload = self._decode_stager.stage(rows, cached, deferred=self.allocator.take_deferred_pages(rows))
             # input_ids and append_tokens of this step use the indices uploaded with the batch
             self._staged_decode = (rows, upload)
             batch = upload.batch
         else:
             self._staged_decode = None
+            self.allocator.flush_deferred_pages()
             batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
         if self.attention is not None:
             self.attention.prepare_metadata(batch)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvplug.attention.decode_staging import DecodeStager
@@ -42,7 +43,13 @@ class KVBackendView:
         # (rows, DecodeUpload) of the last decode prepare(), for that step's input_ids and append_tokens
         self._staged_decode: tuple | None = None
         # GPU tables: the decode batch's device fields come from a ring of slots (see DecodeStager)
-        self._decode_stager = DecodeStager(self.tables.table)
+        # (with the page lists the attention backend plans decode batches with, when it says so)
+        self._decode_stager = DecodeStager(
+            self.tables.table, page_size=self.pool.page_size,
+            page_list_size=getattr(self.attention, "decode_page_list_size", None),
+        )
+        # there, a decode step's new pages go into the table in the stager's launch
+        self.allocator.defer_decode_pages = not isinstance(self.tables.flat_table, np.ndarray)
         self._finished = 0
 
     # ------------------------------------------------------------------ shape
@@ -64,7 +71,9 @@ class KVBackendView:
 
     @property
     def page_table(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (pages a decode
+        ``allocate`` deferred to its ``prepare`` are written first)."""
+        self.allocator.flush_deferred_pages()
         return self.tables.table
 
     @property

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,6 +202,34 @@ def test_flashinfer_other_dtypes_and_dims(flashinfer_compiled, scenario, dtype, 
 
 
 # ------------------------------------------------------------------------------------ shared
+@requires_flashinfer
+@requires_triton
+@pytest.mark.parametrize("kv_view", ["token", "page"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("scenario", ["decode", "long_decode"])
+def test_flashinfer_decode_on_a_staged_batch_plans_its_page_lists(flashinfer_compiled, scenario, page_size, kv_view):
+    """A decode batch KVBackend's stager built with the backend's page lists: the backend plans
+    those (no build of its own) and matches the dense reference."""
+    from kvplug.attention.decode_staging import DecodeStager
+
+    case = make_case(ALL_SCENARIOS[scenario], page_size=page_size, num_qo_heads=16, num_kv_heads=8, head_dim=128,
+                     dtype=torch.bfloat16, device="cuda", seed=11 + page_size)
+    backend = kvplug.create_attention_backend("flashinfer", case.config(kv_view=kv_view))
+    stager = DecodeStager(case.page_table, page_size=page_size, page_list_size=backend.decode_page_list_size)
+    rows = np.array(case.rows, dtype=np.int64)
+    cached = np.array([c for c, _ in case.lens], dtype=np.int64)
+    batch = stager.stage(rows, cached).batch
+    assert batch.page_lists.view_page_size == (page_size if kv_view == "page" else 1)
+    expected_pool = case.expected_pool()
+    backend.prepare_metadata(batch)
+    assert batch.metadata.indices is batch.page_lists.indices
+    out = backend.forward(case.q, case.k, case.v, case.layer_id, batch)
+    torch.cuda.synchronize()
+    error = relative_error(out, case_reference(case))
+    assert error < BOUND[torch.bfloat16], f"relative error {error:.2e}"
+    assert torch.equal(case.pool.kv_buffer, expected_pool)
+
+
 def _available(name: str) -> bool:
     return {"triton": importable("triton"), "flashinfer": importable("flashinfer")}[name]
 

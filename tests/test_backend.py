@@ -372,12 +372,16 @@ def test_decode_steps_equal_the_general_path_and_a_reference(manager, page_size,
     """Random chunked prefills, decode steps, finishes and admissions: after every call the page
     table and token pool equal a one-page-at-a-time reference, and every decode batch equals the
     general build of the same batch field for field (so do its ``input_ids``)."""
+    run_random_decode_steps(_backend_with_tables(manager, page_size, host_views), np.random.default_rng(page_size))
+
+
+def run_random_decode_steps(backend: KVBackend, rng: np.random.Generator) -> None:
+    """The body of the test above, for any backend of 6 rows x 96 tokens (the GPU tests run it
+    on CUDA tables)."""
     from kvplug.attention.batch import build_attention_batch
     from kvplug.interface import ForwardPhase
     from tests.test_attention_batch import assert_same_batch
 
-    rng = np.random.default_rng(page_size)
-    backend = _backend_with_tables(manager, page_size, host_views)
     reference = ReferenceTables(backend)
     running: list = []
     for step in range(60):
@@ -417,7 +421,7 @@ def test_decode_steps_equal_the_general_path_and_a_reference(manager, page_size,
             assert torch.equal(backend.input_ids(batch), expected_ids)
             sampled = torch.tensor(rng.integers(0, 1000, len(rows)), dtype=torch.int32)
             backend.append_tokens(batch_requests, sampled)
-            reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled
+            reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled.to(reference.tokens.device)
             assert torch.equal(backend.page_table, reference.table), f"step {step}"
             assert torch.equal(backend.token_pool, reference.tokens), f"step {step}"
             batch_requests = [r for r in batch_requests if r.num_tokens < backend.max_seq_len]
@@ -567,3 +571,86 @@ def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manage
         backend.check_integrity()
     stats = backend.stats()
     assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
+
+
+def test_decode_pages_are_written_by_prepare_or_flushed_for_any_other_reader(manager):
+    """GPU-path tables: a decode allocate's new pages reach the table in the decode prepare of the
+    same requests (out_loc is the new page); any other reader (another batch's prepare, a finish,
+    the page_table property, check_integrity) gets them written first."""
+    backend = _backend_with_tables(manager, 4, host_views=False)
+    assert backend.allocator.defer_decode_pages
+    requests = [backend.admit([1, 2, 3, 4]), backend.admit([5, 6, 7, 8, 9, 10, 11, 12])]
+    backend.allocate(requests)
+    backend.prepare(requests, "prefill")
+    backend.append_tokens(requests, [13, 14])  # both end on a page boundary: the next token needs a page
+    raw = backend.tables.table
+
+    def cells(request):
+        return raw[request.row, request.cached_len : request.cached_len + 4].tolist()
+
+    backend.allocate(requests)
+    deferred = backend.allocator._deferred
+    assert deferred is not None and deferred.count == 2
+    assert cells(requests[0]) == [0, 0, 0, 0]  # not written yet
+    pages = deferred.pages.tolist()
+    batch = backend.prepare(requests, "decode")
+    assert backend.allocator._deferred is None
+    assert [cells(r) for r in requests] == [list(range(p, p + 4)) for p in pages]
+    assert batch.out_loc.tolist() == pages
+    backend.append_tokens(requests, [15, 16])
+
+    def step(batch_requests) -> None:
+        backend.allocate(batch_requests)
+        backend.prepare(batch_requests, "decode")
+        backend.append_tokens(batch_requests, [1] * len(batch_requests))
+
+    # a prepare of another request list: written first, then staged without them
+    while requests[0].cached_len % 4:
+        step(requests)
+    backend.allocate(requests)
+    assert backend.allocator._deferred is not None
+    batch = backend.prepare([requests[1]], "decode")
+    assert backend.allocator._deferred is None
+    assert cells(requests[0])[0] != 0 and batch.out_loc.tolist() == [cells(requests[1])[0]]
+    backend.append_tokens([requests[1]], [2])
+    backend.check_integrity()
+
+    # the page_table property flushes
+    while requests[1].cached_len % 4:
+        step([requests[1]])
+    backend.allocate([requests[1]])
+    assert backend.allocator._deferred is not None
+    table = backend.page_table
+    assert backend.allocator._deferred is None and table[requests[1].row, requests[1].cached_len] != 0
+    backend.prepare([requests[1]], "decode")
+    backend.append_tokens([requests[1]], [3])
+
+    # and so does finishing (an abort after allocate): its pages go back to the free list
+    while requests[1].cached_len % 4:
+        step([requests[1]])
+    backend.allocate([requests[1]])
+    assert backend.allocator._deferred is not None
+    backend.finish(requests[1])
+    assert backend.allocator._deferred is None
+    backend.finish(requests[0])
+    backend.check_integrity()
+    assert backend.allocator.num_free_pages + backend.allocator.num_cached_pages == backend.num_pages
+
+
+def test_staged_deferred_pages_are_clipped_at_the_row_end():
+    """The torch path of the stager (the kernel's reference) writes a deferred page token by token
+    from the request's cached length, stopping at the row's end (a page size that does not divide
+    the row), and takes out_loc from the page; requests without a page read the table."""
+    from kvplug.attention.decode_staging import DecodeStager
+    from kvplug.memory.deferred_pages import DeferredPages
+
+    table = torch.arange(4 * 12, dtype=torch.int32).view(4, 12)
+    stager = DecodeStager(table, page_size=5, use_kernel=False)
+    storage = torch.tensor([500, 600, 700], dtype=torch.int32)
+    rows, cached = np.array([2, 0, 1]), np.array([10, 5, 3])
+    deferred = DeferredPages(rows, np.array([1, 2, -1], dtype=np.int32), storage, 0, 0, np.empty(0, dtype=np.int64))
+    batch = stager.stage(rows, cached, deferred=deferred).batch
+    assert table[2, 10:].tolist() == [600, 601]  # clipped: the row ends after two cells
+    assert table[0, 5:10].tolist() == [700, 701, 702, 703, 704] and table[0, 10:].tolist() == [10, 11]
+    assert table[1].tolist() == list(range(12, 24))  # no page: untouched
+    assert batch.out_loc.tolist() == [600, 700, 15]

@@ -10,6 +10,7 @@ import torch
 
 from kvplug.attention.batch import build_attention_batch
 from kvplug.attention.decode_staging import DecodeStager
+from kvplug.attention.paged_indices import PagedIndexBuilder
 from kvplug.interface import ForwardPhase
 from tests.attention_reference import importable, requires_cuda
 from tests.test_attention_batch import assert_same_batch
@@ -50,3 +51,117 @@ def test_a_one_slot_ring_reuses_its_views_with_each_steps_values():
     second = stager.stage(rows, cached + 1)
     assert second.batch.out_loc is first.batch.out_loc  # one slot: the same views
     assert second.batch.out_loc.tolist() == [3 * 64 + 6, 64 + 10]
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16, 64])
+def test_kernel_writes_deferred_pages_like_the_torch_path(page_size):
+    """Deferred pages written by the kernel equal the torch path's writes (page 5: pages clipped
+    at a row end that 5 does not divide), and out_loc is each new page."""
+    from kvplug.memory.deferred_pages import DeferredPages
+
+    rng = np.random.default_rng(page_size)
+    num_rows, width = 301, 4096
+    kernel_table = torch.randint(0, 1 << 28, (num_rows, width), dtype=torch.int32, device="cuda")
+    torch_table = kernel_table.clone()
+    storage = (torch.randperm(4096, device="cuda") * page_size).to(torch.int32)
+    kernel_stager = DecodeStager(kernel_table, page_size=page_size, use_kernel=True)
+    torch_stager = DecodeStager(torch_table, page_size=page_size, use_kernel=False)
+    for bs in (1, 7, 256, 300, 7):
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, width // page_size, bs) * page_size
+        cached[0] = width - 1 if page_size > 1 else cached[0]  # a page reaching past the row's end
+        page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(4096)[:bs], -1).astype(np.int32)
+        deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
+        by_kernel = kernel_stager.stage(rows, cached, deferred=deferred)
+        by_torch = torch_stager.stage(rows, cached, deferred=deferred)
+        assert torch.equal(kernel_table, torch_table), bs
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
+            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), name
+        assert torch.equal(by_kernel.append_index, by_torch.append_index)
+        growing = torch.from_numpy(page_slot >= 0).cuda()
+        assert torch.equal(by_kernel.batch.out_loc[growing], storage[torch.from_numpy(page_slot[page_slot >= 0]).long().cuda()])
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_backend_on_cuda_tables_matches_a_reference_through_random_steps(page_size):
+    """KVBackend on CUDA (its decode pages written by the stager's launch): random prefills,
+    decode steps, finishes and admissions keep the page table and token pool equal to a
+    one-page-at-a-time reference (the CPU suite's test, on the GPU path)."""
+    import kvplug
+    from kvplug.memory.model_shape import ModelShape
+    from tests.test_backend import run_random_decode_steps
+
+    shape = ModelShape(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=8, dtype=torch.float16)
+    backend = kvplug.create_backend(
+        shape, page_size=page_size, num_pages=6 * 96 // page_size + 6, max_running_reqs=6, max_seq_len=96,
+        prefix_cache="naive", attention=None, device="cuda",
+    )
+    assert backend.allocator.defer_decode_pages
+    run_random_decode_steps(backend, np.random.default_rng(page_size))
+
+
+@pytest.mark.parametrize("page_size, list_size", [(1, 1), (16, 1), (16, 16), (64, 64), (5, 5)])
+@pytest.mark.parametrize("with_pages", [False, True])
+def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages):
+    """The page lists the decode-step launch writes equal the torch path's (PagedIndexBuilder over
+    the table after the deferred pages went in), with the batch fields and table writes, through
+    ring reuse, batch sizes that change and page-list buffers that grow (short rows first)."""
+    from kvplug.memory.deferred_pages import DeferredPages
+
+    rng = np.random.default_rng(page_size * 100 + list_size * 2 + with_pages)
+    num_rows, width = 301, 4096
+    kernel_table = (torch.randint(0, 1 << 20, (num_rows, width), dtype=torch.int32, device="cuda") * page_size)
+    torch_table = kernel_table.clone()
+    storage = (torch.randperm(8192, device="cuda") * page_size).to(torch.int32)
+    stagers = [
+        DecodeStager(table, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
+        for table, use_kernel in ((kernel_table, True), (torch_table, False))
+    ]
+    for step, (bs, longest) in enumerate([(1, 40), (7, 40), (256, 300), (300, width), (7, width), (1, width), (256, width)]):
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, max(1, longest // page_size), bs) * page_size
+        if not with_pages:
+            cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
+        deferred = None
+        if with_pages:
+            page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(8192)[:bs], -1).astype(np.int32)
+            deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
+        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred) for stager in stagers)
+        assert torch.equal(kernel_table, torch_table), step
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
+            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (step, name)
+        lists, expected = by_kernel.batch.page_lists, by_torch.batch.page_lists
+        assert lists.view_page_size == list_size
+        assert torch.equal(lists.indptr, expected.indptr) and torch.equal(lists.last_page_len, expected.last_page_len)
+        assert lists.indptr.is_pinned() and lists.indices.device.type == "cuda"
+        assert torch.equal(lists.indices, expected.indices), step
+
+
+def test_staging_ahead_of_a_busy_device_keeps_every_step_intact():
+    """The host stages while the device is busy (a sleep kernel first): each step's fields, its
+    page lists and its host arrays read by stream-ordered copies (as plan() does) hold that
+    step's values once the device gets there - the ring waits for the device's step reports
+    rather than rewriting host memory still to be read."""
+    rng = np.random.default_rng(5)
+    num_rows, width = 33, 512
+    table = torch.randint(0, 1 << 20, (num_rows, width), dtype=torch.int32, device="cuda") * 16
+    stager = DecodeStager(table, page_size=16, page_list_size=16)
+    captured, expected = [], []
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the host runs ahead
+    for _ in range(12):
+        bs = int(rng.integers(1, num_rows))
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, width - 1, bs)
+        batch = stager.stage(rows, cached).batch
+        lists = batch.page_lists
+        captured.append([batch.out_loc.clone(), lists.indices.clone(), batch.device_lens_cpu.to("cuda", non_blocking=True),
+                         lists.indptr.to("cuda", non_blocking=True), lists.last_page_len.to("cuda", non_blocking=True)])
+        reference = PagedIndexBuilder(table, 16, use_kernel=False).build(torch.from_numpy(rows).int().cuda(),
+                                                                          torch.from_numpy(cached + 1).int())
+        expected.append([table[torch.from_numpy(rows).cuda(), torch.from_numpy(cached).cuda()], reference.indices,
+                         torch.from_numpy(cached + 1).int(), reference.indptr, reference.last_page_len])
+    torch.cuda.synchronize()
+    assert int(stager.progress.tensor[0]) == 12
+    for step, (got, want) in enumerate(zip(captured, expected)):
+        for name, a, b in zip(("out_loc", "indices", "device_lens", "indptr", "last_page_len"), got, want):
+            assert torch.equal(a.cpu(), b.cpu()), (step, name)

@@ -112,3 +112,16 @@ def test_disabled_launcher_always_goes_through_triton(monkeypatch):
     bound = fast.bind((1,), x, 100, BLOCK=128, FLAG=True)
     bound()
     assert kinds(fast) == ["triton"] * 3
+
+
+def test_bind_all_but_one_argument_takes_it_per_call_and_checks_its_specialization(launcher):
+    x = torch.zeros(64, dtype=torch.int32)
+    other, misaligned = torch.ones(64, dtype=torch.int32), torch.ones(64, dtype=torch.int32)[1:]
+    launch_with = launcher.bind_all_but(0, (2,), x, 100, BLOCK=128, FLAG=True)
+    launch_with(x)  # first: through Triton (__call__ compiles and records the key)
+    launch_with(other)  # same specialization: direct, with the value given
+    launch_with(misaligned)  # another specialization: through __call__, which launches via Triton
+    assert kinds(launcher) == ["triton", "direct", "triton"]
+    assert launcher.kernel.log[1][1][9] is other
+    launch_with(misaligned)  # __call__ has that key now: direct
+    assert kinds(launcher)[-1] == "direct"

@@ -31,6 +31,10 @@ class PoolAttentionBackend(BaseAttentionBackend):
 
     #: ``"any"`` or a device type the backend requires (``"cuda"``).
     required_device: str = "any"
+    #: Tokens per page of the CSR page lists (FlashInfer's ``indptr`` / ``indices`` /
+    #: last-page lengths) the backend plans decode batches with, or ``None``. ``KVBackend``'s
+    #: decode stager then builds them in its own launch (``StagedDecodeBatch.page_lists``).
+    decode_page_list_size: int | None = None
 
     def __init__(self, config: AttentionConfig) -> None:
         pool, table = config.pool, config.page_table

@@ -1,30 +1,65 @@
 """``DecodeStager``: a decode step's ``AttentionBatch`` for a page table used through torch (a
 GPU's), at the fewest host-side calls.
 
-On the H200 hosts every torch call costs 3-19 us of host time whatever its size, so the per-step
-cost is the number of calls. A step here makes: one pinned host buffer (three numpy writes: rows,
-cached lengths, device lengths), one copy into a device *slot*, and one kernel launch that
-derives the rest on the device (``triton_kernels.decode_step``; three torch ops off CUDA or
-without Triton). The slot's views (rows, cached, device, token index, out_loc, append index) are
-made once per slot and batch size, so no split or slicing happens per step.
+On the H200 hosts every torch call costs 2-19 us of host time whatever its size, so the per-step
+cost is the number of calls. A step here makes: a few numpy writes into a persistent pinned host
+buffer (rows, cached lengths, device lengths; deferred page slots; page-list ``indptr`` and
+last-page lengths), one copy of it into a device buffer, and one kernel launch that derives the
+rest on the device (``triton_kernels.decode_step``; torch ops off CUDA or without Triton). Both
+buffers and every view of them (the batch's host fields included) are made once per ring slot
+and batch size (``decode_slot``), so a step allocates and slices nothing.
 
-Slots form a ring (``ring_size``, default 3): a batch's device tensors are reused by the decode
-batch staged ``ring_size`` prepares later. Work enqueued on the same stream before that is safe
-(the copy that overwrites a slot is ordered after it); a host must not hold a decode batch for
-longer than that (hosts describe one forward per batch). ``build_decode_batch`` and
-``build_attention_batch`` still return batches that own their tensors.
+Page lists: an attention backend that plans decode batches with FlashInfer-style CSR page lists
+says so (``decode_page_list_size``, the tokens per page of its view); a stager built with that
+size writes them in the same launch and hands them over on the batch
+(``StagedDecodeBatch.page_lists``), so the backend's ``prepare_metadata`` builds nothing.
+
+Slots form a ring (``ring_size``, default 3): a batch's tensors, host and device, are reused by
+the decode batch staged ``ring_size`` prepares later; a host must not hold a decode batch for
+longer than that (hosts describe one forward per batch). Device work is safe by stream order (the
+copy that overwrites a slot is ordered after every earlier use). Host memory is not: the copy and
+``plan()``'s copies read it asynchronously. So each launch writes its step number into pinned
+host memory (``StepProgress``), and a slot's host buffer is rewritten only once the device
+reported the step after that slot's last use - a wait (a stream sync) only when the host runs
+``ring_size - 1`` steps ahead of the device. Everything runs on the current stream.
+``build_decode_batch`` and ``build_attention_batch`` still return batches that own their tensors.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kvplug.attention.decode_batch import ExtendStarts, host_buffer
+from kvplug.attention.decode_batch import ExtendStarts
+from kvplug.attention.decode_slot import (
+    SlotViews,
+    derive_with_torch,
+    device_size,
+    host_size,
+    make_slot_views,
+    upload_size,
+)
+from kvplug.attention.step_progress import StepProgress
+from kvplug.attention.paged_indices import PagedIndexBuilder, PagedIndices, write_page_list_arrays
 from kvplug.interface import AttentionBatch, ForwardPhase
+from kvplug.memory.deferred_pages import DeferredPages
+
+
+@dataclass
+class StagedDecodeBatch(AttentionBatch):
+    """An ``AttentionBatch`` staged by ``DecodeStager``, with the page lists it was asked for.
+
+    Attributes:
+        page_lists: the batch's CSR page lists for a view of ``page_lists.view_page_size`` tokens
+            a page over ``page_table`` (``indices`` a ring-buffer view, valid as long as the
+            batch), or ``None`` when the stager builds none.
+    """
+
+    page_lists: PagedIndices | None = None
 
 
 class DecodeUpload(NamedTuple):
@@ -46,48 +81,57 @@ class DecodeUpload(NamedTuple):
     device_lens_host: np.ndarray
 
 
-class _SlotViews(NamedTuple):
-    """Views of one ring slot for one batch size ``n`` (int32 unless noted)."""
-
-    upload: torch.Tensor  # [3n]: rows | cached | device, the part the host copies in
-    append_index: torch.Tensor  # [n], int64
-    rows: torch.Tensor
-    cached: torch.Tensor
-    device: torch.Tensor
-    token_index: torch.Tensor
-    out_loc: torch.Tensor
-    derive: Callable[[], None]  # fills token index, out_loc and append index from the upload
-
-
 class DecodeStager:
     """Stages decode batches over ``page_table`` (see the module docstring).
 
     Args:
         page_table: shape ``[max_running_reqs + 1, row_width]``, int32, contiguous, device.
+        page_size: tokens per page of the pool (deferred pages are written page by page).
+        page_list_size: build each batch's CSR page lists for a view of this many tokens a page
+            (1, or ``page_size``); ``None``: none.
         ring_size: device slots in the ring (>= 1).
         use_kernel: derive on the device with the Triton kernel; ``None``: when the table is on
             CUDA and Triton is importable.
     """
 
-    def __init__(self, page_table: torch.Tensor, *, ring_size: int = 3, use_kernel: bool | None = None) -> None:
+    def __init__(
+        self,
+        page_table: torch.Tensor,
+        *,
+        page_size: int = 1,
+        page_list_size: int | None = None,
+        ring_size: int = 3,
+        use_kernel: bool | None = None,
+    ) -> None:
         self.page_table = page_table
+        self.page_size = int(page_size)
+        self.page_list_size = None if page_list_size is None else int(page_list_size)
         self.device = page_table.device
         self.ring_size = int(ring_size)
         self._flat_table = page_table.view(-1)
         self._capacity = page_table.shape[0]  # the largest batch: every row, dummy included
-        self._slots: list[torch.Tensor | None] = [None] * self.ring_size
-        self._views: dict[tuple[int, int], _SlotViews] = {}
+        self._buffers: list[torch.Tensor | None] = [None] * self.ring_size  # device buffers
+        self._list_buffers = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(self.ring_size)]
+        self._list_capacity = [0] * self.ring_size  # entries of each list buffer, kept as ints
+        self._views: dict[tuple[int, int], SlotViews] = {}
         self._next = 0
+        self.progress = StepProgress(self.device, self.ring_size)
         self.extend_starts = ExtendStarts(self.device)
         if use_kernel is None:
             use_kernel = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self._bind_kernel = None
+        self._list_builder = None
         if use_kernel:
-            from kvplug.attention.triton_kernels.decode_step import bind_decode_fields
+            from kvplug.attention.triton_kernels.decode_step import bind_decode_step
 
-            self._bind_kernel = bind_decode_fields
+            self._bind_kernel = bind_decode_step
+        elif self.page_list_size is not None:
+            self._list_builder = PagedIndexBuilder(page_table, self.page_list_size, use_kernel=False)
 
-    def stage(self, table_rows: np.ndarray, cached_lens: np.ndarray, *, num_padded: int = 0) -> DecodeUpload:
+    def stage(
+        self, table_rows: np.ndarray, cached_lens: np.ndarray, *, num_padded: int = 0,
+        deferred: DeferredPages | None = None,
+    ) -> DecodeUpload:
         """The ``DECODE`` batch of ``build_attention_batch`` for ``device_lens = cached_lens + 1``,
         without validation (the caller guarantees what it checks), and the step's flat indices.
 
@@ -96,48 +140,84 @@ class DecodeStager:
                 the dummy row.
             cached_lens: shape ``[bs]``, integers, host (numpy); ``0 <= cached_len < row_width``.
             num_padded: trailing requests that are CUDA-graph padding.
+            deferred: pages the allocator took for this batch but did not write
+                (``PagedAllocator.take_deferred_pages``): each goes into the table at its
+                request's ``cached_len`` before ``out_loc`` (and the page lists) are read.
         """
         n = table_rows.shape[0]
         slot = self._next
         self._next = slot + 1 if slot + 1 < self.ring_size else 0
         views = self._views.get((slot, n)) or self._make_views(slot, n)
-        host_tensor = host_buffer(3 * n, self.device)
-        block = host_tensor.numpy().reshape(3, n)
-        block[0] = table_rows
-        block[1] = cached_lens
-        np.add(cached_lens, 1, out=block[2], casting="unsafe")
-        views.upload.copy_(host_tensor, non_blocking=True)
-        views.derive()
+        host = views.host
+        host.step[0] = self.progress.begin_step()  # waits if this slot's host buffer may still be read
+        host.rows[:] = table_rows
+        host.cached[:] = cached_lens
+        np.add(cached_lens, 1, out=host.device, casting="unsafe")
+        if deferred is not None:
+            host.page_slot[:] = deferred.page_slot
+        list_size = self.page_list_size
+        page_lists = None
+        if list_size is not None:
+            last = None if list_size == 1 else host.last_array  # the token view's stays all ones
+            total_pages = write_page_list_arrays(host.device, list_size, host.page_ends, last, host.cached)
+            if self._list_capacity[slot] < total_pages and self._bind_kernel is not None:
+                self._grow_list_buffer(slot, total_pages)
+        self._derive(views, slot, n, None if deferred is None else deferred.storage)
+        if list_size is not None:
+            if self._list_builder is not None:
+                indices = self._list_builder.build(views.rows, host.device_lens).indices
+            else:
+                indices = self._list_buffers[slot][:total_pages]
+            page_lists = PagedIndices(host.indptr, host.last_page_len, indices, list_size)
         d_start, h_start = self.extend_starts.get(n)
-        # host views of the pinned buffer (which they keep alive); from_numpy is the cheapest way
-        h_cached, h_device = torch.from_numpy(block[1]), torch.from_numpy(block[2])
-        batch = AttentionBatch(
-            ForwardPhase.DECODE, views.rows, views.cached, views.device, h_cached, h_device, d_start, h_start,
-            views.cached, views.out_loc, self.page_table, num_padded,
+        batch = StagedDecodeBatch(
+            ForwardPhase.DECODE, views.rows, views.cached, views.device, host.cached_lens, host.device_lens,
+            d_start, h_start, views.cached, views.out_loc, self.page_table, num_padded, None, page_lists,
         )
-        return DecodeUpload(batch, views.token_index, views.append_index, block[2])
+        return DecodeUpload(batch, views.token_index, views.append_index, host.device)
 
-    def _make_views(self, slot: int, n: int) -> _SlotViews:
-        buffer = self._slots[slot]
-        if buffer is None or buffer.numel() < 7 * n:  # padded batches may repeat the dummy row
+    def _make_views(self, slot: int, n: int) -> SlotViews:
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < device_size(n):  # padded batches may repeat the dummy row
             # views made earlier keep the old buffer alive, so their batches stay valid
-            size = 7 * max(self._capacity, n)
-            buffer = self._slots[slot] = torch.zeros(size, dtype=torch.int32, device=self.device)
-        # int32 layout: append index (int64: 2n, first so it is 8-byte aligned) | rows | cached |
-        # device | token index | out_loc; the host uploads rows .. device
-        whole = buffer[: 7 * n]
-        append, rows, cached, device, token_index, out_loc = whole.split_with_sizes((2 * n, n, n, n, n, n))
-        append = append.view(torch.int64)
-        if self._bind_kernel is not None:
-            derive = self._bind_kernel(whole, append, self.page_table, n)
-        else:
-            width, flat_table = self.page_table.shape[1], self._flat_table
-
-            def derive() -> None:
-                torch.add(cached, rows, alpha=width, out=token_index)
-                torch.index_select(flat_table, 0, token_index, out=out_loc)
-                torch.add(token_index, 1, out=append)
-
-        views = _SlotViews(whole[2 * n : 5 * n], append, rows, cached, device, token_index, out_loc, derive)
-        self._views[(slot, n)] = views
+            buffer = self._buffers[slot] = torch.zeros(
+                device_size(max(self._capacity, n)), dtype=torch.int32, device=self.device
+            )
+        host = torch.zeros(host_size(n), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        views = self._views[(slot, n)] = make_slot_views(buffer, host, n)
+        views.host.last_array[:] = 1  # the token view's last pages, written once
         return views
+
+    def _grow_list_buffer(self, slot: int, total_pages: int) -> None:
+        """A bigger page-list buffer for ``slot``: launches bound to the old one go (batches
+        holding views of it keep it alive)."""
+        capacity = self._list_capacity[slot] = 1 << (total_pages - 1).bit_length()
+        self._list_buffers[slot] = torch.empty(capacity, dtype=torch.int32, device=self.device)
+        for (views_slot, _), views in self._views.items():
+            if views_slot == slot:
+                views.launches.clear()
+
+    def _derive(self, views: SlotViews, slot: int, n: int, storage: torch.Tensor | None) -> None:
+        """The batch fields in the device buffer, token index, out_loc and append index (and page
+        lists) from the host buffer; with ``storage`` (deferred pages), first each page slot's
+        page into the table at its request's cached length. Then the step number goes to
+        ``progress``. The kernel reads the pinned host buffer in place; the torch path copies it."""
+        if self._bind_kernel is None:
+            size = upload_size(n, storage is not None, self.page_list_size is not None)
+            views.uploads[size].copy_(views.host.uploads[size], non_blocking=True)
+            derive_with_torch(views, self._flat_table, self.page_table.shape[1], self.page_size, storage)
+            self.progress.report(views.step)
+            return
+        with_pages = storage is not None
+        launch = views.launches.get(with_pages)
+        if launch is None:
+            page_lists = None if self.page_list_size is None else (self._list_buffers[slot], self.page_list_size)
+            launch = views.launches[with_pages] = self._bind_kernel(
+                views.whole, views.host.whole, views.append_index, self.page_table, n, self.page_size,
+                self.progress.tensor,
+                with_pages=storage, page_lists=page_lists,
+            )
+        if with_pages:
+            launch(storage)
+        else:
+            launch()

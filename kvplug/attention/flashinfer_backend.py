@@ -8,7 +8,9 @@ Two views of the same pool (option ``kv_view``):
   ``page_table[row, ::P] // P`` (the first location of each page over P) and the last page holds
   ``device_len - (pages - 1) * P`` tokens. Fewer indices to build and plan.
 
-``"auto"`` (default) takes ``"page"`` when P > 1. Planning (``plan()``) happens once per batch in
+``"auto"`` (default) takes ``"page"`` when P > 1. The page lists come with a decode batch that
+``KVBackend`` staged (``StagedDecodeBatch.page_lists``, written in the staging launch); for any
+other batch ``PagedIndexBuilder`` writes them (one launch). Planning (``plan()``) happens once per batch in
 ``prepare_metadata``; every layer's ``forward`` only runs. Decode uses tensor cores from a GQA
 group of 4 up (option ``use_tensor_cores``: ``"auto"``, ``True`` or ``False``). One float
 workspace (option ``workspace_mb``, 128) is shared by every wrapper of the backend. CUDA-graph
@@ -64,6 +66,7 @@ class FlashInferAttentionBackend(PoolAttentionBackend):
             raise InvalidArgumentError(f"use_tensor_cores must be 'auto', True or False, got {tensor_cores!r}")
         self.use_tensor_cores = self.group_size >= 4 if tensor_cores == "auto" else tensor_cores
         self.view_page_size = self.page_size if self.kv_view == "page" else 1
+        self.decode_page_list_size = self.view_page_size
         device = self.pool.device
         self._workspace = torch.zeros(int(options["workspace_mb"]) << 20, dtype=torch.uint8, device=device)
         self._indices = PagedIndexBuilder(self.page_table, self.view_page_size)
@@ -80,7 +83,9 @@ class FlashInferAttentionBackend(PoolAttentionBackend):
         batch.metadata = self._plan(wrapper, batch)
 
     def _plan(self, wrapper: Any, batch: AttentionBatch) -> FlashInferMetadata:
-        plan = self._indices.build(batch.table_rows, batch.device_lens_cpu, batch.device_lens)
+        plan = getattr(batch, "page_lists", None)  # a StagedDecodeBatch's, built with the batch
+        if plan is None or plan.view_page_size != self.view_page_size or batch.page_table is not self.page_table:
+            plan = self._indices.build(batch.table_rows, batch.device_lens_cpu, batch.device_lens)
         common = dict(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,

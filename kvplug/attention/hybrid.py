@@ -30,6 +30,11 @@ class HybridAttentionBackend(BaseAttentionBackend):
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
 
+    @property
+    def decode_page_list_size(self) -> int | None:
+        """The decode backend's (see ``PoolAttentionBackend.decode_page_list_size``)."""
+        return getattr(self.decode_backend, "decode_page_list_size", None)
+
     def _backend_for(self, batch: AttentionBatch) -> BaseAttentionBackend:
         return self.decode_backend if batch.is_decode else self.prefill_backend
 

@@ -11,7 +11,7 @@ without Triton) four torch ops, which the kernel is tested against.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,17 +20,54 @@ from kvplug.attention.batch import host_buffer
 from kvplug.interface import InvalidArgumentError
 
 
-@dataclass(frozen=True)
-class PagedIndices:
+class PagedIndices(NamedTuple):
     """Attributes:
         indptr: shape ``[bs + 1]``, int32, cpu; exclusive prefix sum of pages per request.
         last_page_len: shape ``[bs]``, int32, cpu; tokens in each request's last page (1..S).
         indices: shape ``[indptr[-1]]``, int32, table device; page numbers of the view.
+        view_page_size: ``S``, tokens per page of the view the page numbers count in.
     """
 
     indptr: torch.Tensor
     last_page_len: torch.Tensor
     indices: torch.Tensor
+    view_page_size: int
+
+
+def write_page_list_arrays(
+    device_lens: np.ndarray,
+    view_page_size: int,
+    page_ends: np.ndarray,
+    last_page_len: np.ndarray | None,
+    last_positions: np.ndarray | None = None,
+) -> int:
+    """Fills the host arrays ``plan()`` takes (``indptr = [0, *page_ends]``) and returns the
+    batch's total pages. Every numpy call costs microseconds of host time on a GPU host, so the
+    token view skips what it can.
+
+    Args:
+        device_lens: shape ``[bs]``, integers, host (numpy); each >= 1.
+        view_page_size: ``S``.
+        page_ends: shape ``[bs]``, int32, host (numpy), written: ``indptr[1:]``, the inclusive
+            prefix sum of ``ceil(device_len / S)`` (the caller's ``indptr[0]`` holds 0).
+        last_page_len: shape ``[bs]``, int32, host (numpy), written: ``(device_len - 1) % S + 1``;
+            ``None`` for the token view (``S == 1``) when it already holds ones.
+        last_positions: ``device_lens - 1`` from a caller that has it (a decode batch's cached
+            lengths).
+    """
+    if view_page_size == 1:  # token view: a page per token, every last page holds one
+        np.cumsum(device_lens, dtype=page_ends.dtype, out=page_ends)
+        if last_page_len is not None:
+            last_page_len[:] = 1
+    else:
+        if last_positions is None:
+            last_positions = device_lens - 1
+        # pages = last_position // S + 1 and last_page_len = last_position % S + 1, in place
+        np.divmod(last_positions, view_page_size, out=(page_ends, last_page_len))
+        page_ends += 1
+        np.cumsum(page_ends, dtype=page_ends.dtype, out=page_ends)
+        last_page_len += 1
+    return int(page_ends[-1]) if page_ends.shape[0] else 0
 
 
 class PagedIndexBuilder:
@@ -80,19 +117,21 @@ class PagedIndexBuilder:
         size = self.view_page_size
         bs = device_lens_cpu.shape[0]
         # indptr | last_page_len, and for the torch path: pages | -S * indptr[:-1]
-        host_tensor, host, pages = self._plan_arrays(device_lens_cpu, extra=0 if self._kernel is not None else 2 * bs)
+        host_tensor = host_buffer(2 * bs + 1 + (0 if self._kernel is not None else 2 * bs), self.page_table.device)
+        host = host_tensor.numpy()
+        indptr = host[: bs + 1]
+        indptr[0] = 0
+        total = write_page_list_arrays(device_lens_cpu.numpy(), size, indptr[1:], host[bs + 1 : 2 * bs + 1])
         # torch slices (not numpy views) of the pinned buffer: plan() copies them to the device,
         # and only a slice of the allocator's own tensor keeps the block alive until that copy ran
         indptr_cpu, last_page_len_cpu = host_tensor[: bs + 1], host_tensor[bs + 1 : 2 * bs + 1]
         if self._kernel is not None:
             if device_lens is None:
                 device_lens = device_lens_cpu.to(self.page_table.device, non_blocking=True)
-            return PagedIndices(indptr_cpu, last_page_len_cpu, self._kernel(table_rows, device_lens, int(host[bs])))
-        indptr = host[: bs + 1]
-        host[2 * bs + 1 : 3 * bs + 1] = pages
+            return PagedIndices(indptr_cpu, last_page_len_cpu, self._kernel(table_rows, device_lens, total), size)
+        np.subtract(indptr[1:], indptr[:-1], out=host[2 * bs + 1 : 3 * bs + 1])  # pages per request
         # table index of request i's page j is row_i * width + S * (global page - indptr_i)
         host[3 * bs + 1 :] = -size * indptr[:-1]
-        total = int(indptr[-1])
         on_device = host_tensor[2 * bs + 1 :].to(self.page_table.device, non_blocking=True)
         base = torch.add(on_device[bs:], table_rows, alpha=self.page_table.shape[1])
         table_index = torch.repeat_interleave(base, on_device[:bs], output_size=total)
@@ -100,24 +139,4 @@ class PagedIndexBuilder:
         indices = self._flat_table.index_select(0, table_index)
         if size > 1:
             indices = indices.div_(size, rounding_mode="floor")
-        return PagedIndices(indptr_cpu, last_page_len_cpu, indices)
-
-    def _plan_arrays(self, device_lens_cpu: torch.Tensor, extra: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        """A pinned buffer holding ``indptr`` (``[bs + 1]``) and ``last_page_len`` (``[bs]``), the
-        host arrays ``plan()`` takes, then ``extra`` free ints; its numpy view; pages per request.
-        Every numpy call costs microseconds of host time on a GPU host: the token view needs
-        no division."""
-        size = self.view_page_size
-        lens = device_lens_cpu.numpy()
-        bs = lens.shape[0]
-        host_tensor = host_buffer(2 * bs + 1 + extra, self.page_table.device)
-        host = host_tensor.numpy()
-        host[0] = 0
-        if size == 1:  # token view: a page per token, every last page holds one
-            pages = lens
-            host[bs + 1 : 2 * bs + 1] = 1
-        else:
-            pages = (lens + (size - 1)) // size
-            host[bs + 1 : 2 * bs + 1] = (lens - 1) % size + 1
-        np.cumsum(pages, out=host[1 : bs + 1])
-        return host_tensor, host, pages
+        return PagedIndices(indptr_cpu, last_page_len_cpu, indices, size)

@@ -24,7 +24,12 @@ def host_us(fn: Callable[[], Any], iters: int = 300) -> float:
 
 
 def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Host time per decode step of kvplug's own metadata work, FlashInfer's plan() apart."""
+    """Host time per decode step of kvplug's own metadata work, FlashInfer's plan() apart.
+
+    What ``KVBackend.prepare`` runs per decode step: the stager (with the page lists of the
+    backend's view when it plans with them), then the backend's ``prepare_metadata``, timed
+    twice: whole, and with the wrappers' ``plan`` replaced by a no-op (the rest of it).
+    """
     import numpy as np
 
     import kvplug
@@ -39,24 +44,32 @@ def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
         table = setup.page_table
         live, cached, lens = list(range(bs)), [2047] * bs, [2048] * bs
         live_rows, cached_lens = np.arange(bs, dtype=np.int64), np.full(bs, 2047, dtype=np.int64)
-        stager = DecodeStager(table)
-        # what KVBackend.prepare runs per decode step (its inputs are valid by construction) ...
-        build = lambda: stager.stage(live_rows, cached_lens).batch  # noqa: E731
-        # ... and the public builder a host calls with Python lists, validating them
+        row: dict[str, Any] = {"bs": bs}
+        # the public builder a host calls with Python lists, validating them
         validated = lambda: build_attention_batch(table, live, cached, lens, ForwardPhase.DECODE)  # noqa: E731
-        batch = build()
-        row = {"bs": bs, "build_batch_us": round(host_us(build), 1), "validated_build_us": round(host_us(validated), 1)}
+        row["validated_build_us"] = round(host_us(validated), 1)
         for name in args.backends.split(","):
-            backend = kvplug.create_attention_backend(name, setup.config())
-            row[f"{name}_prepare_us"] = round(host_us(lambda: backend.prepare_metadata(batch)), 1)
-            if name == "flashinfer":
-                indices = backend._indices
-                page_lists = lambda: indices.build(batch.table_rows, batch.device_lens_cpu, batch.device_lens)  # noqa: E731
-                row["flashinfer_indices_us"] = round(host_us(page_lists), 1)
-                row["flashinfer_plan_us"] = round(row["flashinfer_prepare_us"] - row["flashinfer_indices_us"], 1)
-                row["flashinfer_total_excl_plan_us"] = round(row["build_batch_us"] + row["flashinfer_indices_us"], 1)
-            if name == "triton":
-                row["triton_total_us"] = round(row["build_batch_us"] + row["triton_prepare_us"], 1)
+            views = [("", {})] if name != "flashinfer" else [("", {}), ("_token_view", {"kv_view": "token"})]
+            for suffix, options in views:
+                backend = kvplug.create_attention_backend(name, setup.config(**options))
+                stager = DecodeStager(table, page_size=16, page_list_size=backend.decode_page_list_size)
+                stage = lambda: stager.stage(live_rows, cached_lens).batch  # noqa: E731
+                label = f"{name}{suffix}"
+                row[f"{label}_build_batch_us"] = round(host_us(stage), 1)
+                batch = stage()
+                row[f"{label}_prepare_us"] = round(host_us(lambda: backend.prepare_metadata(batch)), 1)
+                if name != "flashinfer":
+                    row[f"{label}_total_us"] = round(row[f"{label}_build_batch_us"] + row[f"{label}_prepare_us"], 1)
+                    continue
+                for wrapper in (backend._decode_wrapper, backend._prefill_wrapper):
+                    wrapper.plan = lambda *a, **k: None  # an instance attribute: this backend only
+                rest = round(host_us(lambda: backend.prepare_metadata(batch)), 1)
+                row[f"{label}_plan_us"] = round(row[f"{label}_prepare_us"] - rest, 1)
+                row[f"{label}_total_excl_plan_us"] = round(row[f"{label}_build_batch_us"] + rest, 1)
+                if not suffix:  # page lists of a batch the stager did not build (a host's own)
+                    indices = backend._indices
+                    build = lambda: indices.build(batch.table_rows, batch.device_lens_cpu, batch.device_lens)  # noqa: E731
+                    row["flashinfer_unstaged_page_lists_us"] = round(host_us(build), 1)
         rows.append(row)
         del setup
     return rows

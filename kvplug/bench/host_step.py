@@ -11,7 +11,9 @@ Each phase is timed on its own (``perf_counter_ns``, cyclic GC paused); ``step``
 step. The clean run is repeated (``--repeats``, fresh backend each time) and the repeat with the
 lowest median step time is reported, as ``timeit`` reports its best repeat: on a machine shared
 with other work, bursts of contention inflate a whole repeat. A second, instrumented run of the same workload times two sub-phases by wrapping them:
-``table_write`` (the page-table write inside ``allocate``) and ``batch_build`` (building the
+``table_write`` (the page-table write inside ``allocate``; on GPU tables a decode step's pages
+are written by ``prepare``'s staging launch instead, so only writes of other steps count) and
+``batch_build`` (building the
 ``AttentionBatch`` inside ``prepare``); the wrappers add ~0.2 us each, which is why the phase
 figures come from the clean run. On CUDA the device is synchronised between steps, outside the
 timed region, so every figure is host time (the copies stay asynchronous inside a step).

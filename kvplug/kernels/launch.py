@@ -109,6 +109,26 @@ class FastLauncher:
             None, None, None, *arguments,
         )
 
+    def bind_all_but(self, position: int, grid: Sequence[int], *args: Any, **keywords: Any) -> Callable[[Any], None]:
+        """``bind`` with the runtime argument at ``position`` given per call: ``launch(value)``.
+        ``args[position]`` is an example; a value whose specialization differs from it (dtype,
+        16-byte alignment, integer class) goes through ``__call__``. The example is not kept."""
+        example_key = _argument_key(args[position])
+        head, tail = args[:position], args[position + 1 :]
+        if not self.enabled:
+            return lambda value: self.kernel[grid](*head, value, *tail, **keywords)
+        key = _launch_key(args, keywords)
+        constexprs = _positional((), keywords)
+
+        def launch(value: Any) -> None:
+            if _argument_key(value) != example_key:
+                self(grid, *head, value, *tail, **keywords)
+                return
+            values = (*head, value, *tail)
+            self._launch(key, grid, values, keywords, (*values, *constexprs))
+
+        return launch
+
     def _first_launch(self, key: tuple, grid: Sequence[int], args: tuple, keywords: dict) -> None:
         compiled = self.kernel[grid](*args, **keywords)
         constexpr_names = [name for name in keywords if name not in LAUNCH_OPTIONS]

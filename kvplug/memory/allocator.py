@@ -22,6 +22,7 @@ import torch
 
 from kvplug.interface import BasePrefixCache, InvalidArgumentError, OutOfMemoryError
 from kvplug.memory.caching import PrefixCaching
+from kvplug.memory.deferred_pages import DeferredPageWrites
 from kvplug.memory.free_list import FreeList
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
@@ -29,8 +30,9 @@ from kvplug.memory.ragged import HostInts, expand_pages, host_ints
 from kvplug.memory.request import Request, RequestStates
 
 
-class PagedAllocator(PrefixCaching):
-    """Page allocation, prefix caching of finished work (``PrefixCaching``), and conservation checks.
+class PagedAllocator(PrefixCaching, DeferredPageWrites):
+    """Page allocation, prefix caching of finished work (``PrefixCaching``), decode page writes
+    deferred to the staging launch (``DeferredPageWrites``), and conservation checks.
 
     Args:
         num_pages: pages that can be handed out (the pool's, dummy page excluded).
@@ -90,6 +92,7 @@ class PagedAllocator(PrefixCaching):
             row: a request row the caller owns (not live in this allocator).
             input_ids: shape ``[n]``, int32, device; ``1 <= n <= max_seq_len``.
         """
+        self.flush_deferred_pages()
         if row in self._live:
             raise InvalidArgumentError(f"row {row} already belongs to a live request")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
@@ -116,6 +119,7 @@ class PagedAllocator(PrefixCaching):
         (saying how many pages were needed and how many are available) or
         ``InvalidArgumentError`` with nothing changed.
         """
+        self.flush_deferred_pages()
         states = self.states
         rows, row_starts = states.batch_rows(requests)
         num_tokens = states.num_tokens[rows]
@@ -138,10 +142,16 @@ class PagedAllocator(PrefixCaching):
         growth = lengths - allocated
         # only requests growing past their last page need pages (in decode: about 1 in page_size)
         growing = (growth > 0).nonzero()[0]
-        if growing.size and growing.size == rows.size:
-            self._grow(rows, row_starts, allocated, growth)
-        elif growing.size:
-            self._grow(rows[growing], row_starts[growing], allocated[growing], growth[growing])
+        if growing.size:
+            grown = (rows, row_starts, allocated, growth)
+            if growing.size != rows.size:
+                grown = tuple(part[growing] for part in grown)
+            grown_rows, starts, grown_allocated, grown_growth = grown
+            if not (
+                self.defer_decode_pages
+                and self._defer_growth(rows, growing, grown_rows, starts + grown_allocated, grown_allocated, grown_growth)
+            ):
+                self._grow(*grown)
         states.device_len[rows] = lengths
 
     def _grow(self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray) -> None:
@@ -172,6 +182,12 @@ class PagedAllocator(PrefixCaching):
 
     # ------------------------------------------------------------------ internals
     def _take_pages(self, count: int, num_requests: int) -> torch.Tensor:
+        self._make_room(count, num_requests)
+        return self.free_list.take(count)
+
+    def _make_room(self, count: int, num_requests: int) -> None:
+        """Evict from the prefix cache until ``count`` pages are free, or raise
+        ``OutOfMemoryError`` (nothing changed) when even that cannot cover them."""
         shortage = count - len(self.free_list)
         if shortage > 0:
             evictable = self.num_evictable_pages
@@ -187,7 +203,6 @@ class PagedAllocator(PrefixCaching):
             self.evicted_tokens += int(evicted.shape[0])
             # a cache holds whole pages, so each evicted page shows up once by its first location
             self.free_list.release(evicted[evicted % self.page_size == 0], immediately=True)
-        return self.free_list.take(count)
 
     def _write_pages(self, page_cells: np.ndarray, pages: torch.Tensor) -> None:
         """Record new pages in the table, in one scattered write.
@@ -213,4 +228,5 @@ class PagedAllocator(PrefixCaching):
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless every page has exactly one owner (see module docstring)."""
+        self.flush_deferred_pages()
         check_allocator(self, self.free_list.snapshot(include_pending=True))

@@ -9,7 +9,7 @@ batched with ``lazy_free`` so a scheduling step concatenates the free list once.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -30,6 +30,7 @@ class PrefixCaching:
     prefix_cache: BasePrefixCache
     free_list: FreeList
     _live: dict[int, Request]
+    flush_deferred_pages: Callable[[], None]
 
     def cache_request(self, request: Request, *, finished: bool) -> None:
         """Move ``request``'s computed page-aligned prefix into the prefix cache.
@@ -41,6 +42,7 @@ class PrefixCaching:
         stops being live (its row is the caller's to free).
         """
         self.check_live(request)
+        self.flush_deferred_pages()  # the row is read below
         size, row = self.page_size, request.row
         aligned = request.cached_len // size * size
         old_handle = request.handle

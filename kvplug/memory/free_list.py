@@ -44,6 +44,16 @@ class FreeList:
         self._head = head + count
         return self._free[head : head + count]
 
+    def take_positions(self, count: int) -> tuple[torch.Tensor, int]:
+        """``take(count)`` without making the slice: ``(storage, start)`` where the pages are
+        ``storage[start : start + count]`` (``storage``: int32, device; it stays valid while
+        referenced, even after later frees replace the list's own tensor)."""
+        if count > self._free.shape[0] - self._head:
+            raise OutOfMemoryError(f"cannot take {count} pages: {len(self)} free, {self.num_pending} pending lazy frees")
+        head = self._head
+        self._head = head + count
+        return self._free, head
+
     def release(self, page_starts: torch.Tensor, *, immediately: bool = False) -> None:
         """Give pages back (``page_starts``: shape ``[n]``, int32, device); deferred inside a lazy
         region unless ``immediately`` (evicted pages, taken right away by the allocation that

@@ -1,11 +1,25 @@
 """A decode step's device-side batch fields in one Triton launch (``DecodeStager``'s kernel).
 
-The host uploads each request's table row and cached length (and its device length, which it
-needs itself); this kernel derives the rest where they are used: the flat cell of the new token
+The host writes each request's table row, cached and device length (and the step's number) into
+a pinned host buffer (``decode_slot``); this kernel reads it in place - pinned memory is
+device-accessible, so no upload call - and writes the batch fields the attention kernels read to
+the slot's device buffer, with what derives from them: the flat cell of the new token
 (``row * row_width + cached``, int32, for ``input_ids``), the cell after it (int64, for
 ``append_tokens``' scatter) and ``out_loc``, the new token's pool location read from the page
-table. Three torch ops (an add, a gather, an add) would cost ~40 us of host time on the H200
-hosts; one launch bound through ``FastLauncher.bind`` costs ~9.
+table. Program 0 writes the step's number back to pinned memory (``StepProgress``): every read of
+earlier steps' host buffers precedes this launch on the stream. Bound through
+``FastLauncher.bind``, a step costs one launch of host time.
+
+With deferred pages (``kvplug.memory.deferred_pages``) the host also writes a page slot per
+request (an index into the free list's tensor, or -1): the kernel first writes that page into
+the table, token by token from the request's cached length (a decode step's new page starts
+there), clipped to the row, and takes ``out_loc`` from it - the allocator's table write, without
+its upload and scatter.
+
+With page lists (the attention backend's FlashInfer-style CSR ``indices``), the host writes their
+``indptr`` too (it computes it for ``plan()`` anyway) and programs after the batch fields' copy
+each request's every ``S``-th table entry, over ``S`` - the ``PageListWriter`` launch folded
+into this one. A page this launch writes is taken from the free list, not read back.
 """
 
 from __future__ import annotations
@@ -18,52 +32,167 @@ import triton.language as tl
 
 from kvplug.kernels.launch import FastLauncher
 
-BLOCK_REQUESTS = 256
+LIST_BLOCK_PAGES = 1024
+TARGET_LIST_PROGRAMS = 512  # covers the SMs a few times over for a lone long request
 
 
-@triton.jit(do_not_specialize=["batch_size", "row_width"])
-def _decode_step_kernel(
-    slot_ptr,
-    append_ptr,
-    table_ptr,
-    batch_size,
-    row_width,
-    BLOCK: tl.constexpr,
+@triton.jit
+def _batch_fields(
+    slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
+    PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # slot layout, int32 units for a batch of n: append index (int64, 2n) | rows | cached |
-    # device | token index | out_loc (see kvplug.attention.decode_staging)
-    request = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    request = program * BLOCK + tl.arange(0, BLOCK)
     mask = request < batch_size
-    rows = tl.load(slot_ptr + 2 * batch_size + request, mask=mask, other=0)
-    cached = tl.load(slot_ptr + 3 * batch_size + request, mask=mask, other=0)
+    # the host buffer is pinned memory, read in place: copy the batch fields to the device
+    rows = tl.load(host_ptr + 1 + request, mask=mask, other=0)
+    cached = tl.load(host_ptr + 1 + batch_size + request, mask=mask, other=0)
+    device = tl.load(host_ptr + 1 + 2 * batch_size + request, mask=mask, other=0)
+    tl.store(slot_ptr + 2 * batch_size + 1 + request, rows, mask=mask)
+    tl.store(slot_ptr + 3 * batch_size + 1 + request, cached, mask=mask)
+    tl.store(slot_ptr + 4 * batch_size + 1 + request, device, mask=mask)
     cell = rows.to(tl.int64) * row_width + cached
     location = tl.load(table_ptr + cell, mask=mask, other=0)
-    tl.store(slot_ptr + 5 * batch_size + request, cell.to(tl.int32), mask=mask)
-    tl.store(slot_ptr + 6 * batch_size + request, location, mask=mask)
+    if HAS_PAGES:
+        page_slot = tl.load(host_ptr + 1 + 3 * batch_size + request, mask=mask, other=-1)
+        growing = mask & (page_slot >= 0)
+        page = tl.load(pages_ptr + page_slot, mask=growing, other=0)
+        offsets = tl.arange(0, PAGE_P2)
+        write = growing[:, None] & (offsets[None, :] < PAGE_SIZE) & (cached[:, None] + offsets[None, :] < row_width)
+        tl.store(table_ptr + cell[:, None] + offsets[None, :], page[:, None] + offsets[None, :], mask=write)
+        location = tl.where(growing, page, location)
+    tl.store(slot_ptr + 8 * batch_size + 2 + request, cell.to(tl.int32), mask=mask)
+    tl.store(slot_ptr + 9 * batch_size + 2 + request, location, mask=mask)
     tl.store(append_ptr + request, cell + 1, mask=mask)
+    if program == 0:
+        # the host may reuse the host buffers of every step before this one once it sees this
+        # number: all their readers (copies, plan()'s) precede this launch on the stream
+        tl.store(progress_ptr, tl.load(host_ptr))
+
+
+@triton.jit
+def _page_list(
+    host_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits, job,
+    HAS_PAGES: tl.constexpr, LIST_PAGE_SIZE: tl.constexpr, LIST_BLOCK: tl.constexpr,
+):
+    # job = request * list_splits + split: the split's strided blocks of the request's pages
+    request = job // list_splits
+    split = job % list_splits
+    row = tl.load(host_ptr + 1 + request)
+    cached = tl.load(host_ptr + 1 + batch_size + request)
+    start = tl.load(host_ptr + 1 + 4 * batch_size + request)
+    own_pages = cached // LIST_PAGE_SIZE + 1  # the new token at `cached` is in the last one
+    row_base = table_ptr + row.to(tl.int64) * row_width
+    fresh_page = -1
+    new_location = 0
+    if HAS_PAGES:
+        # a page this launch writes: the other programs' table store is not ordered before
+        # this load, so it comes from the free list (it starts the request's last view page)
+        page_slot = tl.load(host_ptr + 1 + 3 * batch_size + request)
+        new_location = tl.load(pages_ptr + page_slot, mask=page_slot >= 0, other=0)
+        fresh_page = tl.where(page_slot >= 0, cached // LIST_PAGE_SIZE, -1)
+    for first in range(split * LIST_BLOCK, own_pages, list_splits * LIST_BLOCK):
+        page = first + tl.arange(0, LIST_BLOCK)
+        mask = page < own_pages
+        location = tl.load(row_base + page.to(tl.int64) * LIST_PAGE_SIZE, mask=mask, other=0)
+        if HAS_PAGES:
+            location = tl.where(page == fresh_page, new_location, location)
+        if LIST_PAGE_SIZE > 1:
+            location = location // LIST_PAGE_SIZE  # locations are >= 0: floor division
+        tl.store(indices_ptr + start + page, location, mask=mask)
+
+
+@triton.jit(do_not_specialize=["batch_size", "row_width", "list_splits"])
+def _decode_step_kernel(
+    slot_ptr,
+    host_ptr,
+    append_ptr,
+    table_ptr,
+    pages_ptr,
+    indices_ptr,
+    progress_ptr,
+    batch_size,
+    row_width,
+    list_splits,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_P2: tl.constexpr,
+    HAS_PAGES: tl.constexpr,
+    LIST_PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LIST_BLOCK: tl.constexpr,
+):
+    # slot layout: see kvplug.attention.decode_slot. The first programs fill the batch fields,
+    # BLOCK requests each; with page lists (LIST_PAGE_SIZE > 0) list_splits programs per request follow
+    program = tl.program_id(0)
+    field_programs = tl.cdiv(batch_size, BLOCK)
+    if program < field_programs:
+        _batch_fields(
+            slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
+            PAGE_SIZE, PAGE_P2, HAS_PAGES, BLOCK,
+        )
+    elif LIST_PAGE_SIZE > 0:
+        _page_list(
+            host_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits,
+            program - field_programs, HAS_PAGES, LIST_PAGE_SIZE, LIST_BLOCK,
+        )
 
 
 _launch_decode_step = FastLauncher(_decode_step_kernel)
 
 
-def bind_decode_fields(
-    slot: torch.Tensor, append_index: torch.Tensor, page_table: torch.Tensor, batch_size: int
-) -> Callable[[], None]:
-    """The launch that fills a staged slot's token index, out_loc and append index from its rows
-    and cached lengths, bound once per slot and batch size (each call then costs the launch).
+def bind_decode_step(
+    slot: torch.Tensor,
+    host: torch.Tensor,
+    append_index: torch.Tensor,
+    page_table: torch.Tensor,
+    batch_size: int,
+    page_size: int,
+    progress: torch.Tensor,
+    *,
+    with_pages: torch.Tensor | None = None,
+    page_lists: tuple[torch.Tensor, int] | None = None,
+) -> Callable[..., None]:
+    """The launch that fills a staged slot's token index, out_loc and append index (and page
+    lists), bound once per slot, batch size and page-list buffer (each call then costs the launch).
+
+    Without ``with_pages`` it is called with no argument. With it (an example free-list tensor,
+    not kept) it is called with the step's pages tensor and writes the deferred pages first.
 
     Args:
-        slot: shape ``[7 * batch_size]``, int32, cuda; rows at ``[2n, 3n)`` and cached
-            lengths at ``[3n, 4n)``, uploaded (in stream order) before each call.
+        slot: shape ``[10 * batch_size + 2]``, int32, cuda; the ring slot's device buffer
+            (``decode_slot`` layout).
+        host: shape ``[6 * batch_size + 2]``, int32, pinned host memory (device-accessible); the
+            slot's host buffer for this batch size, written before each call and read in place.
         append_index: shape ``[batch_size]``, int64, cuda; ``slot[: 2n]`` viewed as int64.
         page_table: shape ``[rows, row_width]``, int32, contiguous, cuda.
+        page_size: tokens per page.
+        progress: shape ``[1]``, int32, pinned host memory (device-accessible); each launch
+            writes the uploaded step number there.
+        with_pages: int32, cuda; an example of the free-list tensor the page slots index.
+        page_lists: ``(indices, S)``: also write each request's CSR page list for a view of
+            ``S`` tokens a page into ``indices`` (int32, cuda, large enough for every step this
+            launch serves) from the uploaded ``indptr``.
     """
-    return _launch_decode_step.bind(
-        (triton.cdiv(batch_size, BLOCK_REQUESTS),),
-        slot,
-        append_index,
-        page_table,
-        batch_size,
-        page_table.shape[1],
-        BLOCK=BLOCK_REQUESTS,
+    page_p2 = max(2, 1 << (page_size - 1).bit_length())
+    block = _block(page_p2)
+    field_programs = triton.cdiv(batch_size, block)
+    indices, list_page_size = page_lists if page_lists is not None else (slot, 0)
+    # a request's pages split over enough programs to fill the GPU when one request is long;
+    # programs past a request's last block exit at once, so one grid serves every step
+    list_splits = triton.cdiv(TARGET_LIST_PROGRAMS, batch_size) if page_lists is not None else 1
+    grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
+    args = (
+        slot, host, append_index, page_table, slot if with_pages is None else with_pages, indices, progress,
+        batch_size, page_table.shape[1], list_splits,
     )
+    constexprs = dict(
+        PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None, LIST_PAGE_SIZE=list_page_size,
+        BLOCK=block, LIST_BLOCK=LIST_BLOCK_PAGES,
+    )
+    if with_pages is None:  # the pages pointer is not read: the slot stands in
+        return _launch_decode_step.bind(grid, *args, **constexprs)
+    return _launch_decode_step.bind_all_but(4, grid, *args, **constexprs)
+
+
+def _block(page_p2: int) -> int:
+    """Requests per program: 256, fewer for big pages (a program writes BLOCK x PAGE_P2 cells)."""
+    return max(16, min(256, 4096 // page_p2))
