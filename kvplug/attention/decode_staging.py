@@ -43,8 +43,8 @@ from kvplug.attention.decode_slot import (
     make_slot_views,
     upload_size,
 )
-from kvplug.attention.step_progress import StepProgress
 from kvplug.attention.paged_indices import PagedIndexBuilder, PagedIndices, write_page_list_arrays
+from kvplug.attention.step_progress import StepProgress
 from kvplug.interface import AttentionBatch, ForwardPhase
 from kvplug.memory.deferred_pages import DeferredPages
 
@@ -55,8 +55,9 @@ class StagedDecodeBatch(AttentionBatch):
 
     Attributes:
         page_lists: the batch's CSR page lists for a view of ``page_lists.view_page_size`` tokens
-            a page over ``page_table`` (``indices`` a ring-buffer view, valid as long as the
-            batch), or ``None`` when the stager builds none.
+            a page over ``page_table`` (views of the ring slot's buffers, valid as long as the
+            batch's other fields: until the ring comes round), or ``None`` when the stager
+            builds none.
     """
 
     page_lists: PagedIndices | None = None
