@@ -1,0 +1,96 @@
+"""kvplug's Triton kernels run by Triton's interpreter on the CPU, against their torch reference
+paths: the decode-step kernel (batch fields, deferred pages, page lists, step reports), the page-list
+writer, the store_kv kernel. Run as ``TRITON_INTERPRET=1 python -m tests.kernels_interpreted`` (the
+flag must be set before Triton is imported, so ``test_kernels_interpreted`` runs this in a
+subprocess). The interpreter runs programs one after another, so ordering between programs is
+not exercised here; the GPU tests cover the same checks on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from kvplug.attention.decode_staging import DecodeStager
+from kvplug.attention.paged_indices import PagedIndexBuilder
+from kvplug.memory.deferred_pages import DeferredPages
+
+STEPS = [(1, 20), (7, 20), (24, 300), (7, 300), (24, 300)]  # (batch, longest)
+
+
+def check_decode_step(page_size: int, list_size: int | None, with_pages: bool) -> None:
+    rng = np.random.default_rng(page_size * 100 + (list_size or 0) * 2 + with_pages)
+    num_rows, width = 41, 300
+    kernel_table = torch.from_numpy(rng.integers(0, 1 << 20, (num_rows, width)).astype(np.int32) * page_size)
+    torch_table = kernel_table.clone()
+    storage = torch.from_numpy(rng.permutation(2048).astype(np.int32) * page_size)
+    stagers = [
+        DecodeStager(table, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
+        for table, use_kernel in ((kernel_table, True), (torch_table, False))
+    ]
+    for step, (bs, longest) in enumerate(STEPS, start=1):
+        rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
+        cached = rng.integers(0, max(1, longest // page_size), bs) * page_size
+        deferred = None
+        if with_pages:
+            page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(2048)[:bs], -1).astype(np.int32)
+            deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
+        else:
+            cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
+        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred) for stager in stagers)
+        where = (page_size, list_size, with_pages, step)
+        assert torch.equal(kernel_table, torch_table), where
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
+            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (where, name)
+        assert torch.equal(by_kernel.token_index, by_torch.token_index), where
+        assert torch.equal(by_kernel.append_index, by_torch.append_index), where
+        assert int(stagers[0].progress.tensor[0]) == step, where
+        if list_size is not None:
+            got, want = by_kernel.batch.page_lists, by_torch.batch.page_lists
+            assert torch.equal(got.indptr, want.indptr) and torch.equal(got.last_page_len, want.last_page_len), where
+            assert torch.equal(got.indices, want.indices), where
+
+
+def check_page_list_writer() -> None:
+    rng = np.random.default_rng(3)
+    table = torch.from_numpy(rng.integers(0, 1 << 20, (9, 256)).astype(np.int32))
+    for size in (1, 16):
+        builders = [PagedIndexBuilder(table, size, use_kernel=use_kernel) for use_kernel in (True, False)]
+        for bs in (0, 1, 5, 8, 3):
+            rows = torch.from_numpy(rng.permutation(8)[:bs].astype(np.int32))
+            lens = torch.from_numpy(rng.integers(1, 257, bs).astype(np.int32))
+            got, want = builders[0].build(rows, lens, lens.clone()), builders[1].build(rows, lens)
+            for name in ("indptr", "last_page_len", "indices"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (size, bs, name)
+
+
+def check_store_kv() -> None:
+    from kvplug.kernels.store_kv import store_kv_triton
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 7, 130):
+        k_cache, v_cache = torch.zeros(2, 400, 2, 32, dtype=torch.float16).unbind(0)
+        locations = torch.randperm(400, generator=generator)[:n].to(torch.int32)
+        k = torch.randn(n, 2, 32, generator=generator).half()
+        v = torch.randn(n, 64, generator=generator).half()
+        store_kv_triton(k_cache, v_cache, locations, k, v)
+        expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        expected_k[locations.long()], expected_v[locations.long()] = k, v.view(n, 2, 32)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v), n
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported) to run these checks")
+    for page_size, list_size in ((1, None), (1, 1), (16, 1), (16, 16), (5, 5)):
+        for with_pages in (False, True):
+            check_decode_step(page_size, list_size, with_pages)
+    check_page_list_writer()
+    check_store_kv()
+    print("interpreted kernels: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
