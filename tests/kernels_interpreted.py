@@ -1,6 +1,7 @@
 """kvplug's Triton kernels run by Triton's interpreter on the CPU, against their torch reference
 paths: the decode-step kernel (batch fields, deferred pages, page lists, step reports), the page-list
-writer, the store_kv kernel. Run as ``TRITON_INTERPRET=1 python -m tests.kernels_interpreted`` (the
+writer, the store_kv kernel, and the decode (one and several KV splits) and extend attention
+kernels against the dense SDPA oracle. Run as ``TRITON_INTERPRET=1 python -m tests.kernels_interpreted`` (the
 flag must be set before Triton is imported, so ``test_kernels_interpreted`` runs this in a
 subprocess). The interpreter runs programs one after another, so ordering between programs is
 not exercised here; the GPU tests cover the same checks on the device.
@@ -81,14 +82,65 @@ def check_store_kv() -> None:
         assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v), n
 
 
+def check_attention_kernels() -> None:
+    """Decode (one and several KV splits) and extend kernels against the dense SDPA oracle, over
+    the random non-contiguous pools of the attention tests (K/V already stored)."""
+    from kvplug.attention.triton_kernels.decode import decode_attention
+    from kvplug.attention.triton_kernels.extend import extend_attention
+    from tests.attention_reference import SCENARIOS, case_reference, make_case, relative_error
+
+    for scenario, page_size, group in (("decode", 16, 2), ("decode", 1, 4), ("extend_with_prefix", 16, 2)):
+        case = make_case(SCENARIOS[scenario], page_size=page_size, num_qo_heads=2 * group, num_kv_heads=2,
+                         head_dim=32, dtype=torch.float16, seed=7 + page_size + group)
+        case.pool.store_kv(case.k, case.v, case.batch.out_loc, case.layer_id)
+        k_flat, v_flat = (cache.reshape(-1, 2, 32) for cache in (case.pool.k_cache(case.layer_id), case.pool.v_cache(case.layer_id)))
+        batch, scale = case.batch, 32 ** -0.5
+        for num_splits in ((1, 3) if batch.is_decode else (None,)):
+            out = torch.empty_like(case.q)
+            if batch.is_decode:
+                rows = batch.batch_size * case.q.shape[1] * num_splits
+                decode_attention(case.q, k_flat, v_flat, case.page_table, batch.table_rows, batch.device_lens, out,
+                                 torch.empty(rows * 32), torch.empty(rows), num_splits, scale, block_n=64, num_warps=4)
+            else:
+                extend_lens = batch.extend_start_cpu[1:] - batch.extend_start_cpu[:-1]
+                extend_attention(case.q, k_flat, v_flat, out, case.page_table, batch.table_rows, batch.cached_lens,
+                                 batch.device_lens, batch.extend_start, int(extend_lens.max()), scale,
+                                 block_m=32, block_n=32)
+            error = relative_error(out, case_reference(case))
+            assert error < 2e-3, (scenario, page_size, group, num_splits, error)
+
+
+def index_one_element_scalars() -> None:
+    """Triton 3.6's interpreter turns a scalar (a one-element array there) into an index with
+    ``int(array)``, which NumPy >= 2.4 refuses for arrays with a dimension: loop bounds read from
+    memory then fail (triton-lang/triton#9171, fixed after 3.6). Take the element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kvplug_shim", False):
+        return
+
+    def patch(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch.kvplug_shim = True
+    interpreter._patch_lang_tensor = patch
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported) to run these checks")
+    import triton
+
+    if triton.__version__.startswith("3.6."):
+        index_one_element_scalars()
     for page_size, list_size in ((1, None), (1, 1), (16, 1), (16, 16), (5, 5)):
         for with_pages in (False, True):
             check_decode_step(page_size, list_size, with_pages)
     check_page_list_writer()
     check_store_kv()
+    check_attention_kernels()
     print("interpreted kernels: all checks passed")
 
 
