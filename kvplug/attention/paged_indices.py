@@ -60,18 +60,18 @@ def write_page_list_arrays(
         np.add.accumulate(device_lens, out=page_ends)
         if last_page_len is not None:
             last_page_len[:] = 1
-        return int(page_ends[-1]) if page_ends.shape[0] else 0
-    if last_positions is None:
-        last_positions = device_lens - 1
-    # pages = last_position // S + 1 and last_page_len = last_position % S + 1, in place
-    if view_page_size & (view_page_size - 1) == 0:  # a power of two: shift and mask
-        np.right_shift(last_positions, view_page_size.bit_length() - 1, out=page_ends)
-        np.bitwise_and(last_positions, view_page_size - 1, out=last_page_len)
     else:
-        np.divmod(last_positions, view_page_size, out=(page_ends, last_page_len))
-    page_ends += 1
-    np.add.accumulate(page_ends, out=page_ends)
-    last_page_len += 1
+        if last_positions is None:
+            last_positions = device_lens - 1
+        # pages = last_position // S + 1 and last_page_len = last_position % S + 1, in place
+        if view_page_size & (view_page_size - 1) == 0:  # a power of two: shift and mask
+            np.right_shift(last_positions, view_page_size.bit_length() - 1, out=page_ends)
+            np.bitwise_and(last_positions, view_page_size - 1, out=last_page_len)
+        else:
+            np.divmod(last_positions, view_page_size, out=(page_ends, last_page_len))
+        page_ends += 1
+        np.add.accumulate(page_ends, out=page_ends)
+        last_page_len += 1
     return int(page_ends[-1]) if page_ends.shape[0] else 0
 
 

@@ -162,8 +162,7 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         # flat table index of each request's first new cell (a page start)
         first_cells = row_starts + allocated
         if int(growth.max()) <= size:  # one new page each (decode)
-            pages = self._take_pages(int(rows.size), int(rows.size))
-            self._write_pages(first_cells, pages)
+            self._write_pages(first_cells, self._take_pages(int(rows.size), int(rows.size)))
             self.states.allocated_len[rows] = allocated + size
             return
         needs = -(-growth // size)

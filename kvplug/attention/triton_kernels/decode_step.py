@@ -30,10 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvplug.attention.triton_kernels.page_lists import BLOCK_PAGES, TARGET_PROGRAMS, copy_page_list
 from kvplug.kernels.launch import FastLauncher
-
-LIST_BLOCK_PAGES = 1024
-TARGET_LIST_PROGRAMS = 512  # covers the SMs a few times over for a lone long request
 
 
 @triton.jit
@@ -90,15 +88,10 @@ def _page_list(
         page_slot = tl.load(host_ptr + 1 + 3 * batch_size + request)
         new_location = tl.load(pages_ptr + page_slot, mask=page_slot >= 0, other=0)
         fresh_page = tl.where(page_slot >= 0, cached // LIST_PAGE_SIZE, -1)
-    for first in range(split * LIST_BLOCK, own_pages, list_splits * LIST_BLOCK):
-        page = first + tl.arange(0, LIST_BLOCK)
-        mask = page < own_pages
-        location = tl.load(row_base + page.to(tl.int64) * LIST_PAGE_SIZE, mask=mask, other=0)
-        if HAS_PAGES:
-            location = tl.where(page == fresh_page, new_location, location)
-        if LIST_PAGE_SIZE > 1:
-            location = location // LIST_PAGE_SIZE  # locations are >= 0: floor division
-        tl.store(indices_ptr + start + page, location, mask=mask)
+    copy_page_list(
+        row_base, indices_ptr, start, own_pages, split, list_splits, fresh_page, new_location, LIST_PAGE_SIZE,
+        LIST_BLOCK,
+    )
 
 
 @triton.jit(do_not_specialize=["batch_size", "row_width", "list_splits"])
@@ -178,7 +171,7 @@ def bind_decode_step(
     indices, list_page_size = page_lists if page_lists is not None else (slot, 0)
     # a request's pages split over enough programs to fill the GPU when one request is long;
     # programs past a request's last block exit at once, so one grid serves every step
-    list_splits = triton.cdiv(TARGET_LIST_PROGRAMS, batch_size) if page_lists is not None else 1
+    list_splits = triton.cdiv(TARGET_PROGRAMS, batch_size) if page_lists is not None else 1
     grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
     args = (
         slot, host, append_index, page_table, slot if with_pages is None else with_pages, indices, progress,
@@ -186,7 +179,7 @@ def bind_decode_step(
     )
     constexprs = dict(
         PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None, LIST_PAGE_SIZE=list_page_size,
-        BLOCK=block, LIST_BLOCK=LIST_BLOCK_PAGES,
+        BLOCK=block, LIST_BLOCK=BLOCK_PAGES,
     )
     if with_pages is None:  # the pages pointer is not read: the slot stands in
         return _launch_decode_step.bind(grid, *args, **constexprs)

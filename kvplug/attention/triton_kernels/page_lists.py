@@ -24,6 +24,24 @@ BLOCK_PAGES = 1024
 TARGET_PROGRAMS = 512  # enough to cover the SMs a few times over for a lone long request
 
 
+@triton.jit
+def copy_page_list(
+    row_base, indices_ptr, start, own_pages, split, num_splits, fresh_page, fresh_location,
+    VIEW_PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program's share of a request's page list: blocks ``split``, ``split + num_splits``, ...
+    of its ``own_pages`` entries ``row_base[j * S] // S``, stored from ``indices_ptr + start``.
+    Page ``fresh_page`` (-1: none) is ``fresh_location // S`` instead of the table's entry."""
+    for first in range(split * BLOCK, own_pages, num_splits * BLOCK):
+        page = first + tl.arange(0, BLOCK)
+        mask = page < own_pages
+        location = tl.load(row_base + page.to(tl.int64) * VIEW_PAGE_SIZE, mask=mask, other=0)
+        location = tl.where(page == fresh_page, fresh_location, location)
+        if VIEW_PAGE_SIZE > 1:
+            location = location // VIEW_PAGE_SIZE  # locations are >= 0: floor division
+        tl.store(indices_ptr + start + page, location, mask=mask)
+
+
 @triton.jit(do_not_specialize=["batch_size", "row_width"])
 def _page_lists_kernel(
     table_ptr,
