@@ -27,10 +27,12 @@ import torch
 
 from kvplug.attention.batch import build_attention_batch
 from kvplug.attention.decode_batch import build_decode_batch
+from kvplug.backend_checks import check_new_tokens, reject_append
 from kvplug.backend_factory import create_backend
 from kvplug.backend_stats import BackendStats
 from kvplug.backend_view import KVBackendView
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
+from kvplug.memory.deferred_appends import DeferredAppend
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids
@@ -59,6 +61,8 @@ class KVBackend(KVBackendView):
         Raises ``OutOfMemoryError`` when no row is free, ``InvalidArgumentError`` for bad ids.
         """
         ids = as_token_ids(input_ids, self.device)
+        self._calls += 1
+        self._flush_appends()
         row = self.rows.allocate()
         try:
             request = self.allocator.open_request(row, ids)
@@ -74,7 +78,12 @@ class KVBackend(KVBackendView):
         """Set each request's ``device_len`` (default: ``num_tokens``, every known token) and give
         it the pages that takes, evicting cached prefixes when needed; all or nothing
         (``OutOfMemoryError`` says how many pages were needed and available)."""
-        self.allocator.allocate(requests, new_device_lens)
+        self._calls += 1
+        appended = self._appended
+        decoding = appended[0] if appended is not None and appended[1] == self._calls - 1 else None
+        rows = self.allocator.allocate(requests, new_device_lens, decoding_rows=decoding)
+        # every known token allocated: device_len == num_tokens (== cached_len + 1 when decoding)
+        self._filled = (rows, self._calls, rows is decoding) if new_device_lens is None else None
 
     def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
         """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
@@ -82,30 +91,39 @@ class KVBackend(KVBackendView):
         if not isinstance(phase, (str, ForwardPhase)) or phase not in _PHASES:
             raise InvalidArgumentError(f"phase must be 'prefill', 'decode' or a ForwardPhase, got {phase!r}")
         phase = _PHASES[phase]
+        self._calls += 1
         states = self.allocator.states
         rows, row_starts = states.batch_rows(requests)
-        cached, device_lens = states.cached_len[rows], states.device_len[rows]
-        # rows are live and distinct, cached_len <= device_len <= allocated_len and device_len <=
-        # max_seq_len by construction: only the number of new tokens is left to check
-        extend = device_lens - cached
-        bad = extend != 1 if phase is ForwardPhase.DECODE else extend < 1
-        if np.count_nonzero(bad):
-            i = int(bad.nonzero()[0][0])
-            wanted = "exactly one new token (decode)" if phase is ForwardPhase.DECODE else "at least one new token"
-            raise InvalidArgumentError(
-                f"request in row {rows[i]}: a {phase.value} forward needs {wanted}, got cached_len={cached[i]}, "
-                f"device_len={device_lens[i]}; call allocate() first"
-            )
+        cached = states.cached_len[rows]
+        filled = self._filled
+        chained = filled is not None and filled[0] is rows and filled[1] == self._calls - 1
+        if chained and filled[2] and phase is ForwardPhase.DECODE:
+            device_lens = cached + 1  # allocate just gave each of them its one new token
+        else:
+            device_lens = states.device_len[rows]
+            check_new_tokens(rows, cached, device_lens, phase)
         flat_table = self.tables.flat_table
-        if phase is ForwardPhase.DECODE and isinstance(flat_table, np.ndarray):  # tables in host memory
+        if phase is ForwardPhase.DECODE and not isinstance(flat_table, np.ndarray):  # tables used through torch
+            appended = self._deferred_append
+            if appended is not None and appended.rows is not rows:
+                self._flush_appends()
+                appended = None
+            upload = self._decode_stager.stage(
+                rows, cached, deferred=self.allocator.take_deferred_pages(rows),
+                append_values=None if appended is None else appended.values,
+            )
+            self._deferred_append = None  # the launch wrote it
+            # input_ids and append_tokens of this step use what was staged with the batch; an
+            # allocate of every known token of these requests right before makes this step's
+            # append_tokens a known one (device_len == num_tokens == cached_len + 1)
+            self._staged_decode = (rows, upload, self._calls if chained else -1, device_lens)
+            batch = upload.batch
+        elif phase is ForwardPhase.DECODE:  # tables in host memory
+            self._flush_appends()
             self._staged_decode = None
             batch = build_decode_batch(self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts)
-        elif phase is ForwardPhase.DECODE:
-            upload = self._decode_stager.stage(rows, cached, deferred=self.allocator.take_deferred_pages(rows))
-            # input_ids and append_tokens of this step use the indices uploaded with the batch
-            self._staged_decode = (rows, upload)
-            batch = upload.batch
         else:
+            self._flush_appends()
             self._staged_decode = None
             self.allocator.flush_deferred_pages()
             batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
@@ -114,10 +132,17 @@ class KVBackend(KVBackendView):
         return batch
 
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
-        """Token ids of the batch's new tokens, gathered on the device: shape ``[num_tokens]``, int32."""
+        """Token ids of the batch's new tokens, on the device: shape ``[num_tokens]``, int32.
+
+        For the decode batch just staged on GPU tables, the staging launch wrote them (no call
+        here): the result is then a view of the batch's ring slot, valid as long as the batch's
+        own tensors (``ring_size`` decode prepares); clone it to keep it longer. Otherwise they
+        are gathered from the token pool into a new tensor."""
         staged = self._staged_decode
         if staged is not None and staged[1].batch is batch:
-            return self.tables.token_pool.view(-1).index_select(0, staged[1].token_index)
+            # written by the staging launch; a view of the ring slot, valid as long as the batch
+            return staged[1].input_ids
+        self._flush_appends()
         if batch.is_decode:
             # one token per request: flat index row * width + position, one fused op and one gather
             flat_index = torch.add(batch.positions, batch.table_rows, alpha=self.tables.row_width)
@@ -138,9 +163,15 @@ class KVBackend(KVBackendView):
         """After a forward that covered every known token: mark it done (``cached_len =
         device_len``) and append one sampled token per request to the token pool (one write).
 
+        After a decode step staged on GPU tables, the write is deferred to the next decode
+        ``prepare`` over the same requests, whose launch makes it
+        (``kvplug.memory.deferred_appends``): ``token_ids`` is then read on the device later, in
+        stream order, and must not be modified in place before that ``prepare``.
+
         Args:
             token_ids: shape ``[bs]``, int32 (device tensor, stays on the device) or a list of ints.
         """
+        self._flush_appends()
         states = self.allocator.states
         rows, row_starts = states.batch_rows(requests)
         if type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == self.device:
@@ -151,37 +182,41 @@ class KVBackend(KVBackendView):
             raise InvalidArgumentError(
                 f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
             )
+        self._calls += 1
+        staged, self._staged_decode = self._staged_decode, None
+        if staged is not None and staged[2] == self._calls - 1 and staged[0] is rows and ids.is_contiguous():
+            # right after allocate (every token) and a decode prepare of these requests: their
+            # lengths are known (device_len == num_tokens == cached_len + 1 == the staged lengths)
+            device_lens = staged[3]  # shape [bs], int64, host
+            if device_lens.max() < self.tables.max_seq_len:
+                self._deferred_append = DeferredAppend(rows, row_starts + device_lens, staged[1].append_index, ids)
+                states.cached_len[rows] = device_lens
+                states.num_tokens[rows] = device_lens + 1
+                self._appended = (rows, self._calls)
+                return
         cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
         not_ready = (device_lens != num_tokens) | (device_lens <= cached)
         if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
-            self._reject_append(rows, cached, device_lens, num_tokens, not_ready)
+            reject_append(rows, cached, device_lens, num_tokens, not_ready, self.max_seq_len)
         # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
         flat_index = row_starts + num_tokens
-        staged, self._staged_decode = self._staged_decode, None
-        if staged is not None and staged[0] is rows and np.array_equal(staged[1].device_lens_host, num_tokens):
-            # a decode prepare() of these requests uploaded this index with its batch
-            self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged[1].append_index, ids)
+        if staged is not None and staged[0] is rows and not np.count_nonzero(staged[1].device_lens_host - num_tokens):
+            # a decode prepare() of these requests staged this index with its batch
+            if ids.is_contiguous():
+                self._deferred_append = DeferredAppend(rows, flat_index, staged[1].append_index, ids)
+            else:
+                self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged[1].append_index, ids)
         else:
             self.tables.write_flat(self.tables.token_pool, flat_index, ids)
         states.cached_len[rows] = device_lens
         states.num_tokens[rows] = num_tokens + 1
-
-    def _reject_append(
-        self, rows: np.ndarray, cached: np.ndarray, device_lens: np.ndarray, num_tokens: np.ndarray, not_ready: np.ndarray
-    ) -> None:
-        if not_ready.any():
-            i = int(np.flatnonzero(not_ready)[0])
-            raise InvalidArgumentError(
-                f"request in row {rows[i]}: append_tokens follows a forward over all known tokens "
-                f"(cached_len < device_len == num_tokens), got cached_len={cached[i]}, "
-                f"device_len={device_lens[i]}, num_tokens={num_tokens[i]}"
-            )
-        row = rows[int(np.flatnonzero(num_tokens >= self.max_seq_len)[0])]
-        raise InvalidArgumentError(f"request in row {row} already holds max_seq_len={self.max_seq_len} tokens; finish it")
+        self._appended = (rows, self._calls)
 
     def cache_unfinished(self, request: Request) -> None:
         """After a non-final prefill chunk's forward: mark it done and move the computed
         page-aligned prefix into the prefix cache (the request keeps using it, locked)."""
+        self._calls += 1
+        self._flush_appends()
         self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=False)
 
@@ -195,6 +230,8 @@ class KVBackend(KVBackendView):
         the cache.
         """
         self.allocator.check_live(request)
+        self._calls += 1
+        self._flush_appends()
         if computed:
             self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=True)

@@ -12,6 +12,7 @@ import torch
 from kvplug.attention.decode_staging import DecodeStager
 from kvplug.backend_factory import BackendParts
 from kvplug.backend_stats import BackendStats
+from kvplug.memory.deferred_appends import DeferredAppend
 from kvplug.memory.request import Request
 
 
@@ -42,10 +43,18 @@ class KVBackendView:
         self._admitted = 0
         # (rows, DecodeUpload) of the last decode prepare(), for that step's input_ids and append_tokens
         self._staged_decode: tuple | None = None
+        # the last decode step's append_tokens, written by the next decode prepare's launch
+        self._deferred_append: DeferredAppend | None = None
+        # lifecycle calls so far, and (rows, call number) of the last allocate of every known
+        # token: a decode step's allocate -> prepare -> append_tokens chain is recognised by them
+        self._calls = 0
+        self._filled: tuple | None = None
+        # (rows, call number) of the last append_tokens: num_tokens == cached_len + 1 for them
+        self._appended: tuple | None = None
         # GPU tables: the decode batch's device fields come from a ring of slots (see DecodeStager)
         # (with the page lists the attention backend plans decode batches with, when it says so)
         self._decode_stager = DecodeStager(
-            self.tables.table, page_size=self.pool.page_size,
+            self.tables.table, self.tables.token_pool, page_size=self.pool.page_size,
             page_list_size=getattr(self.attention, "decode_page_list_size", None),
         )
         # there, a decode step's new pages go into the table in the stager's launch
@@ -78,8 +87,18 @@ class KVBackendView:
 
     @property
     def token_pool(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (a decode step's
+        append deferred to the next ``prepare`` is written first)."""
+        self._flush_appends()
         return self.tables.token_pool
+
+    def _flush_appends(self) -> None:
+        """Write a deferred ``append_tokens`` into the token pool now (no-op when there is none)."""
+        appended = self._deferred_append
+        if appended is not None:
+            self._deferred_append = None
+            self.tables.write_flat_uploaded(self.tables.token_pool, appended.flat_index, appended.device_index,
+                                            appended.values)
 
     @property
     def running_requests(self) -> list[Request]:

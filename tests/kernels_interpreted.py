@@ -26,10 +26,12 @@ def check_decode_step(page_size: int, list_size: int | None, with_pages: bool) -
     num_rows, width = 41, 300
     kernel_table = torch.from_numpy(rng.integers(0, 1 << 20, (num_rows, width)).astype(np.int32) * page_size)
     torch_table = kernel_table.clone()
+    kernel_tokens = torch.from_numpy(rng.integers(0, 1 << 17, (num_rows, width)).astype(np.int32))
+    torch_tokens = kernel_tokens.clone()
     storage = torch.from_numpy(rng.permutation(2048).astype(np.int32) * page_size)
     stagers = [
-        DecodeStager(table, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
-        for table, use_kernel in ((kernel_table, True), (torch_table, False))
+        DecodeStager(table, tokens, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
+        for table, tokens, use_kernel in ((kernel_table, kernel_tokens, True), (torch_table, torch_tokens, False))
     ]
     for step, (bs, longest) in enumerate(STEPS, start=1):
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
@@ -40,9 +42,15 @@ def check_decode_step(page_size: int, list_size: int | None, with_pages: bool) -
             deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
         else:
             cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
-        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred) for stager in stagers)
+        values = None if step % 2 else torch.from_numpy(rng.integers(0, 1 << 17, bs).astype(np.int32))
+        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred, append_values=values) for stager in stagers)
         where = (page_size, list_size, with_pages, step)
         assert torch.equal(kernel_table, torch_table), where
+        assert torch.equal(kernel_tokens, torch_tokens), where
+        expected_ids = kernel_tokens[torch.from_numpy(rows), torch.from_numpy(cached)]
+        assert torch.equal(by_kernel.input_ids, expected_ids) and torch.equal(by_torch.input_ids, expected_ids), where
+        if values is not None:
+            assert torch.equal(expected_ids, values), where
         for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
             assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (where, name)
         assert torch.equal(by_kernel.token_index, by_torch.token_index), where

@@ -423,11 +423,13 @@ def run_random_decode_steps(backend: KVBackend, rng: np.random.Generator) -> Non
             backend.append_tokens(batch_requests, sampled)
             reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled.to(reference.tokens.device)
             assert torch.equal(backend.page_table, reference.table), f"step {step}"
-            assert torch.equal(backend.token_pool, reference.tokens), f"step {step}"
+            if rng.random() < 0.3:  # reading the pool writes a deferred append: not every step
+                assert torch.equal(backend.token_pool, reference.tokens), f"step {step}"
             batch_requests = [r for r in batch_requests if r.num_tokens < backend.max_seq_len]
             if not batch_requests:
                 break
         backend.check_integrity()
+    assert torch.equal(backend.token_pool, reference.tokens)
 
 
 def test_a_repeated_request_list_is_still_checked(manager):
@@ -490,8 +492,16 @@ def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(
     assert torch.equal(backend.input_ids(batch), torch.tensor([1, 2, 3], dtype=torch.int32))
     calls.clear()
     backend.append_tokens(requests, torch.tensor([7, 8, 9], dtype=torch.int32))
+    assert calls == []  # deferred: the next decode prepare of these requests writes it
+    backend.allocate(requests)
+    batch = backend.prepare(requests, "decode")
+    assert calls == [] and torch.equal(backend.input_ids(batch), torch.tensor([7, 8, 9], dtype=torch.int32))
+    assert backend.tables.token_pool[rows, cached + 1].tolist() == [7, 8, 9]
+    cached += 1
+    backend.append_tokens(requests, torch.tensor([4, 5, 6], dtype=torch.int32))
+    assert calls == [] and backend.tables.token_pool[rows, cached + 1].tolist() == [0, 0, 0]
+    assert backend.token_pool[rows, cached + 1].tolist() == [4, 5, 6]  # reading the pool writes it first
     assert calls == ["write_flat_uploaded"]
-    assert backend.token_pool[rows, cached + 1].tolist() == [7, 8, 9]
 
     # prepared in one order, appended in another: the general path writes the right cells
     backend.allocate(requests)
@@ -645,7 +655,7 @@ def test_staged_deferred_pages_are_clipped_at_the_row_end():
     from kvplug.memory.deferred_pages import DeferredPages
 
     table = torch.arange(4 * 12, dtype=torch.int32).view(4, 12)
-    stager = DecodeStager(table, page_size=5, use_kernel=False)
+    stager = DecodeStager(table, torch.zeros_like(table), page_size=5, use_kernel=False)
     storage = torch.tensor([500, 600, 700], dtype=torch.int32)
     rows, cached = np.array([2, 0, 1]), np.array([10, 5, 3])
     deferred = DeferredPages(rows, np.array([1, 2, -1], dtype=np.int32), storage, 0, 0, np.empty(0, dtype=np.int64))
@@ -654,3 +664,85 @@ def test_staged_deferred_pages_are_clipped_at_the_row_end():
     assert table[0, 5:10].tolist() == [700, 701, 702, 703, 704] and table[0, 10:].tolist() == [10, 11]
     assert table[1].tolist() == list(range(12, 24))  # no page: untouched
     assert batch.out_loc.tolist() == [600, 700, 15]
+
+
+def _one_decode_ready(backend, prompts):
+    requests = [backend.admit(prompt) for prompt in prompts]
+    backend.allocate(requests)
+    backend.prepare(requests, "prefill")
+    backend.append_tokens(requests, [9] * len(requests))
+    return requests
+
+
+def test_a_decode_steps_chain_defers_its_append_and_leaves_the_right_lengths(manager):
+    """allocate -> prepare("decode") -> append_tokens over one request list: the append is
+    deferred to the next decode prepare (no token-pool write of its own) and the lengths move
+    on by one token."""
+    backend = _backend_with_tables(manager, 4, host_views=False)
+    requests = _one_decode_ready(backend, [[1, 2, 3], [4, 5, 6, 7, 8]])
+    before = [(r.cached_len, r.num_tokens) for r in requests]
+    backend.allocate(requests)
+    batch = backend.prepare(requests, "decode")
+    assert backend.input_ids(batch).tolist() == [9, 9]
+    backend.append_tokens(requests, torch.tensor([11, 12], dtype=torch.int32))
+    assert backend._deferred_append is not None
+    assert [(r.cached_len, r.num_tokens, r.device_len) for r in requests] == [(c + 1, n + 1, n) for c, n in before]
+    backend.allocate(requests)
+    assert backend.input_ids(backend.prepare(requests, "decode")).tolist() == [11, 12]
+    assert backend._deferred_append is None
+    backend.check_integrity()
+
+
+def test_a_call_between_prepare_and_append_takes_the_checked_path(manager):
+    """Any lifecycle call between a decode prepare and its append_tokens (here an allocate of
+    another request, and a finish) breaks the chain: append_tokens checks lengths again and
+    writes the right cells."""
+    backend = _backend_with_tables(manager, 1, host_views=False)
+    a, b, c = _one_decode_ready(backend, [[1, 2], [3, 4, 5], [6]])
+    backend.allocate([a, b])
+    backend.prepare([a, b], "decode")
+    backend.allocate([c])
+    backend.append_tokens([a, b], torch.tensor([21, 22], dtype=torch.int32))
+    assert backend._deferred_append is None  # written at once
+    assert backend.token_pool[a.row, 3] == 21 and backend.token_pool[b.row, 4] == 22
+    assert (a.cached_len, a.num_tokens, b.cached_len, b.num_tokens) == (3, 4, 4, 5)
+    backend.allocate([a, b])
+    backend.prepare([a, b], "decode")
+    backend.allocate([a, b], [a.cached_len, b.cached_len])  # same list, lengths taken back
+    with pytest.raises(InvalidArgumentError, match="forward over all known tokens"):
+        backend.append_tokens([a, b], torch.tensor([1, 2], dtype=torch.int32))
+    backend.allocate([a, b])
+    backend.prepare([a, b], "decode")
+    backend.finish(c, computed=False)
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        backend.append_tokens([a, b, c], torch.tensor([1, 2, 3], dtype=torch.int32))
+    backend.append_tokens([a, b], torch.tensor([31, 32], dtype=torch.int32))
+    assert backend.token_pool[a.row, 4] == 31 and backend.token_pool[b.row, 5] == 32
+    backend.check_integrity()
+
+
+def test_a_chained_append_past_max_seq_len_is_refused_with_nothing_changed(manager):
+    backend = _backend_with_tables(manager, 16, host_views=False)
+    (full,) = _one_decode_ready(backend, [list(range(95))])  # 96 tokens = max_seq_len
+    backend.allocate([full])
+    backend.prepare([full], "decode")
+    with pytest.raises(InvalidArgumentError, match="max_seq_len=96"):
+        backend.append_tokens([full], torch.tensor([5], dtype=torch.int32))
+    assert (full.cached_len, full.device_len, full.num_tokens) == (95, 96, 96)
+    assert backend._deferred_append is None
+    backend.finish(full, computed=True)
+    backend.check_integrity()
+
+
+def test_a_one_token_chunk_prepared_as_decode_is_no_chain(manager):
+    """A prefill chunk of one token may be prepared as a decode forward; its append_tokens is
+    still refused (tokens beyond it are known), as on every path."""
+    backend = _backend_with_tables(manager, 1, host_views=False)
+    request = backend.admit([1, 2, 3, 4, 5])
+    backend.allocate([request], [1])
+    backend.prepare([request], "decode")
+    with pytest.raises(InvalidArgumentError, match="forward over all known tokens"):
+        backend.append_tokens([request], torch.tensor([7], dtype=torch.int32))
+    backend.cache_unfinished(request)
+    assert (request.cached_len, request.num_tokens) == (1, 5)
+    backend.check_integrity()

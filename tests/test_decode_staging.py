@@ -51,7 +51,7 @@ def test_staged_page_lists_equal_the_rows_they_describe(page_size, list_size, wi
     rng = np.random.default_rng(page_size * 10 + list_size + with_pages)
     num_rows, width = 40, 160
     table = torch.from_numpy(rng.integers(0, 1 << 20, (num_rows, width)).astype(np.int32) * page_size)
-    stager = DecodeStager(table, page_size=page_size, page_list_size=list_size, use_kernel=False)
+    stager = DecodeStager(table, torch.zeros_like(table), page_size=page_size, page_list_size=list_size, use_kernel=False)
     storage = torch.from_numpy(rng.permutation(512).astype(np.int32) * page_size)
     for bs in (1, 5, 39, 5, 17, 1):
         rows = rng.permutation(num_rows - 1)[:bs]
@@ -76,9 +76,20 @@ def test_staged_page_lists_equal_the_rows_they_describe(page_size, list_size, wi
 
 def test_a_stager_without_page_lists_stages_none():
     table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
-    batch = DecodeStager(table, use_kernel=False).stage(np.array([2, 0]), np.array([3, 6])).batch
-    assert isinstance(batch, StagedDecodeBatch) and batch.page_lists is None
-    assert batch.out_loc.tolist() == [19, 6]
+    upload = DecodeStager(table, table + 100, use_kernel=False).stage(np.array([2, 0]), np.array([3, 6]))
+    assert isinstance(upload.batch, StagedDecodeBatch) and upload.batch.page_lists is None
+    assert upload.batch.out_loc.tolist() == [19, 6]
+    assert upload.input_ids.tolist() == [119, 106]  # the token pool at each request's new token
+
+
+def test_deferred_appends_go_into_the_token_pool_and_are_the_input_ids():
+    table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
+    tokens = torch.zeros_like(table)
+    stager = DecodeStager(table, tokens, use_kernel=False)
+    upload = stager.stage(np.array([2, 0]), np.array([3, 6]), append_values=torch.tensor([7, 9], dtype=torch.int32))
+    assert upload.input_ids.tolist() == [7, 9]
+    assert tokens[2, 3] == 7 and tokens[0, 6] == 9 and int(tokens.count_nonzero()) == 2
+    assert stager.stage(np.array([0]), np.array([6])).input_ids.tolist() == [9]
 
 
 def test_step_progress_numbers_steps_and_refuses_a_slot_the_device_never_released():
@@ -111,7 +122,7 @@ def test_each_stage_reports_its_step_and_batches_keep_their_host_fields_for_a_ri
     """Every stage's launch (here the torch path) reports its step; a batch's host fields are
     persistent views that stay intact until the stage ``ring_size`` later reuses the slot."""
     table = torch.arange(6 * 32, dtype=torch.int32).view(6, 32)
-    stager = DecodeStager(table, page_list_size=1, ring_size=2, use_kernel=False)
+    stager = DecodeStager(table, torch.zeros_like(table), page_list_size=1, ring_size=2, use_kernel=False)
     first = stager.stage(np.array([1, 4]), np.array([3, 7])).batch
     assert int(stager.progress.tensor[0]) == 1
     second = stager.stage(np.array([2, 0]), np.array([5, 9])).batch
@@ -125,7 +136,7 @@ def test_each_stage_reports_its_step_and_batches_keep_their_host_fields_for_a_ri
 
 def test_a_one_slot_ring_waits_for_the_previous_step_only():
     table = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
-    stager = DecodeStager(table, ring_size=1, use_kernel=False)
+    stager = DecodeStager(table, torch.zeros_like(table), ring_size=1, use_kernel=False)
     for step in range(1, 5):
         batch = stager.stage(np.array([2]), np.array([step])).batch
         assert batch.out_loc.tolist() == [32 + step] and int(stager.progress.tensor[0]) == step

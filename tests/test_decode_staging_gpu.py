@@ -27,7 +27,8 @@ def test_stager_equals_the_general_build(use_kernel):
     rng = np.random.default_rng(int(use_kernel))
     num_rows, width = 301, 4096
     table = torch.randint(0, 1 << 28, (num_rows, width), dtype=torch.int32, device="cuda")
-    stager = DecodeStager(table, use_kernel=use_kernel)
+    tokens = torch.randint(0, 1 << 17, (num_rows, width), dtype=torch.int32, device="cuda")
+    stager = DecodeStager(table, tokens, use_kernel=use_kernel)
     for bs in (1, 2, 255, 256, 257, 300, 7, 1):  # new sizes and repeats, so slots come round
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
         cached = rng.integers(0, width - 1, bs)
@@ -36,6 +37,7 @@ def test_stager_equals_the_general_build(use_kernel):
         assert_same_batch(upload.batch, general)
         cells = torch.from_numpy(rows * width + cached).cuda()
         assert upload.token_index.dtype == torch.int32 and torch.equal(upload.token_index.long(), cells)
+        assert torch.equal(upload.input_ids, tokens.view(-1)[cells])
         assert upload.append_index.dtype == torch.int64 and torch.equal(upload.append_index, cells + 1)
         assert np.array_equal(upload.device_lens_host, cached + 1)
 
@@ -44,7 +46,7 @@ def test_a_one_slot_ring_reuses_its_views_with_each_steps_values():
     """With one slot every step reuses the same views, and each step's copy and kernel (ordered
     on the stream) leave that step's values in them."""
     table = torch.arange(9 * 64, dtype=torch.int32, device="cuda").view(9, 64)
-    stager = DecodeStager(table, ring_size=1)
+    stager = DecodeStager(table, torch.zeros_like(table), ring_size=1)
     rows, cached = np.array([3, 1], dtype=np.int64), np.array([5, 9], dtype=np.int64)
     first = stager.stage(rows, cached)
     assert first.batch.out_loc.tolist() == [3 * 64 + 5, 64 + 9]
@@ -64,8 +66,8 @@ def test_kernel_writes_deferred_pages_like_the_torch_path(page_size):
     kernel_table = torch.randint(0, 1 << 28, (num_rows, width), dtype=torch.int32, device="cuda")
     torch_table = kernel_table.clone()
     storage = (torch.randperm(4096, device="cuda") * page_size).to(torch.int32)
-    kernel_stager = DecodeStager(kernel_table, page_size=page_size, use_kernel=True)
-    torch_stager = DecodeStager(torch_table, page_size=page_size, use_kernel=False)
+    kernel_stager = DecodeStager(kernel_table, torch.zeros_like(kernel_table), page_size=page_size, use_kernel=True)
+    torch_stager = DecodeStager(torch_table, torch.zeros_like(torch_table), page_size=page_size, use_kernel=False)
     for bs in (1, 7, 256, 300, 7):
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
         cached = rng.integers(0, width // page_size, bs) * page_size
@@ -112,10 +114,12 @@ def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages
     num_rows, width = 301, 4096
     kernel_table = (torch.randint(0, 1 << 20, (num_rows, width), dtype=torch.int32, device="cuda") * page_size)
     torch_table = kernel_table.clone()
+    kernel_tokens = torch.randint(0, 1 << 17, (num_rows, width), dtype=torch.int32, device="cuda")
+    torch_tokens = kernel_tokens.clone()
     storage = (torch.randperm(8192, device="cuda") * page_size).to(torch.int32)
     stagers = [
-        DecodeStager(table, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
-        for table, use_kernel in ((kernel_table, True), (torch_table, False))
+        DecodeStager(table, tokens, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
+        for table, tokens, use_kernel in ((kernel_table, kernel_tokens, True), (torch_table, torch_tokens, False))
     ]
     for step, (bs, longest) in enumerate([(1, 40), (7, 40), (256, 300), (300, width), (7, width), (1, width), (256, width)]):
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
@@ -126,8 +130,15 @@ def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(8192)[:bs], -1).astype(np.int32)
             deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
-        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred) for stager in stagers)
+        # odd steps carry deferred appends (written into the token pool; they are the input ids)
+        values = torch.randint(0, 1 << 17, (bs,), dtype=torch.int32, device="cuda") if step % 2 else None
+        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred, append_values=values) for stager in stagers)
         assert torch.equal(kernel_table, torch_table), step
+        assert torch.equal(kernel_tokens, torch_tokens), step
+        expected_ids = kernel_tokens[torch.from_numpy(rows).cuda(), torch.from_numpy(cached).cuda()]
+        assert torch.equal(by_kernel.input_ids, expected_ids) and torch.equal(by_torch.input_ids, expected_ids), step
+        if values is not None:
+            assert torch.equal(expected_ids, values), step
         for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
             assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (step, name)
         lists, expected = by_kernel.batch.page_lists, by_torch.batch.page_lists
@@ -145,7 +156,7 @@ def test_staging_ahead_of_a_busy_device_keeps_every_step_intact():
     rng = np.random.default_rng(5)
     num_rows, width = 33, 512
     table = torch.randint(0, 1 << 20, (num_rows, width), dtype=torch.int32, device="cuda") * 16
-    stager = DecodeStager(table, page_size=16, page_list_size=16)
+    stager = DecodeStager(table, torch.zeros_like(table), page_size=16, page_list_size=16)
     captured, expected = [], []
     torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the host runs ahead
     for _ in range(12):

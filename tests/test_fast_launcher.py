@@ -125,3 +125,17 @@ def test_bind_all_but_one_argument_takes_it_per_call_and_checks_its_specializati
     assert launcher.kernel.log[1][1][9] is other
     launch_with(misaligned)  # __call__ has that key now: direct
     assert kinds(launcher)[-1] == "direct"
+
+
+def test_bind_all_but_several_arguments_takes_each_per_call(launcher):
+    x = torch.zeros(64, dtype=torch.int32)
+    y, z = torch.ones(64, dtype=torch.int32), torch.full((64,), 2, dtype=torch.int32)
+    launcher.kernel.arg_names = ["x_ptr", "n", "y_ptr", "BLOCK", "FLAG"]
+    launch_with = launcher.bind_all_but((0, 2), (2,), x, 100, x, BLOCK=128, FLAG=True)
+    launch_with(y, z)  # first: through Triton
+    launch_with(z, y)  # same specializations: direct, the values in their positions
+    assert kinds(launcher) == ["triton", "direct"]
+    assert launcher.kernel.log[1][1][9] is z and launcher.kernel.log[1][1][11] is y
+    assert launcher.kernel.log[1][1][10] == 100
+    launch_with(y, torch.ones(64, dtype=torch.float32))  # the second's dtype differs: through __call__
+    assert kinds(launcher)[-1] == "triton"

@@ -23,6 +23,8 @@ first ``3n + 1`` entries (``4n + 1`` with deferred pages, ``6n + 2`` with page l
                        and device lengths only)
     [8n + 2, 9n + 2)   token index
     [9n + 2, 10n + 2)  out_loc
+    [10n + 2, 11n + 2) input ids (the token pool at the token index, after any deferred
+                       append of the previous step is written there)
 
 The kernel (``triton_kernels.decode_step``) reads these offsets; the GPU tests hold it to
 ``derive_with_torch``.
@@ -38,7 +40,7 @@ import torch
 
 def device_size(batch_size: int) -> int:
     """int32 entries the device buffer needs for a batch of ``batch_size``."""
-    return 10 * batch_size + 2
+    return 11 * batch_size + 2
 
 
 def host_size(batch_size: int) -> int:
@@ -86,11 +88,12 @@ class SlotViews(NamedTuple):
     unless noted; ``host`` the host buffer's.
 
     Attributes:
-        whole: shape ``[10n + 2]``; the kernel's argument.
+        whole: shape ``[11n + 2]``; the kernel's argument.
         uploads: upload size -> the part of ``whole`` a step's host part is copied into.
         step: shape ``[1]``; the step number copied in.
         append_index: int64.
-        launches: bound kernel launches, by whether the step has deferred pages.
+        input_ids: the token ids at the token index (``KVBackend.input_ids``).
+        launches: bound kernel launches, by (deferred pages?, deferred appends?).
     """
 
     whole: torch.Tensor
@@ -103,6 +106,7 @@ class SlotViews(NamedTuple):
     page_slot: torch.Tensor
     token_index: torch.Tensor
     out_loc: torch.Tensor
+    input_ids: torch.Tensor
     host: HostViews
     launches: dict
 
@@ -120,27 +124,36 @@ def make_slot_views(device_buffer: torch.Tensor, host_buffer: torch.Tensor, batc
         array[4 * n + 2 : 5 * n + 2], array[5 * n + 2 :], h_cached, h_device, h_indptr, h_last,
     )
     whole = device_buffer[: device_size(n)]
-    append, step, rows, cached, device, page_slot, _lists, token_index, out_loc = whole.split_with_sizes(
-        (2 * n, 1, n, n, n, n, 2 * n + 1, n, n)
+    append, step, rows, cached, device, page_slot, _lists, token_index, out_loc, input_ids = whole.split_with_sizes(
+        (2 * n, 1, n, n, n, n, 2 * n + 1, n, n, n)
     )
     uploads = {size: whole[2 * n : 2 * n + size] for size in sizes}
     return SlotViews(
         whole, uploads, step, append.view(torch.int64), rows, cached, device, page_slot, token_index, out_loc,
-        host, {},
+        input_ids, host, {},
     )
 
 
 def derive_with_torch(
-    views: SlotViews, flat_table: torch.Tensor, row_width: int, page_size: int, storage: torch.Tensor | None
+    views: SlotViews,
+    flat_table: torch.Tensor,
+    flat_tokens: torch.Tensor,
+    row_width: int,
+    page_size: int,
+    storage: torch.Tensor | None,
+    append_values: torch.Tensor | None,
 ) -> None:
-    """What the decode-step kernel does for the batch fields, in torch ops (CPU tables used
-    through torch, or no Triton): with ``storage`` (deferred pages), first each page slot's page
-    into the table at its request's cached length, clipped to the row; then token index, out_loc
-    and append index.
+    """What the decode-step kernel does, in torch ops (CPU tables used through torch, or no
+    Triton): with ``storage`` (deferred pages), first each page slot's page into the table at
+    its request's cached length, clipped to the row; then token index, out_loc and append index;
+    then the input ids - with ``append_values`` (the previous step's deferred appends, one per
+    request, bound for each request's token cell) written into the token pool first.
 
     Args:
         flat_table: shape ``[rows * row_width]``, int32, device; the page table, flat.
+        flat_tokens: shape ``[rows * row_width]``, int32, device; the token pool, flat.
         storage: int32, device; the free list's tensor the page slots index.
+        append_values: shape ``[n]``, int32, device, contiguous.
     """
     if storage is not None:
         slots = views.page_slot
@@ -154,3 +167,8 @@ def derive_with_torch(
     torch.add(views.cached, views.rows, alpha=row_width, out=views.token_index)
     torch.index_select(flat_table, 0, views.token_index, out=views.out_loc)
     torch.add(views.token_index, 1, out=views.append_index)
+    if append_values is not None:
+        flat_tokens.index_put_((views.token_index,), append_values)
+        views.input_ids.copy_(append_values)
+    else:
+        torch.index_select(flat_tokens, 0, views.token_index, out=views.input_ids)

@@ -64,12 +64,14 @@ class StagedDecodeBatch(AttentionBatch):
 
 
 class DecodeUpload(NamedTuple):
-    """A decode batch and the two flat indices staged with it.
+    """A decode batch and the flat indices and input ids staged with it.
 
     Attributes:
         batch: the ``AttentionBatch``.
         token_index: shape ``[bs]``, int32, table device; ``row * row_width + cached_len``, the
-            cell of each request's new token in the page table and the token pool (``input_ids``).
+            cell of each request's new token in the page table and the token pool.
+        input_ids: shape ``[bs]``, int32, table device; the token pool at ``token_index`` (after
+            the step's deferred appends went there): the forward's input ids.
         append_index: shape ``[bs]``, int64, table device; the next cell, where the sampled token
             goes (``append_tokens``).
         device_lens_host: shape ``[bs]``, int32, host (numpy); ``cached_len + 1``, the column of
@@ -78,6 +80,7 @@ class DecodeUpload(NamedTuple):
 
     batch: AttentionBatch
     token_index: torch.Tensor
+    input_ids: torch.Tensor
     append_index: torch.Tensor
     device_lens_host: np.ndarray
 
@@ -87,6 +90,8 @@ class DecodeStager:
 
     Args:
         page_table: shape ``[max_running_reqs + 1, row_width]``, int32, contiguous, device.
+        token_pool: same shape, int32, contiguous, device; read for each batch's input ids, and
+            written with deferred appends.
         page_size: tokens per page of the pool (deferred pages are written page by page).
         page_list_size: build each batch's CSR page lists for a view of this many tokens a page
             (1, or ``page_size``); ``None``: none.
@@ -98,6 +103,7 @@ class DecodeStager:
     def __init__(
         self,
         page_table: torch.Tensor,
+        token_pool: torch.Tensor,
         *,
         page_size: int = 1,
         page_list_size: int | None = None,
@@ -110,6 +116,7 @@ class DecodeStager:
         self.device = page_table.device
         self.ring_size = int(ring_size)
         self._flat_table = page_table.view(-1)
+        self._flat_tokens = token_pool.view(-1)
         self._capacity = page_table.shape[0]  # the largest batch: every row, dummy included
         self._buffers: list[torch.Tensor | None] = [None] * self.ring_size  # device buffers
         self._list_buffers = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(self.ring_size)]
@@ -132,6 +139,7 @@ class DecodeStager:
     def stage(
         self, table_rows: np.ndarray, cached_lens: np.ndarray, *, num_padded: int = 0,
         deferred: DeferredPages | None = None,
+        append_values: torch.Tensor | None = None,
     ) -> DecodeUpload:
         """The ``DECODE`` batch of ``build_attention_batch`` for ``device_lens = cached_lens + 1``,
         without validation (the caller guarantees what it checks), and the step's flat indices.
@@ -144,6 +152,10 @@ class DecodeStager:
             deferred: pages the allocator took for this batch but did not write
                 (``PagedAllocator.take_deferred_pages``): each goes into the table at its
                 request's ``cached_len`` before ``out_loc`` (and the page lists) are read.
+            append_values: shape ``[bs]``, int32, device, contiguous; token ids that belong at
+                each request's token cell (``row * row_width + cached_len``) but are not in the
+                token pool yet (the previous step's deferred ``append_tokens``): written there
+                in this step's launch, and they are its input ids.
         """
         n = table_rows.shape[0]
         slot = self._next
@@ -153,7 +165,7 @@ class DecodeStager:
         host.step[0] = self.progress.begin_step()  # waits if this slot's host buffer may still be read
         host.rows[:] = table_rows
         host.cached[:] = cached_lens
-        np.add(cached_lens, 1, out=host.device, casting="unsafe")
+        np.add(host.cached, 1, out=host.device)  # int32 to int32: no cast
         if deferred is not None:
             host.page_slot[:] = deferred.page_slot
         list_size = self.page_list_size
@@ -163,7 +175,7 @@ class DecodeStager:
             total_pages = write_page_list_arrays(host.device, list_size, host.page_ends, last, host.cached)
             if self._list_capacity[slot] < total_pages and self._bind_kernel is not None:
                 self._grow_list_buffer(slot, total_pages)
-        self._derive(views, slot, n, None if deferred is None else deferred.storage)
+        self._derive(views, slot, n, None if deferred is None else deferred.storage, append_values)
         if list_size is not None:
             if self._list_builder is not None:
                 indices = self._list_builder.build(views.rows, host.device_lens).indices
@@ -175,7 +187,7 @@ class DecodeStager:
             ForwardPhase.DECODE, views.rows, views.cached, views.device, host.cached_lens, host.device_lens,
             d_start, h_start, views.cached, views.out_loc, self.page_table, num_padded, None, page_lists,
         )
-        return DecodeUpload(batch, views.token_index, views.append_index, host.device)
+        return DecodeUpload(batch, views.token_index, views.input_ids, views.append_index, host.device)
 
     def _make_views(self, slot: int, n: int) -> SlotViews:
         buffer = self._buffers[slot]
@@ -198,27 +210,30 @@ class DecodeStager:
             if views_slot == slot:
                 views.launches.clear()
 
-    def _derive(self, views: SlotViews, slot: int, n: int, storage: torch.Tensor | None) -> None:
-        """The batch fields in the device buffer, token index, out_loc and append index (and page
-        lists) from the host buffer; with ``storage`` (deferred pages), first each page slot's
-        page into the table at its request's cached length. Then the step number goes to
-        ``progress``. The kernel reads the pinned host buffer in place; the torch path copies it."""
+    def _derive(
+        self, views: SlotViews, slot: int, n: int, storage: torch.Tensor | None, append_values: torch.Tensor | None
+    ) -> None:
+        """The batch fields in the device buffer, token index, out_loc, append index and input ids
+        (and page lists) from the host buffer; with ``storage`` (deferred pages), first each page
+        slot's page into the table at its request's cached length; with ``append_values``, those
+        ids into the token pool first. Then the step number goes to ``progress``. The kernel
+        reads the pinned host buffer in place; the torch path copies it."""
         if self._bind_kernel is None:
             size = upload_size(n, storage is not None, self.page_list_size is not None)
             views.uploads[size].copy_(views.host.uploads[size], non_blocking=True)
-            derive_with_torch(views, self._flat_table, self.page_table.shape[1], self.page_size, storage)
+            derive_with_torch(
+                views, self._flat_table, self._flat_tokens, self.page_table.shape[1], self.page_size, storage,
+                append_values,
+            )
             self.progress.report(views.step)
             return
-        with_pages = storage is not None
-        launch = views.launches.get(with_pages)
+        kind = (storage is not None, append_values is not None)
+        launch = views.launches.get(kind)
         if launch is None:
             page_lists = None if self.page_list_size is None else (self._list_buffers[slot], self.page_list_size)
-            launch = views.launches[with_pages] = self._bind_kernel(
-                views.whole, views.host.whole, views.append_index, self.page_table, n, self.page_size,
-                self.progress.tensor,
-                with_pages=storage, page_lists=page_lists,
+            launch = views.launches[kind] = self._bind_kernel(
+                views.whole, views.host.whole, views.append_index, self.page_table, self._flat_tokens, n,
+                self.page_size, self.progress.tensor, with_pages=storage, with_appends=append_values,
+                page_lists=page_lists,
             )
-        if with_pages:
-            launch(storage)
-        else:
-            launch()
+        launch(*(value for value in (storage, append_values) if value is not None))

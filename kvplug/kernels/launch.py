@@ -88,10 +88,7 @@ class FastLauncher:
         """A launch of exactly these arguments, for a caller that repeats it over persistent
         buffers (whose values change, not their addresses): the key is derived once, here, so
         each call costs the launch alone (on the stream current at the call)."""
-        if not self.enabled:
-            return lambda: self.kernel[grid](*args, **keywords)
-        key, arguments = _launch_key(args, keywords), _positional(args, keywords)
-        return lambda: self._launch(key, grid, args, keywords, arguments)
+        return self.bind_all_but((), grid, *args, **keywords)
 
     def _launch(self, key: tuple, grid: Sequence[int], args: tuple, keywords: dict, arguments: tuple) -> None:
         """Launch through the compiled kernel of ``key`` (``arguments``: runtime args then
@@ -109,23 +106,48 @@ class FastLauncher:
             None, None, None, *arguments,
         )
 
-    def bind_all_but(self, position: int, grid: Sequence[int], *args: Any, **keywords: Any) -> Callable[[Any], None]:
-        """``bind`` with the runtime argument at ``position`` given per call: ``launch(value)``.
-        ``args[position]`` is an example; a value whose specialization differs from it (dtype,
-        16-byte alignment, integer class) goes through ``__call__``. The example is not kept."""
-        example_key = _argument_key(args[position])
-        head, tail = args[:position], args[position + 1 :]
+    def bind_all_but(
+        self, positions: int | Sequence[int], grid: Sequence[int], *args: Any, **keywords: Any
+    ) -> Callable[..., None]:
+        """``bind`` with the runtime arguments at ``positions`` given per call: ``launch(value,
+        ...)``, one value per position, in the order of ``positions``. ``args`` holds examples
+        there; values whose specialization differs from the examples' (dtype, 16-byte alignment,
+        integer class) go through ``__call__``. The examples are not kept. After the first
+        launch a call costs the compiled launcher's own call plus a check of each value."""
+        positions = (positions,) if isinstance(positions, int) else tuple(positions)
+        example_keys = tuple(_argument_key(args[position]) for position in positions)
         if not self.enabled:
-            return lambda value: self.kernel[grid](*head, value, *tail, **keywords)
-        key = _launch_key(args, keywords)
-        constexprs = _positional((), keywords)
+            def through_triton(*values: Any) -> None:
+                full = list(args)
+                for position, value in zip(positions, values):
+                    full[position] = value
+                self.kernel[grid](*full, **keywords)
 
-        def launch(value: Any) -> None:
-            if _argument_key(value) != example_key:
-                self(grid, *head, value, *tail, **keywords)
+            return through_triton
+        key = _launch_key(args, keywords)
+        template = list(_positional(args, keywords))  # runtime args then constexprs
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        resolved: list = [None]  # the compiled kernel (or _THROUGH_TRITON), once known
+
+        def launch(*values: Any) -> None:
+            full = template.copy()
+            for position, value, example in zip(positions, values, example_keys):
+                if _argument_key(value) != example:
+                    runtime = full[: len(args)]
+                    for at, given in zip(positions, values):
+                        runtime[at] = given
+                    self(grid, *runtime, **keywords)
+                    return
+                full[position] = value
+            compiled = resolved[0]
+            if compiled is None or compiled is _THROUGH_TRITON:
+                self._launch(key, grid, tuple(full[: len(args)]), keywords, tuple(full))
+                resolved[0] = self._compiled.get(key)
                 return
-            values = (*head, value, *tail)
-            self._launch(key, grid, values, keywords, (*values, *constexprs))
+            compiled.run(
+                grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
+                None, None, None, *full,
+            )
 
         return launch
 

@@ -111,9 +111,15 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         self._live[row] = request
         return request
 
-    def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> None:
+    def allocate(
+        self, requests: Sequence[Request], new_device_lens: HostInts | None = None, *, decoding_rows: np.ndarray | None = None
+    ) -> np.ndarray:
         """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages
-        that takes, in one table write.
+        that takes, in one table write. Returns the requests' rows (``states.batch_rows``).
+
+        ``decoding_rows``: a ``batch_rows`` array the caller knows to hold ``num_tokens ==
+        cached_len + 1`` for each of its requests (nothing changed them since an append); when
+        it is this batch's, a decode step's growth needs no checks.
 
         Evicts from the prefix cache when the free list is short. Raises ``OutOfMemoryError``
         (saying how many pages were needed and how many are available) or
@@ -143,16 +149,18 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         # only requests growing past their last page need pages (in decode: about 1 in page_size)
         growing = (growth > 0).nonzero()[0]
         if growing.size:
-            grown = (rows, row_starts, allocated, growth)
-            if growing.size != rows.size:
-                grown = tuple(part[growing] for part in grown)
-            grown_rows, starts, grown_allocated, grown_growth = grown
+            if growing.size == rows.size:
+                grown_rows, starts, allocated, growth = rows, row_starts, allocated, growth
+            else:
+                grown_rows, starts, allocated, growth = rows[growing], row_starts[growing], allocated[growing], growth[growing]
+            decoding = new_device_lens is None and rows is decoding_rows
             if not (
                 self.defer_decode_pages
-                and self._defer_growth(rows, growing, grown_rows, starts + grown_allocated, grown_allocated, grown_growth)
+                and self._defer_growth(rows, growing, grown_rows, starts, allocated, growth, checked=decoding)
             ):
-                self._grow(*grown)
+                self._grow(grown_rows, starts, allocated, growth)
         states.device_len[rows] = lengths
+        return rows
 
     def _grow(self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray) -> None:
         """Give each request row ``rows[i]`` (flat start ``row_starts[i]``) the pages that grow it

@@ -57,24 +57,38 @@ class DeferredPageWrites:
 
     defer_decode_pages = False
     _deferred: DeferredPages | None = None
+    _page_slot_templates: dict | None = None
 
     def _defer_growth(
-        self, rows: np.ndarray, growing: np.ndarray, grown_rows: np.ndarray, first_cells: np.ndarray,
-        allocated: np.ndarray, growth: np.ndarray,
+        self, rows: np.ndarray, growing: np.ndarray, grown_rows: np.ndarray, row_starts: np.ndarray,
+        allocated: np.ndarray, growth: np.ndarray, *, checked: bool = False,
     ) -> bool:
         """Take one page for each growing request and defer its write, when this is a decode
-        step's growth; returns whether it did (else nothing changed)."""
+        step's growth (one page each, from the cached length; ``checked``: the caller knows it
+        is); returns whether it did (else nothing changed). ``rows``: the batch's; the rest:
+        shape ``[g]``, int64, host, of the growing requests (``growing``: their indices in the
+        batch)."""
         size = self.page_size
-        if int(growth.max()) > size or not np.array_equal(allocated, self.states.cached_len[grown_rows]):
+        if not checked and (np.count_nonzero(allocated - self.states.cached_len[grown_rows]) or growth.max() > size):
             return False
         count = int(grown_rows.size)
         self._make_room(count, count)
         storage, start = self.free_list.take_positions(count)
-        page_slot = np.full(rows.size, -1, dtype=np.int32)
+        page_slot = self._no_page_slots(rows.size).copy()
         page_slot[growing] = np.arange(start, start + count, dtype=np.int32)
-        self._deferred = DeferredPages(rows, page_slot, storage, start, count, first_cells)
+        self._deferred = DeferredPages(rows, page_slot, storage, start, count, row_starts + allocated)
         self.states.allocated_len[grown_rows] = allocated + size
         return True
+
+    def _no_page_slots(self, size: int) -> np.ndarray:
+        """shape ``[size]``, int32, host, all -1 (read-only; a copy is cheaper than ``np.full``)."""
+        if self._page_slot_templates is None:
+            self._page_slot_templates = {}
+        template = self._page_slot_templates.get(size)
+        if template is None:
+            template = self._page_slot_templates[size] = np.full(size, -1, dtype=np.int32)
+            template.flags.writeable = False
+        return template
 
     def flush_deferred_pages(self) -> None:
         """Write deferred pages into the table now (no-op when there are none)."""

@@ -16,6 +16,11 @@ the table, token by token from the request's cached length (a decode step's new 
 there), clipped to the row, and takes ``out_loc`` from it - the allocator's table write, without
 its upload and scatter.
 
+With deferred appends (``KVBackend.append_tokens`` of the previous step over the same batch),
+the sampled ids, one per request, go into the token pool at each request's token cell - the
+append's scatter, without its own launch. Either way the kernel writes the input ids (the token
+pool at the token cell) to the slot: ``input_ids`` without a gather.
+
 With page lists (the attention backend's FlashInfer-style CSR ``indices``), the host writes their
 ``indptr`` too (it computes it for ``plan()`` anyway) and programs after the batch fields' copy
 each request's every ``S``-th table entry, over ``S`` - the ``PageListWriter`` launch folded
@@ -36,8 +41,9 @@ from kvplug.kernels.launch import FastLauncher
 
 @triton.jit
 def _batch_fields(
-    slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
-    PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr,
+    slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, tokens_ptr, values_ptr, progress_ptr, batch_size, row_width,
+    program, PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr, HAS_APPENDS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     request = program * BLOCK + tl.arange(0, BLOCK)
     mask = request < batch_size
@@ -61,6 +67,13 @@ def _batch_fields(
     tl.store(slot_ptr + 8 * batch_size + 2 + request, cell.to(tl.int32), mask=mask)
     tl.store(slot_ptr + 9 * batch_size + 2 + request, location, mask=mask)
     tl.store(append_ptr + request, cell + 1, mask=mask)
+    if HAS_APPENDS:
+        # the previous step's sampled id of this request belongs at this step's token cell
+        token = tl.load(values_ptr + request, mask=mask, other=0)
+        tl.store(tokens_ptr + cell, token, mask=mask)
+    else:
+        token = tl.load(tokens_ptr + cell, mask=mask, other=0)
+    tl.store(slot_ptr + 10 * batch_size + 2 + request, token, mask=mask)
     if program == 0:
         # the host may reuse the host buffers of every step before this one once it sees this
         # number: all their readers (copies, plan()'s) precede this launch on the stream
@@ -101,6 +114,8 @@ def _decode_step_kernel(
     append_ptr,
     table_ptr,
     pages_ptr,
+    tokens_ptr,
+    values_ptr,
     indices_ptr,
     progress_ptr,
     batch_size,
@@ -109,6 +124,7 @@ def _decode_step_kernel(
     PAGE_SIZE: tl.constexpr,
     PAGE_P2: tl.constexpr,
     HAS_PAGES: tl.constexpr,
+    HAS_APPENDS: tl.constexpr,
     LIST_PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     LIST_BLOCK: tl.constexpr,
@@ -119,8 +135,8 @@ def _decode_step_kernel(
     field_programs = tl.cdiv(batch_size, BLOCK)
     if program < field_programs:
         _batch_fields(
-            slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, progress_ptr, batch_size, row_width, program,
-            PAGE_SIZE, PAGE_P2, HAS_PAGES, BLOCK,
+            slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, tokens_ptr, values_ptr, progress_ptr, batch_size,
+            row_width, program, PAGE_SIZE, PAGE_P2, HAS_PAGES, HAS_APPENDS, BLOCK,
         )
     elif LIST_PAGE_SIZE > 0:
         _page_list(
@@ -137,30 +153,36 @@ def bind_decode_step(
     host: torch.Tensor,
     append_index: torch.Tensor,
     page_table: torch.Tensor,
+    token_pool: torch.Tensor,
     batch_size: int,
     page_size: int,
     progress: torch.Tensor,
     *,
     with_pages: torch.Tensor | None = None,
+    with_appends: torch.Tensor | None = None,
     page_lists: tuple[torch.Tensor, int] | None = None,
 ) -> Callable[..., None]:
-    """The launch that fills a staged slot's token index, out_loc and append index (and page
-    lists), bound once per slot, batch size and page-list buffer (each call then costs the launch).
+    """The launch that fills a staged slot's token index, out_loc, append index and input ids
+    (and page lists), bound once per slot, batch size and page-list buffer (each call then costs
+    the launch).
 
-    Without ``with_pages`` it is called with no argument. With it (an example free-list tensor,
-    not kept) it is called with the step's pages tensor and writes the deferred pages first.
+    Called with one argument per given example, in this order: the step's pages tensor
+    (``with_pages``: the deferred pages are written first), the step's deferred append values
+    (``with_appends``: written into the token pool, and they are the input ids).
 
     Args:
-        slot: shape ``[10 * batch_size + 2]``, int32, cuda; the ring slot's device buffer
+        slot: shape ``[11 * batch_size + 2]``, int32, cuda; the ring slot's device buffer
             (``decode_slot`` layout).
         host: shape ``[6 * batch_size + 2]``, int32, pinned host memory (device-accessible); the
             slot's host buffer for this batch size, written before each call and read in place.
         append_index: shape ``[batch_size]``, int64, cuda; ``slot[: 2n]`` viewed as int64.
         page_table: shape ``[rows, row_width]``, int32, contiguous, cuda.
+        token_pool: same shape, int32, contiguous, cuda.
         page_size: tokens per page.
         progress: shape ``[1]``, int32, pinned host memory (device-accessible); each launch
             writes the uploaded step number there.
         with_pages: int32, cuda; an example of the free-list tensor the page slots index.
+        with_appends: shape ``[batch_size]``, int32, cuda, contiguous; an example of the values.
         page_lists: ``(indices, S)``: also write each request's CSR page list for a view of
             ``S`` tokens a page into ``indices`` (int32, cuda, large enough for every step this
             launch serves) from the uploaded ``indptr``.
@@ -173,17 +195,19 @@ def bind_decode_step(
     # programs past a request's last block exit at once, so one grid serves every step
     list_splits = triton.cdiv(TARGET_PROGRAMS, batch_size) if page_lists is not None else 1
     grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
+    # a pointer the launch does not read is given the slot
     args = (
-        slot, host, append_index, page_table, slot if with_pages is None else with_pages, indices, progress,
-        batch_size, page_table.shape[1], list_splits,
+        slot, host, append_index, page_table, slot if with_pages is None else with_pages, token_pool,
+        slot if with_appends is None else with_appends, indices, progress, batch_size, page_table.shape[1], list_splits,
     )
     constexprs = dict(
-        PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None, LIST_PAGE_SIZE=list_page_size,
-        BLOCK=block, LIST_BLOCK=BLOCK_PAGES,
+        PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None,
+        HAS_APPENDS=with_appends is not None, LIST_PAGE_SIZE=list_page_size, BLOCK=block, LIST_BLOCK=BLOCK_PAGES,
     )
-    if with_pages is None:  # the pages pointer is not read: the slot stands in
+    varying = [position for position, example in ((4, with_pages), (6, with_appends)) if example is not None]
+    if not varying:
         return _launch_decode_step.bind(grid, *args, **constexprs)
-    return _launch_decode_step.bind_all_but(4, grid, *args, **constexprs)
+    return _launch_decode_step.bind_all_but(varying, grid, *args, **constexprs)
 
 
 def _block(page_p2: int) -> int:
