@@ -215,7 +215,8 @@ def test_flashinfer_decode_on_a_staged_batch_plans_its_page_lists(flashinfer_com
     case = make_case(ALL_SCENARIOS[scenario], page_size=page_size, num_qo_heads=16, num_kv_heads=8, head_dim=128,
                      dtype=torch.bfloat16, device="cuda", seed=11 + page_size)
     backend = kvplug.create_attention_backend("flashinfer", case.config(kv_view=kv_view))
-    stager = DecodeStager(case.page_table, page_size=page_size, page_list_size=backend.decode_page_list_size)
+    stager = DecodeStager(case.page_table, torch.zeros_like(case.page_table), page_size=page_size,
+                          page_list_size=backend.decode_page_list_size)
     rows = np.array(case.rows, dtype=np.int64)
     cached = np.array([c for c, _ in case.lens], dtype=np.int64)
     batch = stager.stage(rows, cached).batch
