@@ -4,8 +4,10 @@ GPU's), at the fewest host-side calls.
 On the H200 hosts every torch call costs 2-19 us of host time whatever its size, so the per-step
 cost is the number of calls. A step here makes: a few numpy writes into a persistent pinned host
 buffer (rows, cached lengths, device lengths; deferred page slots; page-list ``indptr`` and
-last-page lengths), one copy of it into a device buffer, and one kernel launch that derives the
-rest on the device (``triton_kernels.decode_step``; torch ops off CUDA or without Triton). Both
+last-page lengths) and one kernel launch that reads it in place and derives the rest on the
+device (``triton_kernels.decode_step``; a copy and torch ops off CUDA or without Triton),
+the step's input ids included - after writing the previous step's sampled ids into the token
+pool when ``KVBackend`` deferred them (``kvplug.memory.deferred_appends``). Both
 buffers and every view of them (the batch's host fields included) are made once per ring slot
 and batch size (``decode_slot``), so a step allocates and slices nothing.
 
