@@ -139,3 +139,28 @@ def test_bind_all_but_several_arguments_takes_each_per_call(launcher):
     assert launcher.kernel.log[1][1][10] == 100
     launch_with(y, torch.ones(64, dtype=torch.float32))  # the second's dtype differs: through __call__
     assert kinds(launcher)[-1] == "triton"
+
+
+class PretendCudaTensor(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: what the launcher does with CUDA tensors, on the CPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_direct_bound_launches_pass_cuda_tensors_as_addresses(launcher):
+    """Bound CUDA tensors reach the compiled launcher as their addresses (taken at bind time),
+    per-call ones as theirs; host tensors stay tensors (the launcher maps pinned memory)."""
+    x = torch.Tensor._make_subclass(PretendCudaTensor, torch.zeros(64, dtype=torch.int32))
+    y, z = (torch.Tensor._make_subclass(PretendCudaTensor, torch.ones(64, dtype=torch.int32)) for _ in range(2))
+    host = torch.ones(64, dtype=torch.int32)
+    launcher.kernel.arg_names = ["x_ptr", "n", "y_ptr", "BLOCK", "FLAG"]
+    launch_with = launcher.bind_all_but(2, (2,), x, 100, y, BLOCK=128, FLAG=True)
+    launch_with(y)  # through Triton, with the tensors themselves
+    assert launcher.kernel.log[0][2][0] is x and launcher.kernel.log[0][2][2] is y
+    launch_with(z)
+    launch_with(host)
+    assert kinds(launcher) == ["triton", "direct", "direct"]
+    assert launcher.kernel.log[1][1][9:] == (x.data_ptr(), 100, z.data_ptr(), 128, True)
+    assert launcher.kernel.log[2][1][11] is host

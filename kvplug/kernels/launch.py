@@ -54,6 +54,11 @@ def _argument_key(value: Any) -> Any:
     return -(1 << 31) <= value < (1 << 31), value == 1, value % 16 == 0
 
 
+def _address(value: Any) -> Any:
+    """A CUDA tensor's address (what the compiled launcher would read from it), else ``value``."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) and value.is_cuda else value
+
+
 def _launch_key(args: tuple, keywords: dict) -> tuple:
     """The facts a compiled kernel is specialised on, plus the device."""
     return (torch.cuda.current_device(), tuple(keywords.items()), *map(_argument_key, args))
@@ -112,38 +117,60 @@ class FastLauncher:
         """``bind`` with the runtime arguments at ``positions`` given per call: ``launch(value,
         ...)``, one value per position, in the order of ``positions``. ``args`` holds examples
         there; values whose specialization differs from the examples' (dtype, 16-byte alignment,
-        integer class) go through ``__call__``. The examples are not kept. After the first
-        launch a call costs the compiled launcher's own call plus a check of each value."""
+        integer class) go through ``__call__``. The examples are not kept; the other arguments
+        are (the launch reads them every call).
+
+        After the first launch a call costs the compiled launcher's call: CUDA tensors are
+        passed as their addresses (the bound ones taken once, here), which spares the launcher
+        a ``data_ptr()`` call and a driver query per pointer. Host tensors (pinned memory) are
+        passed as tensors, for the launcher to map."""
         positions = (positions,) if isinstance(positions, int) else tuple(positions)
         example_keys = tuple(_argument_key(args[position]) for position in positions)
-        if not self.enabled:
-            def through_triton(*values: Any) -> None:
-                full = list(args)
-                for position, value in zip(positions, values):
-                    full[position] = value
-                self.kernel[grid](*full, **keywords)
+        bound = list(args)
+        for position in positions:
+            bound[position] = None  # not kept alive by the launch
 
-            return through_triton
+        def with_values(values: tuple) -> list:
+            runtime = bound.copy()
+            for position, value in zip(positions, values):
+                runtime[position] = value
+            return runtime
+
+        if not self.enabled:
+            return lambda *values: self.kernel[grid](*with_values(values), **keywords)
         key = _launch_key(args, keywords)
-        template = list(_positional(args, keywords))  # runtime args then constexprs
+        constexprs = _positional((), keywords)
+        # the direct call's arguments: bound CUDA tensors as addresses (``bound`` keeps them alive)
+        template = [_address(value) for value in bound] + list(constexprs)
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         resolved: list = [None]  # the compiled kernel (or _THROUGH_TRITON), once known
 
+        def through_triton(values: tuple) -> None:
+            runtime = with_values(values)
+            if tuple(map(_argument_key, values)) != example_keys:
+                self(grid, *runtime, **keywords)
+                return
+            self._launch(key, grid, tuple(runtime), keywords, (*runtime, *constexprs))
+            resolved[0] = self._compiled.get(key)
+
         def launch(*values: Any) -> None:
-            full = template.copy()
-            for position, value, example in zip(positions, values, example_keys):
-                if _argument_key(value) != example:
-                    runtime = full[: len(args)]
-                    for at, given in zip(positions, values):
-                        runtime[at] = given
-                    self(grid, *runtime, **keywords)
-                    return
-                full[position] = value
             compiled = resolved[0]
             if compiled is None or compiled is _THROUGH_TRITON:
-                self._launch(key, grid, tuple(full[: len(args)]), keywords, tuple(full))
-                resolved[0] = self._compiled.get(key)
+                through_triton(values)
                 return
+            full = template.copy()
+            for position, value, example in zip(positions, values, example_keys):
+                if isinstance(value, torch.Tensor):
+                    address = value.data_ptr()
+                    if value.dtype != example[0] or (address % 16 == 0) != example[1]:
+                        through_triton(values)
+                        return
+                    full[position] = address if value.is_cuda else value
+                elif _argument_key(value) != example:
+                    through_triton(values)
+                    return
+                else:
+                    full[position] = value
             compiled.run(
                 grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
                 None, None, None, *full,
