@@ -30,7 +30,7 @@ from kvplug.attention.decode_batch import build_decode_batch
 from kvplug.backend_checks import check_new_tokens, reject_append
 from kvplug.backend_factory import create_backend
 from kvplug.backend_stats import BackendStats
-from kvplug.backend_view import KVBackendView
+from kvplug.backend_view import KVBackendView, StagedStep
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
 from kvplug.memory.deferred_appends import DeferredAppend
 from kvplug.memory.model_shape import ModelShape
@@ -116,7 +116,7 @@ class KVBackend(KVBackendView):
             # input_ids and append_tokens of this step use what was staged with the batch; an
             # allocate of every known token of these requests right before makes this step's
             # append_tokens a known one (device_len == num_tokens == cached_len + 1)
-            self._staged_decode = (rows, upload, self._calls if chained else -1, device_lens)
+            self._staged_decode = StagedStep(rows, upload, self._calls if chained else -1, device_lens)
             batch = upload.batch
         elif phase is ForwardPhase.DECODE:  # tables in host memory
             self._flush_appends()
@@ -139,9 +139,9 @@ class KVBackend(KVBackendView):
         own tensors (``ring_size`` decode prepares); clone it to keep it longer. Otherwise they
         are gathered from the token pool into a new tensor."""
         staged = self._staged_decode
-        if staged is not None and staged[1].batch is batch:
+        if staged is not None and staged.upload.batch is batch:
             # written by the staging launch; a view of the ring slot, valid as long as the batch
-            return staged[1].input_ids
+            return staged.upload.input_ids
         self._flush_appends()
         if batch.is_decode:
             # one token per request: flat index row * width + position, one fused op and one gather
@@ -184,30 +184,28 @@ class KVBackend(KVBackendView):
             )
         self._calls += 1
         staged, self._staged_decode = self._staged_decode, None
-        if staged is not None and staged[2] == self._calls - 1 and staged[0] is rows and ids.is_contiguous():
+        if staged is not None and staged.rows is not rows:
+            staged = None
+        chained = staged is not None and staged.chain_call == self._calls - 1
+        if chained and staged.device_lens.max() < self.tables.max_seq_len:
             # right after allocate (every token) and a decode prepare of these requests: their
             # lengths are known (device_len == num_tokens == cached_len + 1 == the staged lengths)
-            device_lens = staged[3]  # shape [bs], int64, host
-            if device_lens.max() < self.tables.max_seq_len:
-                self._deferred_append = DeferredAppend(rows, row_starts + device_lens, staged[1].append_index, ids)
-                states.cached_len[rows] = device_lens
-                states.num_tokens[rows] = device_lens + 1
-                self._appended = (rows, self._calls)
-                return
-        cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
-        not_ready = (device_lens != num_tokens) | (device_lens <= cached)
-        if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
-            reject_append(rows, cached, device_lens, num_tokens, not_ready, self.max_seq_len)
+            device_lens = num_tokens = staged.device_lens
+        else:
+            cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
+            not_ready = (device_lens != num_tokens) | (device_lens <= cached)
+            if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
+                reject_append(rows, cached, device_lens, num_tokens, not_ready, self.max_seq_len)
+            if staged is not None and np.count_nonzero(staged.upload.device_lens_host - num_tokens):
+                staged = None  # lengths changed since that prepare: its append index is not these cells
         # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
         flat_index = row_starts + num_tokens
-        if staged is not None and staged[0] is rows and not np.count_nonzero(staged[1].device_lens_host - num_tokens):
-            # a decode prepare() of these requests staged this index with its batch
-            if ids.is_contiguous():
-                self._deferred_append = DeferredAppend(rows, flat_index, staged[1].append_index, ids)
-            else:
-                self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged[1].append_index, ids)
-        else:
+        if staged is None:
             self.tables.write_flat(self.tables.token_pool, flat_index, ids)
+        elif ids.is_contiguous():  # the next decode prepare of these requests writes it
+            self._deferred_append = DeferredAppend(rows, flat_index, staged.upload.append_index, ids)
+        else:
+            self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged.upload.append_index, ids)
         states.cached_len[rows] = device_lens
         states.num_tokens[rows] = num_tokens + 1
         self._appended = (rows, self._calls)

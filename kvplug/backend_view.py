@@ -6,14 +6,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from kvplug.attention.decode_staging import DecodeStager
+from kvplug.attention.decode_staging import DecodeStager, DecodeUpload
 from kvplug.backend_factory import BackendParts
 from kvplug.backend_stats import BackendStats
 from kvplug.memory.deferred_appends import DeferredAppend
 from kvplug.memory.request import Request
+
+
+class StagedStep(NamedTuple):
+    """The last decode ``prepare`` on GPU tables, for that step's ``input_ids`` and ``append_tokens``.
+
+    Attributes:
+        rows: the ``states.batch_rows`` array it staged (its identity names the request list).
+        upload: the ``DecodeUpload`` (batch, indices, input ids, host device lengths).
+        chain_call: its call number when an allocate of every known token of these requests
+            came right before (so ``device_len == num_tokens == cached_len + 1``), else -1.
+        device_lens: shape ``[bs]``, int64, host; the requests' device lengths.
+    """
+
+    rows: np.ndarray
+    upload: DecodeUpload
+    chain_call: int
+    device_lens: np.ndarray
 
 
 class KVBackendView:
@@ -41,8 +60,7 @@ class KVBackendView:
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._admitted = 0
-        # (rows, DecodeUpload) of the last decode prepare(), for that step's input_ids and append_tokens
-        self._staged_decode: tuple | None = None
+        self._staged_decode: StagedStep | None = None
         # the last decode step's append_tokens, written by the next decode prepare's launch
         self._deferred_append: DeferredAppend | None = None
         # lifecycle calls so far, and (rows, call number) of the last allocate of every known

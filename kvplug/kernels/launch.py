@@ -105,10 +105,13 @@ class FastLauncher:
         if compiled is _THROUGH_TRITON:
             self.kernel[grid](*args, **keywords)
             return
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        self._run(compiled, (*grid, 1, 1)[:3], key[0], arguments)
+
+    def _run(self, compiled: Any, grid_xyz: tuple, device: int, arguments: Sequence[Any]) -> None:
+        """The direct call of a compiled kernel (Triton 3.6's launcher signature: hooks and
+        scratch allocations none) on ``device``'s current stream."""
         compiled.run(
-            grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
-            None, None, None, *arguments,
+            *grid_xyz, self._stream(device), compiled.function, compiled.packed_metadata, None, None, None, *arguments
         )
 
     def bind_all_but(
@@ -142,7 +145,7 @@ class FastLauncher:
         constexprs = _positional((), keywords)
         # the direct call's arguments: bound CUDA tensors as addresses (``bound`` keeps them alive)
         template = [_address(value) for value in bound] + list(constexprs)
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        grid_xyz = (*grid, 1, 1)[:3]
         resolved: list = [None]  # the compiled kernel (or _THROUGH_TRITON), once known
 
         def through_triton(values: tuple) -> None:
@@ -160,7 +163,7 @@ class FastLauncher:
                 return
             full = template.copy()
             for position, value, example in zip(positions, values, example_keys):
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor):  # _argument_key inlined: data_ptr() read once
                     address = value.data_ptr()
                     if value.dtype != example[0] or (address % 16 == 0) != example[1]:
                         through_triton(values)
@@ -171,10 +174,7 @@ class FastLauncher:
                     return
                 else:
                     full[position] = value
-            compiled.run(
-                grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata,
-                None, None, None, *full,
-            )
+            self._run(compiled, grid_xyz, key[0], full)
 
         return launch
 

@@ -149,9 +149,8 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         # only requests growing past their last page need pages (in decode: about 1 in page_size)
         growing = (growth > 0).nonzero()[0]
         if growing.size:
-            if growing.size == rows.size:
-                grown_rows, starts, allocated, growth = rows, row_starts, allocated, growth
-            else:
+            grown_rows, starts = rows, row_starts
+            if growing.size != rows.size:
                 grown_rows, starts, allocated, growth = rows[growing], row_starts[growing], allocated[growing], growth[growing]
             decoding = new_device_lens is None and rows is decoding_rows
             if not (
