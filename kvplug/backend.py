@@ -6,47 +6,117 @@ and attention backend, and exposes the request lifecycle::
     request = backend.admit(prompt_ids)            # row, prefix match + lock, token ids
     backend.allocate([request])                    # pages for every known token (atomic)
     batch = backend.prepare([request], "prefill")  # AttentionBatch + backend metadata
-    input_ids = backend.input_ids(batch)           # gathered on the device from the token pool
+    input_ids = backend.input_ids(batch)           # on the device, from the token pool
     ... model forward; per layer: out = backend.forward(q, k, v, layer_id, batch)
     backend.append_tokens([request], next_ids)     # forward done; sampled id into the token pool
-    ... decode: allocate -> prepare(..., "decode") -> forward -> append_tokens, repeatedly
+    step = backend.begin_decode(requests)          # decode: pages, batch, input ids in one call
+    ... forward over step.batch (or graphs.run(step)); step.commit(next_ids); repeat
     backend.finish(request)                        # prefix into the cache, tail freed, row freed
 
 Chunked prefill: ``allocate([request], [chunk_end])``, prepare, forward, then
 ``cache_unfinished(request)`` for every chunk but the last (which ends with ``append_tokens``).
+``allocate -> prepare(..., "decode") -> append_tokens`` still runs a decode step, call by call;
+``begin_decode`` / ``DecodeStep.commit`` is the same step at a third of the host time (one
+staging launch writes its pages, reads its input ids and takes the previous commit's ids).
 Every call validates before changing anything; a failed call leaves the backend unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from kvplug.attention.batch import build_attention_batch
 from kvplug.attention.decode_batch import build_decode_batch
-from kvplug.backend_checks import check_new_tokens, reject_append
-from kvplug.backend_factory import create_backend
+from kvplug.attention.decode_staging import DecodeStager, StagedDecodeBatch
+from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
+from kvplug.backend_factory import BackendParts, create_backend
 from kvplug.backend_stats import BackendStats
-from kvplug.backend_view import KVBackendView, StagedStep
+from kvplug.decode_step import DecodeStep
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
-from kvplug.memory.deferred_appends import DeferredAppend
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids
 
-__all__ = ["BackendStats", "KVBackend", "ModelShape", "Request", "create_backend"]
+if TYPE_CHECKING:
+    from kvplug.decode_graphs import DecodeGraphs
+
+__all__ = ["BackendStats", "DecodeStep", "KVBackend", "ModelShape", "Request", "create_backend"]
 
 # ForwardPhase(value) goes through Enum's lookup machinery, about 1 us: a dict for the usual spellings
 _PHASES: dict = {phase.value: phase for phase in ForwardPhase} | {phase: phase for phase in ForwardPhase}
 
 
-class KVBackend(KVBackendView):
-    """Pool + tables + allocator + prefix cache + attention behind one request lifecycle (the
-    attributes, sizes, ``stats`` and ``check_integrity`` come from ``KVBackendView``).
+class KVBackend:
+    """Pool + tables + allocator + prefix cache + attention behind one request lifecycle.
+
+    Attributes (read-only for hosts):
+        shape: the model's ``ModelShape``.
+        pool: the KV pool (``BaseKVPool``); ``pool.k_cache(layer)`` etc.
+        tables: ``PageTable``: ``tables.table`` is the page table, ``tables.token_pool`` the token pool.
+        prefix_cache: the ``BasePrefixCache``.
+        attention: the ``BaseAttentionBackend`` or ``None``; ``attention_name`` says which.
+        allocator: the ``PagedAllocator``.
+        graphs: the ``DecodeGraphs`` of ``decode_graphs`` (``None`` until then): decode steps
+            that fit a captured size are staged padded into its buffers.
     """
+
+    def __init__(self, parts: BackendParts) -> None:
+        self.shape = parts.shape
+        self.pool = parts.pool
+        self.tables = parts.tables
+        self.rows = parts.rows
+        self.allocator = parts.allocator
+        self.prefix_cache = parts.prefix_cache
+        self.attention = parts.attention
+        self.attention_name = parts.attention_name
+        self.device = self.tables.device
+        self.graphs: DecodeGraphs | None = None
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+        self._admitted = 0
+        self._finished = 0
+        # GPU tables: a decode batch's device fields come from a ring of slots (see DecodeStager),
+        # with the page lists the attention backend plans decode batches with, when it says so
+        self.stager = DecodeStager(
+            self.tables.table, self.tables.token_pool, page_size=self.pool.page_size,
+            page_list_size=getattr(self.attention, "decode_page_list_size", None),
+        )
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def max_running_reqs(self) -> int:
+        return self.tables.max_running_reqs
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.tables.max_seq_len
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
+        return self.tables.table
+
+    @property
+    def token_pool(self) -> torch.Tensor:
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (a committed
+        decode step's ids are written first)."""
+        return self.tables.token_pool
+
+    @property
+    def running_requests(self) -> list[Request]:
+        return self.allocator.live_requests
 
     # ------------------------------------------------------------------ lifecycle
     def admit(self, input_ids: torch.Tensor | Sequence[int]) -> Request:
@@ -60,9 +130,7 @@ class KVBackend(KVBackendView):
 
         Raises ``OutOfMemoryError`` when no row is free, ``InvalidArgumentError`` for bad ids.
         """
-        ids = as_token_ids(input_ids, self.device)
-        self._calls += 1
-        self._flush_appends()
+        ids = as_token_ids(input_ids, self.device, check_values=True)
         row = self.rows.allocate()
         try:
             request = self.allocator.open_request(row, ids)
@@ -78,12 +146,7 @@ class KVBackend(KVBackendView):
         """Set each request's ``device_len`` (default: ``num_tokens``, every known token) and give
         it the pages that takes, evicting cached prefixes when needed; all or nothing
         (``OutOfMemoryError`` says how many pages were needed and available)."""
-        self._calls += 1
-        appended = self._appended
-        decoding = appended[0] if appended is not None and appended[1] == self._calls - 1 else None
-        rows = self.allocator.allocate(requests, new_device_lens, decoding_rows=decoding)
-        # every known token allocated: device_len == num_tokens (== cached_len + 1 when decoding)
-        self._filled = (rows, self._calls, rows is decoding) if new_device_lens is None else None
+        self.allocator.allocate(_request_list(requests), new_device_lens)
 
     def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
         """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
@@ -91,58 +154,81 @@ class KVBackend(KVBackendView):
         if not isinstance(phase, (str, ForwardPhase)) or phase not in _PHASES:
             raise InvalidArgumentError(f"phase must be 'prefill', 'decode' or a ForwardPhase, got {phase!r}")
         phase = _PHASES[phase]
-        self._calls += 1
         states = self.allocator.states
-        rows, row_starts = states.batch_rows(requests)
+        rows, row_starts = states.batch_rows(_request_list(requests))
         cached = states.cached_len[rows]
-        filled = self._filled
-        chained = filled is not None and filled[0] is rows and filled[1] == self._calls - 1
-        if chained and filled[2] and phase is ForwardPhase.DECODE:
-            device_lens = cached + 1  # allocate just gave each of them its one new token
-        else:
-            device_lens = states.device_len[rows]
-            check_new_tokens(rows, cached, device_lens, phase)
-        flat_table = self.tables.flat_table
-        if phase is ForwardPhase.DECODE and not isinstance(flat_table, np.ndarray):  # tables used through torch
-            appended = self._deferred_append
-            if appended is not None and appended.rows is not rows:
-                self._flush_appends()
-                appended = None
-            upload = self._decode_stager.stage(
-                rows, cached, deferred=self.allocator.take_deferred_pages(rows),
-                append_values=None if appended is None else appended.values,
-            )
-            self._deferred_append = None  # the launch wrote it
-            # input_ids and append_tokens of this step use what was staged with the batch; an
-            # allocate of every known token of these requests right before makes this step's
-            # append_tokens a known one (device_len == num_tokens == cached_len + 1)
-            self._staged_decode = StagedStep(rows, upload, self._calls if chained else -1, device_lens)
-            batch = upload.batch
+        device_lens = states.device_len[rows]
+        check_new_tokens(rows, cached, device_lens, phase)
+        if phase is ForwardPhase.DECODE and not self.tables.uses_host_views:  # tables used through torch
+            tokens = self.tables.take_pending_tokens(row_starts + cached)
+            batch = self.stager.stage(rows, cached, tokens=tokens)
         elif phase is ForwardPhase.DECODE:  # tables in host memory
-            self._flush_appends()
-            self._staged_decode = None
-            batch = build_decode_batch(self.tables.table, rows, cached, flat_table=flat_table, row_starts=row_starts)
+            self.tables.settle_tokens()
+            batch = build_decode_batch(
+                self.tables.table, rows, cached, flat_table=self.tables.flat_table, row_starts=row_starts
+            )
         else:
-            self._flush_appends()
-            self._staged_decode = None
-            self.allocator.flush_deferred_pages()
             batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
         if self.attention is not None:
             self.attention.prepare_metadata(batch)
         return batch
 
+    def begin_decode(self, requests: Sequence[Request]) -> DecodeStep:
+        """Stage one decode step over ``requests``: each has exactly one known token past its
+        cached ones (after a prefill's ``append_tokens`` or the previous step's ``commit``); it
+        gets the page that token needs, its batch entry and input id, and attention is planned.
+        When ``decode_graphs`` captured a size that fits, the step is staged padded into that
+        graph's buffers (``DecodeGraphs.run`` replays it).
+
+        Returns the ``DecodeStep``; run the forward over it, then ``step.commit(next_ids)``.
+        Raises ``InvalidArgumentError`` or ``OutOfMemoryError`` with nothing changed.
+        """
+        requests = _request_list(requests)
+        if not requests:
+            raise InvalidArgumentError("a decode step needs at least one request, got none")
+        states = self.allocator.states
+        rows, row_starts = states.batch_rows(requests)
+        cached = states.cached_len[rows]
+        if np.count_nonzero(states.num_tokens[rows] - cached - 1):
+            reject_decode(rows, cached, states.num_tokens[rows], self.max_seq_len)
+        graphs = self.graphs
+        graph_size = None if graphs is None else graphs.size_for(rows.size)
+        pages = self.allocator.take_decode_pages(rows, cached)
+        cells = row_starts + cached
+        stamp = 0
+        if graph_size is not None or not self.tables.uses_host_views:
+            tokens = self.tables.take_pending_tokens(cells)
+            if graph_size is not None:
+                stamp = graphs.claim(graph_size)
+            batch = self.stager.stage(rows, cached, pages=pages, tokens=tokens, pad_to=graph_size)
+            input_ids, append_index = batch.input_ids, batch.append_index
+        else:
+            if pages is not None:
+                self.allocator.write_decode_pages(rows, cached, pages)
+            self.tables.settle_tokens()
+            batch = build_decode_batch(self.tables.table, rows, cached, flat_table=self.tables.flat_table,
+                                       row_starts=row_starts)
+            input_ids = torch.from_numpy(self.tables.token_pool.view(-1).numpy()[cells].astype(np.int32))
+            append_index = None
+        states.device_len[rows] = cached + 1
+        if self.attention is not None:
+            if graph_size is not None and graphs.uses_cuda_graphs:
+                self.attention.prepare_for_replay(batch)
+            else:
+                self.attention.prepare_metadata(batch)
+        return DecodeStep(self, tuple(requests), batch, input_ids, rows, cached, cells, append_index, graph_size, stamp)
+
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
         """Token ids of the batch's new tokens, on the device: shape ``[num_tokens]``, int32.
 
-        For the decode batch just staged on GPU tables, the staging launch wrote them (no call
-        here): the result is then a view of the batch's ring slot, valid as long as the batch's
-        own tensors (``ring_size`` decode prepares); clone it to keep it longer. Otherwise they
-        are gathered from the token pool into a new tensor."""
-        staged = self._staged_decode
-        if staged is not None and staged.upload.batch is batch:
-            # written by the staging launch; a view of the ring slot, valid as long as the batch
-            return staged.upload.input_ids
-        self._flush_appends()
+        A decode batch staged on GPU tables carries them (its staging launch read them): the
+        result is then a view of the batch's slot, valid as long as the batch's own tensors
+        (``ring_size`` decode steps); clone it to keep it longer. Otherwise they are gathered
+        from the token pool into a new tensor."""
+        if isinstance(batch, StagedDecodeBatch) and batch.input_ids is not None:
+            return batch.input_ids
+        if not isinstance(batch, AttentionBatch):
+            raise InvalidArgumentError(f"expected an AttentionBatch from prepare(), got {type(batch).__name__}")
         if batch.is_decode:
             # one token per request: flat index row * width + position, one fused op and one gather
             flat_index = torch.add(batch.positions, batch.table_rows, alpha=self.tables.row_width)
@@ -163,17 +249,11 @@ class KVBackend(KVBackendView):
         """After a forward that covered every known token: mark it done (``cached_len =
         device_len``) and append one sampled token per request to the token pool (one write).
 
-        After a decode step staged on GPU tables, the write is deferred to the next decode
-        ``prepare`` over the same requests, whose launch makes it
-        (``kvplug.memory.deferred_appends``): ``token_ids`` is then read on the device later, in
-        stream order, and must not be modified in place before that ``prepare``.
-
         Args:
             token_ids: shape ``[bs]``, int32 (device tensor, stays on the device) or a list of ints.
         """
-        self._flush_appends()
         states = self.allocator.states
-        rows, row_starts = states.batch_rows(requests)
+        rows, row_starts = states.batch_rows(_request_list(requests))
         if type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == self.device:
             ids = token_ids  # the usual case, sampled ids already in kvplug's form (dim checked below)
         else:
@@ -182,39 +262,19 @@ class KVBackend(KVBackendView):
             raise InvalidArgumentError(
                 f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
             )
-        self._calls += 1
-        staged, self._staged_decode = self._staged_decode, None
-        if staged is not None and staged.rows is not rows:
-            staged = None
-        chained = staged is not None and staged.chain_call == self._calls - 1
-        if chained and staged.device_lens.max() < self.tables.max_seq_len:
-            # right after allocate (every token) and a decode prepare of these requests: their
-            # lengths are known (device_len == num_tokens == cached_len + 1 == the staged lengths)
-            device_lens = num_tokens = staged.device_lens
-        else:
-            cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
-            not_ready = (device_lens != num_tokens) | (device_lens <= cached)
-            if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
-                reject_append(rows, cached, device_lens, num_tokens, not_ready, self.max_seq_len)
-            if staged is not None and np.count_nonzero(staged.upload.device_lens_host - num_tokens):
-                staged = None  # lengths changed since that prepare: its append index is not these cells
+        cached, device_lens, num_tokens = states.cached_len[rows], states.device_len[rows], states.num_tokens[rows]
+        not_ready = (device_lens != num_tokens) | (device_lens <= cached)
+        if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
+            reject_append(rows, cached, device_lens, num_tokens, not_ready, self.max_seq_len)
         # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
-        flat_index = row_starts + num_tokens
-        if staged is None:
-            self.tables.write_flat(self.tables.token_pool, flat_index, ids)
-        elif ids.is_contiguous():  # the next decode prepare of these requests writes it
-            self._deferred_append = DeferredAppend(rows, flat_index, staged.upload.append_index, ids)
-        else:
-            self.tables.write_flat_uploaded(self.tables.token_pool, flat_index, staged.upload.append_index, ids)
+        self.tables.write_flat(self.tables.token_pool, row_starts + num_tokens, ids)
         states.cached_len[rows] = device_lens
         states.num_tokens[rows] = num_tokens + 1
-        self._appended = (rows, self._calls)
 
     def cache_unfinished(self, request: Request) -> None:
         """After a non-final prefill chunk's forward: mark it done and move the computed
         page-aligned prefix into the prefix cache (the request keeps using it, locked)."""
-        self._calls += 1
-        self._flush_appends()
+        self.allocator.check_live(request)
         self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=False)
 
@@ -228,8 +288,6 @@ class KVBackend(KVBackendView):
         the cache.
         """
         self.allocator.check_live(request)
-        self._calls += 1
-        self._flush_appends()
         if computed:
             self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=True)
@@ -241,3 +299,65 @@ class KVBackend(KVBackendView):
         """Frees made inside (``finish``, duplicate pages) are applied at the block's end."""
         with self.allocator.lazy_free():
             yield
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def decode_graphs(
+        self,
+        forward_fn: Callable[[DecodeStep], torch.Tensor],
+        *,
+        batch_sizes: Sequence[int] | None = None,
+        max_batch_size: int | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> "DecodeGraphs":
+        """Capture ``forward_fn`` (the host's whole decode forward over a ``DecodeStep``:
+        reading ``step.input_ids``, ``step.positions``, ``step.batch``; returning a tensor whose
+        first dim is the batch) as CUDA graphs at ``batch_sizes`` (default: 1, 2, 4, 8, then
+        steps of 8 up to ``max_batch_size``, default ``max_running_reqs``). From then on
+        ``begin_decode`` stages every step that fits a captured size padded into its graph's
+        buffers (the dummy request fills the unused slots) and ``graphs.run(step)`` replays it;
+        larger steps stay eager. Off CUDA the same buffers and calls run ``forward_fn`` eagerly.
+        Calling again replaces the graphs; ``graphs.release()`` goes back to eager steps."""
+        from kvplug.decode_graphs import DecodeGraphs
+
+        if self.attention is None:
+            raise InvalidArgumentError("decode_graphs needs an attention backend (this one has attention=None)")
+        if self.graphs is not None:
+            self.graphs.release()
+        graphs = DecodeGraphs(self, forward_fn, batch_sizes=batch_sizes,
+                              max_batch_size=self.max_running_reqs if max_batch_size is None else max_batch_size,
+                              progress=progress)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs
+
+    # ------------------------------------------------------------------ observation
+    def stats(self) -> BackendStats:
+        allocator = self.allocator
+        free = allocator.num_free_pages
+        return BackendStats(
+            queried_tokens=self._queried_tokens,
+            cache_hit_tokens=self._hit_tokens,
+            evicted_tokens=allocator.evicted_tokens,
+            admitted_requests=self._admitted,
+            finished_requests=self._finished,
+            running_requests=self.rows.num_live,
+            num_pages=self.num_pages,
+            free_pages=free,
+            cached_pages=allocator.num_cached_pages,
+            evictable_pages=allocator.num_evictable_pages,
+            used_pages=self.num_pages - free,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if any memory invariant is broken (reads every live row)."""
+        self.rows.check_integrity()
+        assert self.rows.live_rows == {r.row for r in self.allocator.live_requests}, "rows and requests disagree"
+        self.allocator.check_integrity()
+        self.prefix_cache.check_integrity()
+
+
+def _request_list(requests: Any) -> Sequence[Request]:
+    """``requests`` if it is a list or tuple (of anything: ``batch_rows`` checks the elements)."""
+    if isinstance(requests, (list, tuple)):
+        return requests
+    raise InvalidArgumentError(f"expected a list of kvplug Requests, got {type(requests).__name__}")

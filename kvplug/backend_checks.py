@@ -39,3 +39,17 @@ def reject_append(
         )
     row = rows[int(np.flatnonzero(num_tokens >= max_seq_len)[0])]
     raise InvalidArgumentError(f"request in row {row} already holds max_seq_len={max_seq_len} tokens; finish it")
+
+
+def reject_decode(rows: np.ndarray, cached: np.ndarray, num_tokens: np.ndarray, max_seq_len: int) -> None:
+    """Raise for a ``begin_decode`` whose requests do not all hold exactly one known token past
+    their cached ones (all shape ``[bs]``, int64, host)."""
+    i = int(np.flatnonzero(num_tokens - cached - 1)[0])
+    hint = (
+        f"it holds max_seq_len={max_seq_len} tokens; finish it" if num_tokens[i] >= max_seq_len
+        else "call append_tokens after its prefill, or commit the previous decode step"
+    )
+    raise InvalidArgumentError(
+        f"request in row {rows[i]}: a decode step needs exactly one known token past the cached ones "
+        f"(num_tokens == cached_len + 1), got cached_len={cached[i]}, num_tokens={num_tokens[i]}; {hint}"
+    )

@@ -1,9 +1,14 @@
 #!/bin/bash
-# The GPU check in ONE device call (run with carry: [".whl"]; see ../shared/device/README.md):
+# The GPU check in ONE device call (with FlashInfer's wheels in .whl/, carried to the machine):
 # FlashInfer warm-up in its own process, then the FlashInfer attention/graph tests, the
 # transformers host on CUDA, the attention / graphs / e2e benchmarks. Logs go to $OUT/*.log, a
 # summary to $OUT/summary.txt. Every step has a timeout capped by a global deadline, so the call
 # ends (with its logs) inside the 10-minute device limit.
+#   FLASHINFER=0  skip everything FlashInfer (no wheels needed, no JIT compile: ~4 min saved)
+#   E2E=0         skip the end-to-end benchmark; E2E=decode (default) runs the decode-heavy
+#                 workload (256 requests, 256 output tokens, concurrency 64 and 256: kvplug with
+#                 CUDA graphs, kvplug eager, transformers' native cache), E2E=shared the
+#                 shared-prefix one (64 requests on one 2,048-token prefix)
 #
 # Rules this script keeps, learned the hard way (see tests/test_attention_gpu.py warm_up_flashinfer):
 # - never two FlashInfer JIT builds at once: concurrent ninja runs in FlashInfer's shared
@@ -37,7 +42,10 @@ step() {
 
 # ---------------------------------------------------------------- install (once per machine)
 STAMP=/tmp/site/.kvplug-wheels.sha256
-if sha256sum .whl/*.whl 2>/dev/null | cmp -s - "$STAMP"; then
+FLASHINFER=${FLASHINFER:-1}
+if [ "$FLASHINFER" != 1 ]; then
+    note "FlashInfer skipped (FLASHINFER=$FLASHINFER)"
+elif sha256sum .whl/*.whl 2>/dev/null | cmp -s - "$STAMP"; then
     note "wheels already installed in /tmp/site"
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -54,25 +62,27 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
 # 'auto' resolves to flashinfer, so it waits for the warm-up with the flashinfer cases
 {
     step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
-    step tests_gpu_other 200 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
-        tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py tests/test_radix_cache.py tests/test_backend.py -k "not flashinfer"
+    step tests_gpu_other 240 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
+        tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py \
+        tests/test_radix_cache.py tests/test_backend.py tests/test_decode_step.py tests/test_decode_graphs.py -k "not flashinfer"
 } &
 OTHER=$!
-step warmup 280 python3 -c "
+[ "$FLASHINFER" = 1 ] && step warmup 280 python3 -c "
 from tests.test_attention_gpu import warm_up_flashinfer
 w = warm_up_flashinfer()
 print(f'flashinfer warm-up {w.seconds:.1f} s, {len(w.modules)} modules, compiled late: {list(w.compiled_late)}')
 print(*w.modules, sep='\n')"
-grep -E "^(flashinfer warm-up|RuntimeError|.*Error)" "$OUT/warmup.log" | tail -3 | tee -a "$SUMMARY"
+[ "$FLASHINFER" = 1 ] && grep -E "^(flashinfer warm-up|RuntimeError|.*Error)" "$OUT/warmup.log" | tail -3 | tee -a "$SUMMARY"
 wait $OTHER
 
 # ---------------------------------------------------------------- FlashInfer tests (cache warm: no compiling)
-step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=120 \
+[ "$FLASHINFER" = 1 ] && step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=120 \
     tests/test_attention_gpu.py tests/test_graphs_gpu.py -k flashinfer
 
 # ---------------------------------------------------------------- benchmarks
-step bench_attention 80 python3 -m kvplug bench attention --repeats 5 --out "$OUT/attention.json"
-step bench_graphs 70 python3 -m kvplug bench graphs --out "$OUT/graphs.json"
+BACKENDS=triton; [ "$FLASHINFER" = 1 ] && BACKENDS=triton,flashinfer
+[ "$FLASHINFER" = 1 ] && step bench_attention 80 python3 -m kvplug bench attention --repeats 5 --out "$OUT/attention.json"
+step bench_graphs 70 python3 -m kvplug bench graphs --backends "$BACKENDS" --out "$OUT/graphs.json"
 step bench_host_step 40 python3 -m kvplug bench host-step --device cuda --out "$OUT/host_step.json"
 # the same suite on a baseline revision (BASELINE=dir holding its kvplug/), same machine, same run
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kvplug" ]; then
@@ -86,14 +96,21 @@ fi
 # ---------------------------------------------------------------- transformers host with FlashInfer
 # The bf16 cases build a head_dim-64 model (FlashInfer's sm90 prefill needs a multiple of 32);
 # stop at the first failure rather than recompiling for every case.
-step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_host.py -k "cuda and (flashinfer or auto)"
+[ "$FLASHINFER" = 1 ] && step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_host.py -k "cuda and (flashinfer or auto)"
 
 # ---------------------------------------------------------------- end to end (last: takes what time is left)
-# qwen3-0.6b shape, bf16, auto attention; issue #6's workload: 64 requests sharing one 2,048-token
-# prefix (and the same lengths with no shared prefix), at concurrency 16 and 64
-[ "${E2E:-1}" = 1 ] && step bench_e2e 300 python3 -m kvplug bench e2e --device cuda --repeats 1 \
-    --requests 64 --system-prompts 1 --system-tokens 2048 --question-tokens 128 --output-tokens 32 \
-    --concurrency 16,64 --conversations 16 --turns 3 --max-batch-tokens 4096 --out "$OUT/e2e.json"
+# qwen3-0.6b shape, bf16, triton attention; a warm-up run per variant precedes the timed ones
+E2E=${E2E:-decode}
+if [ "$E2E" = decode ]; then
+    step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix \
+        --requests 256 --system-tokens 16 --question-tokens 128 --output-tokens 256 --concurrency 64,256 \
+        --attention triton --variants radix,radix:eager,native --out "$OUT/e2e.json"
+elif [ "$E2E" = shared ]; then
+    step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads shared-prefix \
+        --requests 64 --system-prompts 1 --system-tokens 2048 --question-tokens 128 --output-tokens 32 \
+        --concurrency 16,64 --max-batch-tokens 4096 --attention triton --variants radix,naive,radix:eager,native \
+        --out "$OUT/e2e.json"
+fi
 
 # ---------------------------------------------------------------- summary
 for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do

@@ -1,5 +1,6 @@
 """kvplug's Triton kernels run by Triton's interpreter on the CPU, against their torch reference
-paths: the decode-step kernel (batch fields, deferred pages, page lists, step reports), the page-list
+paths: the decode-step kernel (batch fields, new pages, pending tokens, page lists, step reports,
+padding), the page-list
 writer, the store_kv kernel, and the decode (one and several KV splits) and extend attention
 kernels against the dense SDPA oracle. Run as ``TRITON_INTERPRET=1 python -m tests.kernels_interpreted`` (the
 flag must be set before Triton is imported, so ``test_kernels_interpreted`` runs this in a
@@ -16,12 +17,14 @@ import torch
 
 from kvplug.attention.decode_staging import DecodeStager
 from kvplug.attention.paged_indices import PagedIndexBuilder
-from kvplug.memory.deferred_pages import DeferredPages
+from kvplug.memory.allocator import NewPages
 
 STEPS = [(1, 20), (7, 20), (24, 300), (7, 300), (24, 300)]  # (batch, longest)
 
 
 def check_decode_step(page_size: int, list_size: int | None, with_pages: bool) -> None:
+    """The kernel and the torch path stage the same fields, table and token pool: new pages,
+    pending tokens, page lists, step reports, ring reuse, and padding to a graph's batch size."""
     rng = np.random.default_rng(page_size * 100 + (list_size or 0) * 2 + with_pages)
     num_rows, width = 41, 300
     kernel_table = torch.from_numpy(rng.integers(0, 1 << 20, (num_rows, width)).astype(np.int32) * page_size)
@@ -33,31 +36,37 @@ def check_decode_step(page_size: int, list_size: int | None, with_pages: bool) -
         DecodeStager(table, tokens, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
         for table, tokens, use_kernel in ((kernel_table, kernel_tokens, True), (torch_table, torch_tokens, False))
     ]
+    dummy_row = num_rows - 1
     for step, (bs, longest) in enumerate(STEPS, start=1):
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
         cached = rng.integers(0, max(1, longest // page_size), bs) * page_size
-        deferred = None
+        pages = None
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(2048)[:bs], -1).astype(np.int32)
-            deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
+            pages = NewPages(page_slot, storage)
         else:
             cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
         values = None if step % 2 else torch.from_numpy(rng.integers(0, 1 << 17, bs).astype(np.int32))
-        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred, append_values=values) for stager in stagers)
+        pad_to = bs + int(rng.integers(1, 5)) if step % 3 == 0 else None
+        by_kernel, by_torch = (stager.stage(rows, cached, pages=pages, tokens=values, pad_to=pad_to) for stager in stagers)
         where = (page_size, list_size, with_pages, step)
         assert torch.equal(kernel_table, torch_table), where
         assert torch.equal(kernel_tokens, torch_tokens), where
-        expected_ids = kernel_tokens[torch.from_numpy(rows), torch.from_numpy(cached)]
+        n = bs if pad_to is None else pad_to
+        all_rows = np.concatenate([rows, np.full(n - bs, dummy_row)])
+        all_cached = np.concatenate([cached, np.zeros(n - bs, dtype=np.int64)])
+        expected_ids = kernel_tokens[torch.from_numpy(all_rows), torch.from_numpy(all_cached)]
         assert torch.equal(by_kernel.input_ids, expected_ids) and torch.equal(by_torch.input_ids, expected_ids), where
         if values is not None:
-            assert torch.equal(expected_ids, values), where
-        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
-            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (where, name)
-        assert torch.equal(by_kernel.token_index, by_torch.token_index), where
-        assert torch.equal(by_kernel.append_index, by_torch.append_index), where
+            assert torch.equal(expected_ids[:bs], values), where
+        assert by_kernel.num_padded == by_torch.num_padded == n - bs, where
+        assert by_kernel.table_rows.tolist() == all_rows.tolist(), where
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens", "append_index"):
+            assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), (where, name)
+        assert by_kernel.append_index.tolist() == (all_rows * width + all_cached + 1).tolist(), where
         assert int(stagers[0].progress.tensor[0]) == step, where
         if list_size is not None:
-            got, want = by_kernel.batch.page_lists, by_torch.batch.page_lists
+            got, want = by_kernel.page_lists, by_torch.page_lists
             assert torch.equal(got.indptr, want.indptr) and torch.equal(got.last_page_len, want.last_page_len), where
             assert torch.equal(got.indices, want.indices), where
 

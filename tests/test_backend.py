@@ -403,29 +403,38 @@ def run_random_decode_steps(backend: KVBackend, rng: np.random.Generator) -> Non
             request = running.pop(int(rng.integers(len(running))))
             backend.finish(request, computed=True)
             reference.finish(request)
-        running = [r for r in running if r.num_tokens < backend.max_seq_len]
+        running = [r for r in running if r.num_tokens < backend.max_seq_len - 1]
         if not running:
             continue
         order = list(rng.permutation(len(running)))
         batch_requests = [running[i] for i in order]
+        explicit = rng.random() < 0.6  # begin_decode / commit, else allocate / prepare / append_tokens
         for _ in range(int(rng.integers(1, 4))):  # a few decode steps over the same list
-            backend.allocate(batch_requests)
-            reference.allocate(batch_requests, [r.num_tokens for r in batch_requests])
-            batch = backend.prepare(batch_requests, "decode")
             rows = [r.row for r in batch_requests]
             cached = [r.cached_len for r in batch_requests]
+            reference.allocate(batch_requests, [r.num_tokens for r in batch_requests])
+            if explicit:
+                step = backend.begin_decode(batch_requests)
+                batch, input_ids = step.batch, step.input_ids
+            else:
+                backend.allocate(batch_requests)
+                batch = backend.prepare(batch_requests, "decode")
+                input_ids = backend.input_ids(batch)
             general = build_attention_batch(backend.page_table, rows, cached, [c + 1 for c in cached], ForwardPhase.PREFILL)
             assert_same_batch(batch, general)
             assert batch.is_decode
             expected_ids = reference.tokens[torch.tensor(rows), torch.tensor(cached)]
-            assert torch.equal(backend.input_ids(batch), expected_ids)
+            assert torch.equal(input_ids, expected_ids)
             sampled = torch.tensor(rng.integers(0, 1000, len(rows)), dtype=torch.int32)
-            backend.append_tokens(batch_requests, sampled)
+            if explicit:
+                step.commit(sampled)
+            else:
+                backend.append_tokens(batch_requests, sampled)
             reference.tokens[torch.tensor(rows), torch.tensor(cached) + 1] = sampled.to(reference.tokens.device)
             assert torch.equal(backend.page_table, reference.table), f"step {step}"
-            if rng.random() < 0.3:  # reading the pool writes a deferred append: not every step
+            if rng.random() < 0.3:  # reading the pool writes a pending commit: not every step
                 assert torch.equal(backend.token_pool, reference.tokens), f"step {step}"
-            batch_requests = [r for r in batch_requests if r.num_tokens < backend.max_seq_len]
+            batch_requests = [r for r in batch_requests if r.num_tokens < backend.max_seq_len - 1]
             if not batch_requests:
                 break
         backend.check_integrity()
@@ -470,53 +479,6 @@ def test_a_repeated_request_list_is_still_checked(manager):
     backend.check_integrity()
 
 
-def test_decode_step_reuses_what_prepare_uploaded_and_falls_back_when_it_cannot(manager, monkeypatch):
-    """On torch tables (a GPU's path) a decode step's out_loc and the input_ids / append_tokens
-    indices come from prepare's staged slot; when the requests passed differ from the prepared
-    ones, the general path runs and the tables stay right."""
-    backend = _backend_with_tables(manager, 1, host_views=False)
-    requests = [backend.admit(list(range(5 + i, 12 + 2 * i))) for i in range(3)]
-    backend.allocate(requests)
-    backend.prepare(requests, "prefill")
-    backend.append_tokens(requests, [1, 2, 3])
-    calls: list[str] = []
-    for name in ("write_flat", "write_flat_uploaded"):
-        original = getattr(backend.tables, name)
-        monkeypatch.setattr(backend.tables, name, lambda *args, _name=name, _f=original: (calls.append(_name), _f(*args))[1])
-
-    backend.allocate(requests)
-    batch = backend.prepare(requests, "decode")
-    rows = torch.tensor([r.row for r in requests])
-    cached = torch.tensor([r.cached_len for r in requests])
-    assert torch.equal(batch.out_loc, backend.page_table[rows, cached])
-    assert torch.equal(backend.input_ids(batch), torch.tensor([1, 2, 3], dtype=torch.int32))
-    calls.clear()
-    backend.append_tokens(requests, torch.tensor([7, 8, 9], dtype=torch.int32))
-    assert calls == []  # deferred: the next decode prepare of these requests writes it
-    backend.allocate(requests)
-    batch = backend.prepare(requests, "decode")
-    assert calls == [] and torch.equal(backend.input_ids(batch), torch.tensor([7, 8, 9], dtype=torch.int32))
-    assert backend.tables.token_pool[rows, cached + 1].tolist() == [7, 8, 9]
-    cached += 1
-    backend.append_tokens(requests, torch.tensor([4, 5, 6], dtype=torch.int32))
-    assert calls == [] and backend.tables.token_pool[rows, cached + 1].tolist() == [0, 0, 0]
-    assert backend.token_pool[rows, cached + 1].tolist() == [4, 5, 6]  # reading the pool writes it first
-    assert calls == ["write_flat_uploaded"]
-
-    # prepared in one order, appended in another: the general path writes the right cells
-    backend.allocate(requests)
-    reordered = [requests[2], requests[0], requests[1]]
-    backend.prepare(requests, "decode")
-    calls.clear()
-    backend.append_tokens(reordered, torch.tensor([30, 10, 20], dtype=torch.int32))
-    assert calls == ["write_flat"]
-    cached += 1
-    assert backend.token_pool[rows, cached + 1].tolist() == [10, 20, 30]
-    for request in requests:
-        backend.finish(request, computed=True)
-    backend.check_integrity()
-
-
 def test_staged_decode_batches_live_until_the_ring_comes_round(manager):
     """A GPU-path decode batch's device tensors are a ring slot's views: intact through the next
     ``ring_size - 1`` decode prepares (a host may prepare ahead), reused by the one after."""
@@ -525,7 +487,7 @@ def test_staged_decode_batches_live_until_the_ring_comes_round(manager):
     backend.allocate(requests)
     backend.prepare(requests, "prefill")
     backend.append_tokens(requests, [6, 7])
-    ring = backend._decode_stager.ring_size
+    ring = backend.stager.ring_size
     assert ring >= 2
     batches, snapshots = [], []
     for _ in range(ring + 1):
@@ -581,168 +543,3 @@ def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manage
         backend.check_integrity()
     stats = backend.stats()
     assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
-
-
-def test_decode_pages_are_written_by_prepare_or_flushed_for_any_other_reader(manager):
-    """GPU-path tables: a decode allocate's new pages reach the table in the decode prepare of the
-    same requests (out_loc is the new page); any other reader (another batch's prepare, a finish,
-    the page_table property, check_integrity) gets them written first."""
-    backend = _backend_with_tables(manager, 4, host_views=False)
-    assert backend.allocator.defer_decode_pages
-    requests = [backend.admit([1, 2, 3, 4]), backend.admit([5, 6, 7, 8, 9, 10, 11, 12])]
-    backend.allocate(requests)
-    backend.prepare(requests, "prefill")
-    backend.append_tokens(requests, [13, 14])  # both end on a page boundary: the next token needs a page
-    raw = backend.tables.table
-
-    def cells(request):
-        return raw[request.row, request.cached_len : request.cached_len + 4].tolist()
-
-    backend.allocate(requests)
-    deferred = backend.allocator._deferred
-    assert deferred is not None and deferred.count == 2
-    assert cells(requests[0]) == [0, 0, 0, 0]  # not written yet
-    pages = deferred.pages.tolist()
-    batch = backend.prepare(requests, "decode")
-    assert backend.allocator._deferred is None
-    assert [cells(r) for r in requests] == [list(range(p, p + 4)) for p in pages]
-    assert batch.out_loc.tolist() == pages
-    backend.append_tokens(requests, [15, 16])
-
-    def step(batch_requests) -> None:
-        backend.allocate(batch_requests)
-        backend.prepare(batch_requests, "decode")
-        backend.append_tokens(batch_requests, [1] * len(batch_requests))
-
-    # a prepare of another request list: written first, then staged without them
-    while requests[0].cached_len % 4:
-        step(requests)
-    backend.allocate(requests)
-    assert backend.allocator._deferred is not None
-    batch = backend.prepare([requests[1]], "decode")
-    assert backend.allocator._deferred is None
-    assert cells(requests[0])[0] != 0 and batch.out_loc.tolist() == [cells(requests[1])[0]]
-    backend.append_tokens([requests[1]], [2])
-    backend.check_integrity()
-
-    # the page_table property flushes
-    while requests[1].cached_len % 4:
-        step([requests[1]])
-    backend.allocate([requests[1]])
-    assert backend.allocator._deferred is not None
-    table = backend.page_table
-    assert backend.allocator._deferred is None and table[requests[1].row, requests[1].cached_len] != 0
-    backend.prepare([requests[1]], "decode")
-    backend.append_tokens([requests[1]], [3])
-
-    # and so does finishing (an abort after allocate): its pages go back to the free list
-    while requests[1].cached_len % 4:
-        step([requests[1]])
-    backend.allocate([requests[1]])
-    assert backend.allocator._deferred is not None
-    backend.finish(requests[1])
-    assert backend.allocator._deferred is None
-    backend.finish(requests[0])
-    backend.check_integrity()
-    assert backend.allocator.num_free_pages + backend.allocator.num_cached_pages == backend.num_pages
-
-
-def test_staged_deferred_pages_are_clipped_at_the_row_end():
-    """The torch path of the stager (the kernel's reference) writes a deferred page token by token
-    from the request's cached length, stopping at the row's end (a page size that does not divide
-    the row), and takes out_loc from the page; requests without a page read the table."""
-    from kvplug.attention.decode_staging import DecodeStager
-    from kvplug.memory.deferred_pages import DeferredPages
-
-    table = torch.arange(4 * 12, dtype=torch.int32).view(4, 12)
-    stager = DecodeStager(table, torch.zeros_like(table), page_size=5, use_kernel=False)
-    storage = torch.tensor([500, 600, 700], dtype=torch.int32)
-    rows, cached = np.array([2, 0, 1]), np.array([10, 5, 3])
-    deferred = DeferredPages(rows, np.array([1, 2, -1], dtype=np.int32), storage, 0, 0, np.empty(0, dtype=np.int64))
-    batch = stager.stage(rows, cached, deferred=deferred).batch
-    assert table[2, 10:].tolist() == [600, 601]  # clipped: the row ends after two cells
-    assert table[0, 5:10].tolist() == [700, 701, 702, 703, 704] and table[0, 10:].tolist() == [10, 11]
-    assert table[1].tolist() == list(range(12, 24))  # no page: untouched
-    assert batch.out_loc.tolist() == [600, 700, 15]
-
-
-def _one_decode_ready(backend, prompts):
-    requests = [backend.admit(prompt) for prompt in prompts]
-    backend.allocate(requests)
-    backend.prepare(requests, "prefill")
-    backend.append_tokens(requests, [9] * len(requests))
-    return requests
-
-
-def test_a_decode_steps_chain_defers_its_append_and_leaves_the_right_lengths(manager):
-    """allocate -> prepare("decode") -> append_tokens over one request list: the append is
-    deferred to the next decode prepare (no token-pool write of its own) and the lengths move
-    on by one token."""
-    backend = _backend_with_tables(manager, 4, host_views=False)
-    requests = _one_decode_ready(backend, [[1, 2, 3], [4, 5, 6, 7, 8]])
-    before = [(r.cached_len, r.num_tokens) for r in requests]
-    backend.allocate(requests)
-    batch = backend.prepare(requests, "decode")
-    assert backend.input_ids(batch).tolist() == [9, 9]
-    backend.append_tokens(requests, torch.tensor([11, 12], dtype=torch.int32))
-    assert backend._deferred_append is not None
-    assert [(r.cached_len, r.num_tokens, r.device_len) for r in requests] == [(c + 1, n + 1, n) for c, n in before]
-    backend.allocate(requests)
-    assert backend.input_ids(backend.prepare(requests, "decode")).tolist() == [11, 12]
-    assert backend._deferred_append is None
-    backend.check_integrity()
-
-
-def test_a_call_between_prepare_and_append_takes_the_checked_path(manager):
-    """Any lifecycle call between a decode prepare and its append_tokens (here an allocate of
-    another request, and a finish) breaks the chain: append_tokens checks lengths again and
-    writes the right cells."""
-    backend = _backend_with_tables(manager, 1, host_views=False)
-    a, b, c = _one_decode_ready(backend, [[1, 2], [3, 4, 5], [6]])
-    backend.allocate([a, b])
-    backend.prepare([a, b], "decode")
-    backend.allocate([c])
-    backend.append_tokens([a, b], torch.tensor([21, 22], dtype=torch.int32))
-    assert backend._deferred_append is None  # written at once
-    assert backend.token_pool[a.row, 3] == 21 and backend.token_pool[b.row, 4] == 22
-    assert (a.cached_len, a.num_tokens, b.cached_len, b.num_tokens) == (3, 4, 4, 5)
-    backend.allocate([a, b])
-    backend.prepare([a, b], "decode")
-    backend.allocate([a, b], [a.cached_len, b.cached_len])  # same list, lengths taken back
-    with pytest.raises(InvalidArgumentError, match="forward over all known tokens"):
-        backend.append_tokens([a, b], torch.tensor([1, 2], dtype=torch.int32))
-    backend.allocate([a, b])
-    backend.prepare([a, b], "decode")
-    backend.finish(c, computed=False)
-    with pytest.raises(InvalidArgumentError, match="not live"):
-        backend.append_tokens([a, b, c], torch.tensor([1, 2, 3], dtype=torch.int32))
-    backend.append_tokens([a, b], torch.tensor([31, 32], dtype=torch.int32))
-    assert backend.token_pool[a.row, 4] == 31 and backend.token_pool[b.row, 5] == 32
-    backend.check_integrity()
-
-
-def test_a_chained_append_past_max_seq_len_is_refused_with_nothing_changed(manager):
-    backend = _backend_with_tables(manager, 16, host_views=False)
-    (full,) = _one_decode_ready(backend, [list(range(95))])  # 96 tokens = max_seq_len
-    backend.allocate([full])
-    backend.prepare([full], "decode")
-    with pytest.raises(InvalidArgumentError, match="max_seq_len=96"):
-        backend.append_tokens([full], torch.tensor([5], dtype=torch.int32))
-    assert (full.cached_len, full.device_len, full.num_tokens) == (95, 96, 96)
-    assert backend._deferred_append is None
-    backend.finish(full, computed=True)
-    backend.check_integrity()
-
-
-def test_a_one_token_chunk_prepared_as_decode_is_no_chain(manager):
-    """A prefill chunk of one token may be prepared as a decode forward; its append_tokens is
-    still refused (tokens beyond it are known), as on every path."""
-    backend = _backend_with_tables(manager, 1, host_views=False)
-    request = backend.admit([1, 2, 3, 4, 5])
-    backend.allocate([request], [1])
-    backend.prepare([request], "decode")
-    with pytest.raises(InvalidArgumentError, match="forward over all known tokens"):
-        backend.append_tokens([request], torch.tensor([7], dtype=torch.int32))
-    backend.cache_unfinished(request)
-    assert (request.cached_len, request.num_tokens) == (1, 5)
-    backend.check_integrity()

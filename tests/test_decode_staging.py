@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvplug.attention.decode_staging import DecodeStager, StagedDecodeBatch
 from kvplug.attention.paged_indices import write_page_list_arrays
-from kvplug.memory.deferred_pages import DeferredPages
+from kvplug.memory.allocator import NewPages
 
 
 def reference_page_lists(table: torch.Tensor, rows, device_lens, view_page_size: int):
@@ -59,9 +59,8 @@ def test_staged_page_lists_equal_the_rows_they_describe(page_size, list_size, wi
         deferred = None
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(512)[:bs], -1).astype(np.int32)
-            deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
-        upload = stager.stage(rows, cached, deferred=deferred)
-        batch = upload.batch
+            deferred = NewPages(page_slot, storage)
+        batch = stager.stage(rows, cached, pages=deferred)
         assert isinstance(batch, StagedDecodeBatch) and batch.page_lists.view_page_size == list_size
         indices, indptr, last = reference_page_lists(table, rows, cached + 1, list_size)
         assert torch.equal(batch.page_lists.indices, indices)
@@ -76,20 +75,35 @@ def test_staged_page_lists_equal_the_rows_they_describe(page_size, list_size, wi
 
 def test_a_stager_without_page_lists_stages_none():
     table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
-    upload = DecodeStager(table, table + 100, use_kernel=False).stage(np.array([2, 0]), np.array([3, 6]))
-    assert isinstance(upload.batch, StagedDecodeBatch) and upload.batch.page_lists is None
-    assert upload.batch.out_loc.tolist() == [19, 6]
-    assert upload.input_ids.tolist() == [119, 106]  # the token pool at each request's new token
+    batch = DecodeStager(table, table + 100, use_kernel=False).stage(np.array([2, 0]), np.array([3, 6]))
+    assert isinstance(batch, StagedDecodeBatch) and batch.page_lists is None
+    assert batch.out_loc.tolist() == [19, 6]
+    assert batch.input_ids.tolist() == [119, 106]  # the token pool at each request's new token
+    assert batch.append_index.tolist() == [20, 7]
 
 
-def test_deferred_appends_go_into_the_token_pool_and_are_the_input_ids():
+def test_pending_tokens_go_into_the_token_pool_and_are_the_input_ids():
     table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
     tokens = torch.zeros_like(table)
     stager = DecodeStager(table, tokens, use_kernel=False)
-    upload = stager.stage(np.array([2, 0]), np.array([3, 6]), append_values=torch.tensor([7, 9], dtype=torch.int32))
-    assert upload.input_ids.tolist() == [7, 9]
+    batch = stager.stage(np.array([2, 0]), np.array([3, 6]), tokens=torch.tensor([7, 9], dtype=torch.int32))
+    assert batch.input_ids.tolist() == [7, 9]
     assert tokens[2, 3] == 7 and tokens[0, 6] == 9 and int(tokens.count_nonzero()) == 2
     assert stager.stage(np.array([0]), np.array([6])).input_ids.tolist() == [9]
+
+
+def test_a_padded_stage_fills_a_fixed_buffer_with_the_dummy_request():
+    table = torch.arange(5 * 8, dtype=torch.int32).view(5, 8)
+    tokens = torch.arange(5 * 8, dtype=torch.int32).view(5, 8) + 100
+    stager = DecodeStager(table, tokens, use_kernel=False)
+    first = stager.stage(np.array([2, 0]), np.array([3, 6]), pad_to=4, tokens=torch.tensor([1, 2], dtype=torch.int32))
+    assert first.table_rows.tolist() == [2, 0, 4, 4] and first.num_padded == 2
+    assert first.positions.tolist() == [3, 6, 0, 0] and first.device_lens_cpu.tolist() == [4, 7, 1, 1]
+    assert first.out_loc.tolist() == [19, 6, 32, 32] and first.input_ids.tolist() == [1, 2, 132, 132]
+    assert tokens[4, 0] == 132  # padding wrote nothing into the token pool
+    second = stager.stage(np.array([1]), np.array([2]), pad_to=4)  # another ring slot, the same buffer
+    assert second.table_rows.data_ptr() == first.table_rows.data_ptr()
+    assert first.table_rows.tolist() == [1, 4, 4, 4]
 
 
 def test_step_progress_numbers_steps_and_refuses_a_slot_the_device_never_released():
@@ -123,12 +137,12 @@ def test_each_stage_reports_its_step_and_batches_keep_their_host_fields_for_a_ri
     persistent views that stay intact until the stage ``ring_size`` later reuses the slot."""
     table = torch.arange(6 * 32, dtype=torch.int32).view(6, 32)
     stager = DecodeStager(table, torch.zeros_like(table), page_list_size=1, ring_size=2, use_kernel=False)
-    first = stager.stage(np.array([1, 4]), np.array([3, 7])).batch
+    first = stager.stage(np.array([1, 4]), np.array([3, 7]))
     assert int(stager.progress.tensor[0]) == 1
-    second = stager.stage(np.array([2, 0]), np.array([5, 9])).batch
+    second = stager.stage(np.array([2, 0]), np.array([5, 9]))
     assert int(stager.progress.tensor[0]) == 2
     assert first.device_lens_cpu.tolist() == [4, 8] and first.page_lists.indptr.tolist() == [0, 4, 12]
-    third = stager.stage(np.array([3, 5]), np.array([1, 2])).batch
+    third = stager.stage(np.array([3, 5]), np.array([1, 2]))
     assert third.cached_lens_cpu is first.cached_lens_cpu  # slot 0 again: the same views
     assert first.device_lens_cpu.tolist() == [2, 3] and second.device_lens_cpu.tolist() == [6, 10]
     assert third.page_lists.indices.tolist() == [96, 97, 160, 161, 162]
@@ -138,7 +152,7 @@ def test_a_one_slot_ring_waits_for_the_previous_step_only():
     table = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
     stager = DecodeStager(table, torch.zeros_like(table), ring_size=1, use_kernel=False)
     for step in range(1, 5):
-        batch = stager.stage(np.array([2]), np.array([step])).batch
+        batch = stager.stage(np.array([2]), np.array([step]))
         assert batch.out_loc.tolist() == [32 + step] and int(stager.progress.tensor[0]) == step
 
 

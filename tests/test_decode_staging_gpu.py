@@ -1,6 +1,6 @@
-"""The GPU decode stager (one upload, one Triton launch) equals the general batch build field for
-field, with the flat indices input_ids and append_tokens use, over random batches and through
-the ring's slot reuse. Skipped without CUDA/Triton."""
+"""The GPU decode stager (one Triton launch) equals the general batch build field for field, with
+the input ids and append index it derives, over random batches, padding and the ring's slot
+reuse. Skipped without CUDA/Triton."""
 
 from __future__ import annotations
 
@@ -32,14 +32,13 @@ def test_stager_equals_the_general_build(use_kernel):
     for bs in (1, 2, 255, 256, 257, 300, 7, 1):  # new sizes and repeats, so slots come round
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
         cached = rng.integers(0, width - 1, bs)
-        upload = stager.stage(rows, cached)
+        batch = stager.stage(rows, cached)
         general = build_attention_batch(table, rows, cached, cached + 1, ForwardPhase.PREFILL)
-        assert_same_batch(upload.batch, general)
+        assert_same_batch(batch, general)
         cells = torch.from_numpy(rows * width + cached).cuda()
-        assert upload.token_index.dtype == torch.int32 and torch.equal(upload.token_index.long(), cells)
-        assert torch.equal(upload.input_ids, tokens.view(-1)[cells])
-        assert upload.append_index.dtype == torch.int64 and torch.equal(upload.append_index, cells + 1)
-        assert np.array_equal(upload.device_lens_host, cached + 1)
+        assert torch.equal(batch.input_ids, tokens.view(-1)[cells])
+        assert batch.append_index.dtype == torch.int64 and torch.equal(batch.append_index, cells + 1)
+        assert np.array_equal(batch.device_lens_cpu.numpy(), cached + 1)
 
 
 def test_a_one_slot_ring_reuses_its_views_with_each_steps_values():
@@ -49,17 +48,17 @@ def test_a_one_slot_ring_reuses_its_views_with_each_steps_values():
     stager = DecodeStager(table, torch.zeros_like(table), ring_size=1)
     rows, cached = np.array([3, 1], dtype=np.int64), np.array([5, 9], dtype=np.int64)
     first = stager.stage(rows, cached)
-    assert first.batch.out_loc.tolist() == [3 * 64 + 5, 64 + 9]
+    assert first.out_loc.tolist() == [3 * 64 + 5, 64 + 9]
     second = stager.stage(rows, cached + 1)
-    assert second.batch.out_loc is first.batch.out_loc  # one slot: the same views
-    assert second.batch.out_loc.tolist() == [3 * 64 + 6, 64 + 10]
+    assert second.out_loc is first.out_loc  # one slot: the same views
+    assert second.out_loc.tolist() == [3 * 64 + 6, 64 + 10]
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16, 64])
-def test_kernel_writes_deferred_pages_like_the_torch_path(page_size):
-    """Deferred pages written by the kernel equal the torch path's writes (page 5: pages clipped
-    at a row end that 5 does not divide), and out_loc is each new page."""
-    from kvplug.memory.deferred_pages import DeferredPages
+def test_kernel_writes_new_pages_like_the_torch_path(page_size):
+    """New pages written by the kernel equal the torch path's writes (page 5: pages clipped at a
+    row end that 5 does not divide), and out_loc is each new page."""
+    from kvplug.memory.allocator import NewPages
 
     rng = np.random.default_rng(page_size)
     num_rows, width = 301, 4096
@@ -73,15 +72,14 @@ def test_kernel_writes_deferred_pages_like_the_torch_path(page_size):
         cached = rng.integers(0, width // page_size, bs) * page_size
         cached[0] = width - 1 if page_size > 1 else cached[0]  # a page reaching past the row's end
         page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(4096)[:bs], -1).astype(np.int32)
-        deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
-        by_kernel = kernel_stager.stage(rows, cached, deferred=deferred)
-        by_torch = torch_stager.stage(rows, cached, deferred=deferred)
+        pages = NewPages(page_slot, storage)
+        by_kernel = kernel_stager.stage(rows, cached, pages=pages)
+        by_torch = torch_stager.stage(rows, cached, pages=pages)
         assert torch.equal(kernel_table, torch_table), bs
-        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
-            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), name
-        assert torch.equal(by_kernel.append_index, by_torch.append_index)
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens", "append_index"):
+            assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), name
         growing = torch.from_numpy(page_slot >= 0).cuda()
-        assert torch.equal(by_kernel.batch.out_loc[growing], storage[torch.from_numpy(page_slot[page_slot >= 0]).long().cuda()])
+        assert torch.equal(by_kernel.out_loc[growing], storage[torch.from_numpy(page_slot[page_slot >= 0]).long().cuda()])
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -98,7 +96,6 @@ def test_backend_on_cuda_tables_matches_a_reference_through_random_steps(page_si
         shape, page_size=page_size, num_pages=6 * 96 // page_size + 6, max_running_reqs=6, max_seq_len=96,
         prefix_cache="naive", attention=None, device="cuda",
     )
-    assert backend.allocator.defer_decode_pages
     run_random_decode_steps(backend, np.random.default_rng(page_size))
 
 
@@ -106,9 +103,10 @@ def test_backend_on_cuda_tables_matches_a_reference_through_random_steps(page_si
 @pytest.mark.parametrize("with_pages", [False, True])
 def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages):
     """The page lists the decode-step launch writes equal the torch path's (PagedIndexBuilder over
-    the table after the deferred pages went in), with the batch fields and table writes, through
-    ring reuse, batch sizes that change and page-list buffers that grow (short rows first)."""
-    from kvplug.memory.deferred_pages import DeferredPages
+    the table after the new pages went in), with the batch fields and table writes, through
+    ring reuse, batch sizes that change, padding to a graph's size and page-list buffers that
+    grow (short rows first)."""
+    from kvplug.memory.allocator import NewPages
 
     rng = np.random.default_rng(page_size * 100 + list_size * 2 + with_pages)
     num_rows, width = 301, 4096
@@ -126,22 +124,24 @@ def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages
         cached = rng.integers(0, max(1, longest // page_size), bs) * page_size
         if not with_pages:
             cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
-        deferred = None
+        pages = None
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(8192)[:bs], -1).astype(np.int32)
-            deferred = DeferredPages(rows, page_slot, storage, 0, 0, np.empty(0, dtype=np.int64))
-        # odd steps carry deferred appends (written into the token pool; they are the input ids)
+            pages = NewPages(page_slot, storage)
+        # odd steps carry pending tokens (written into the token pool; they are the input ids)
         values = torch.randint(0, 1 << 17, (bs,), dtype=torch.int32, device="cuda") if step % 2 else None
-        by_kernel, by_torch = (stager.stage(rows, cached, deferred=deferred, append_values=values) for stager in stagers)
+        pad_to = bs + 3 if step % 3 == 2 else None  # staged into a graph's fixed buffer, dummy-padded
+        by_kernel, by_torch = (stager.stage(rows, cached, pages=pages, tokens=values, pad_to=pad_to) for stager in stagers)
         assert torch.equal(kernel_table, torch_table), step
         assert torch.equal(kernel_tokens, torch_tokens), step
         expected_ids = kernel_tokens[torch.from_numpy(rows).cuda(), torch.from_numpy(cached).cuda()]
-        assert torch.equal(by_kernel.input_ids, expected_ids) and torch.equal(by_torch.input_ids, expected_ids), step
+        assert torch.equal(by_kernel.input_ids[:bs], expected_ids) and torch.equal(by_torch.input_ids[:bs], expected_ids), step
         if values is not None:
             assert torch.equal(expected_ids, values), step
-        for name in ("out_loc", "table_rows", "cached_lens", "device_lens"):
-            assert torch.equal(getattr(by_kernel.batch, name), getattr(by_torch.batch, name)), (step, name)
-        lists, expected = by_kernel.batch.page_lists, by_torch.batch.page_lists
+        for name in ("out_loc", "table_rows", "cached_lens", "device_lens", "input_ids", "append_index"):
+            assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), (step, name)
+        assert by_kernel.num_padded == (0 if pad_to is None else 3)
+        lists, expected = by_kernel.page_lists, by_torch.page_lists
         assert lists.view_page_size == list_size
         assert torch.equal(lists.indptr, expected.indptr) and torch.equal(lists.last_page_len, expected.last_page_len)
         assert lists.indptr.is_pinned() and lists.indices.device.type == "cuda"
@@ -163,7 +163,7 @@ def test_staging_ahead_of_a_busy_device_keeps_every_step_intact():
         bs = int(rng.integers(1, num_rows))
         rows = rng.permutation(num_rows - 1)[:bs].astype(np.int64)
         cached = rng.integers(0, width - 1, bs)
-        batch = stager.stage(rows, cached).batch
+        batch = stager.stage(rows, cached)
         lists = batch.page_lists
         captured.append([batch.out_loc.clone(), lists.indices.clone(), batch.device_lens_cpu.to("cuda", non_blocking=True),
                          lists.indptr.to("cuda", non_blocking=True), lists.last_page_len.to("cuda", non_blocking=True)])

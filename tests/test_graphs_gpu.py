@@ -1,16 +1,17 @@
-"""CUDA-graph decode on the GPU: replay equals eager, padded slots write only the dummy page, and a
+"""CUDA-graph decode on the GPU through ``KVBackend.decode_graphs``: replays equal eager steps
+(random batches between capture sizes, above them, requests finishing mid-batch, radix hits),
+repeated padded replays leave the live K/V bit-identical and write only the dummy page, and a
 28-layer model-shaped stack gives the same logits captured and eager. Skipped without CUDA."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.attention_reference import importable, make_decode_world, prefill_world, relative_error, requires_cuda
 from kvplug.attention import build_attention_batch
-from kvplug.attention.graph_runner import GraphRunner
 from kvplug.interface import ForwardPhase, InvalidArgumentError
+from tests.attention_reference import importable, make_decode_world, requires_cuda
+from tests.decode_world import make_world, run_scenario
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -27,6 +28,7 @@ BACKENDS = [
 FLASHINFER_GRAPH_MODULES = [
     (torch.bfloat16, 128, 4, "decode"),
     (torch.bfloat16, 128, 2, "decode"),
+    (torch.bfloat16, 128, 4, "extend_with_prefix"),
     (torch.bfloat16, 128, 2, "extend_with_prefix"),
 ]
 
@@ -46,88 +48,69 @@ def compiled(request, backend):
 
 
 def _worlds(backend, **overrides):
-    args = dict(backend_name=backend, num_layers=4, page_size=16, max_reqs=40, max_seq_len=1024,
-                num_qo_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=5)
+    args = dict(attention=backend, page_size=16, device="cuda", dtype=torch.bfloat16, num_layers=4, num_qo_heads=8,
+                num_kv_heads=2, head_dim=128, max_running_reqs=24, max_seq_len=512, seed=5)
     args.update(overrides)
-    return make_decode_world(**args), make_decode_world(**args)
+    return make_world(**args), make_world(**args)
 
 
-def _run_steps(eager_world, graph_world, runner, rows, lengths, steps, gen, max_bs):
-    """Random decode batches stepped eagerly in one world and replayed in the other."""
-    _, table, backend, model = eager_world
-    worst = 0.0
-    for _ in range(steps):
-        bs = int(torch.randint(1, max_bs + 1, (1,), generator=gen))
-        live = sorted(torch.randperm(len(rows), generator=gen)[:bs].tolist())
-        live_rows = [rows[i] for i in live]
-        cached = [lengths[r] for r in live_rows]
-        batch = build_attention_batch(table, live_rows, cached, [c + 1 for c in cached], ForwardPhase.DECODE)
-        assert runner.can_use_graph(batch)
-        backend.prepare_metadata(batch)
-        eager = model(batch)
-        replayed = runner.replay(live_rows, cached, [c + 1 for c in cached])
-        worst = max(worst, relative_error(replayed, eager.double().cpu()))
-        for r in live_rows:
-            lengths[r] += 1
-    return worst
-
-
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_replay_equals_eager(backend, compiled):
-    eager_world, graph_world = _worlds(backend)
-    gen = torch.Generator().manual_seed(11)
-    rows = list(range(24))
-    prompt = torch.randint(1, 700, (24,), generator=gen).tolist()
-    for world in (eager_world, graph_world):
-        prefill_world(*world, rows, prompt)
-    runner = GraphRunner(graph_world[2], graph_world[1], graph_world[3], max_batch_size=16, max_seq_len=1024)
-    runner.capture()
-    assert runner.batch_sizes == [1, 2, 4, 8, 16]
-    worst = _run_steps(eager_world, graph_world, runner, rows, dict(zip(rows, prompt)), 12, gen, 16)
-    assert worst < 2e-2, f"graph logits differ from eager by {worst:.2e}"
-    num_pages = eager_world[0].num_pages
-    kv_error = relative_error(graph_world[0].kv_buffer[:, :, :num_pages], eager_world[0].kv_buffer[:, :, :num_pages].double().cpu())
-    assert kv_error < 2e-2
+def test_graph_steps_equal_eager_steps(backend, page_size, compiled):
+    eager, graphed = _worlds(backend, page_size=page_size)
+    graphs = graphed[0].decode_graphs(graphed[1].step_forward, max_batch_size=16)
+    assert graphs.uses_cuda_graphs and graphs.batch_sizes == [1, 2, 4, 8, 16]
+    counters = run_scenario(eager, graphed, steps=40, seed=page_size, tolerance=2e-2, check_live_kv=True)
+    print(f"{backend} page {page_size}: {counters['graph_steps']} replays, {counters['eager_steps']} eager, "
+          f"worst relative error {counters['worst']:.2e}")
+    assert counters["graph_steps"] > 10 and counters["eager_steps"] > 0
+    assert any(live != size for live, size in counters["sizes"])
+    assert graphed[0].stats().cache_hit_tokens > 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_replays_write_only_live_locations_and_the_dummy_page(backend, compiled):
-    (pool, table, attention, model), _ = _worlds(backend)
-    prefill_world(pool, table, attention, model, [0, 5, 9], [100, 333, 17])
-    runner = GraphRunner(attention, table, model, max_batch_size=8, max_seq_len=1024)
-    runner.capture()
-    before = pool.kv_buffer.clone()
-    first = runner.replay([0, 5, 9], [100, 333, 17], [101, 334, 18]).clone()  # bs 3 padded to 4
-    after = pool.kv_buffer.clone()
+    (attention_backend, model), _ = _worlds(backend)
+    graphs = attention_backend.decode_graphs(model.step_forward, max_batch_size=8)
+    requests = [attention_backend.admit(torch.randint(0, 500, (n,)).tolist()) for n in (100, 333, 17)]
+    attention_backend.allocate(requests)
+    batch = attention_backend.prepare(requests, "prefill")
+    model(attention_backend.input_ids(batch), batch)
+    attention_backend.append_tokens(requests, [1, 2, 3])
+    before = attention_backend.pool.kv_buffer.clone()
+    step = attention_backend.begin_decode(requests)  # bs 3 padded to 4
+    assert step.graph_size == 4
+    first = graphs.run(step).clone()
+    after = attention_backend.pool.kv_buffer.clone()
     for _ in range(5):
-        runner.replay([0, 5, 9], [100, 333, 17], [101, 334, 18])
-        runner.replay([5], [333], [334])  # bs 1: no padding
-    assert torch.equal(pool.kv_buffer, after), "repeating the same steps changed the pool"
-    assert torch.equal(runner.replay([0, 5, 9], [100, 333, 17], [101, 334, 18]), first)
-    changed = (before != after).any(-1).any(-1).any(0).any(0).flatten().nonzero().flatten().tolist()
-    live = {int(table[0, 100]), int(table[5, 333]), int(table[9, 17])}
+        again = graphs.run(step)
+    assert torch.equal(attention_backend.pool.kv_buffer, after), "repeating the same replay changed the pool"
+    assert torch.equal(again, first)
+    changed = set((before != after).any(-1).any(-1).any(0).any(0).flatten().nonzero().flatten().tolist())
+    table = attention_backend.page_table
+    live = {int(table[r.row, r.cached_len]) for r in requests}
+    pool = attention_backend.pool
     dummy = set(range(pool.num_pages * pool.page_size, (pool.num_pages + 1) * pool.page_size))
-    assert live <= set(changed) <= live | dummy
+    assert live <= changed <= live | dummy
+    step.commit(torch.tensor([4, 5, 6], dtype=torch.int32, device="cuda"))
+    attention_backend.check_integrity()
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:2])
 def test_28_layer_stack_captured_equals_eager(backend, compiled):
-    eager_world, graph_world = _worlds(backend, num_layers=28, num_qo_heads=16, num_kv_heads=8, max_reqs=16,
-                                       max_seq_len=512, seed=28)
-    rows = list(range(12))
-    prompt = [3, 50, 129, 200, 7, 64, 300, 1, 90, 45, 111, 256]
-    logits = [prefill_world(*world, rows, prompt) for world in (eager_world, graph_world)]
-    assert relative_error(logits[0], logits[1].double().cpu()) < 1e-5  # identical worlds, identical prefill
-    runner = GraphRunner(graph_world[2], graph_world[1], graph_world[3], max_batch_size=12, max_seq_len=512)
-    runner.capture()
-    worst = _run_steps(eager_world, graph_world, runner, rows, dict(zip(rows, prompt)), 8, torch.Generator().manual_seed(2), 12)
-    assert worst < 3e-2, f"28-layer graph logits differ from eager by {worst:.2e}"
+    eager, graphed = _worlds(backend, num_layers=28, num_qo_heads=16, num_kv_heads=8, max_running_reqs=16,
+                             max_seq_len=512, seed=28)
+    graphed[0].decode_graphs(graphed[1].step_forward, max_batch_size=12)
+    counters = run_scenario(eager, graphed, steps=16, seed=2, tolerance=3e-2)
+    assert counters["graph_steps"] > 4
 
 
 def test_flashinfer_replay_of_an_uncaptured_size_is_an_error():
     if not importable("flashinfer"):
         pytest.skip("needs flashinfer")
-    (pool, table, attention, model), _ = _worlds("flashinfer")
+    pool, table, attention, model = make_decode_world(
+        backend_name="flashinfer", num_layers=4, page_size=16, max_reqs=40, max_seq_len=1024, num_qo_heads=8,
+        num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=5)
     attention.init_capture_graph(1024, [1, 4])
     batch = build_attention_batch(table, [0, 1], [3, 3], [4, 4], ForwardPhase.DECODE)
     with pytest.raises(InvalidArgumentError, match="no CUDA-graph wrapper for batch size 2"):

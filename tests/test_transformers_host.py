@@ -114,6 +114,37 @@ def test_generate_batch_on_radix_equals_generate(checkpoint, page_size):
     assert model.config._attn_implementation != ATTENTION_NAME  # stop() restored the model's own
 
 
+@pytest.fixture
+def replay_counter(monkeypatch):
+    """Counts the decode steps kvplug ran from its graphs (``HostDecodeGraphs.run_step`` True)."""
+    from kvplug_transformers.decode_graphs import HostDecodeGraphs
+
+    counts = {"graph": 0, "other": 0}
+    original = HostDecodeGraphs.run_step
+
+    def counting(self, *args):
+        done = original(self, *args)
+        counts["graph" if done else "other"] += 1
+        return done
+
+    monkeypatch.setattr(HostDecodeGraphs, "run_step", counting)
+    return counts
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_decode_path_equals_generate(checkpoint, page_size, replay_counter):
+    """The CUDA-graph decode path (on the CPU it runs the captured function eagerly over the same
+    padded, dummy-filled buffers): capture at the first decode step, padded batch sizes between
+    the captured ones, requests finishing mid-batch, radix hits, transformers' own sampler."""
+    model, references = checkpoint
+    host = TransformersHost(max_seq_len=256, num_pages=4096 // page_size)
+    tokens, stats = _generate_on_kvplug(model, host, max_batch_tokens=256, page_size=page_size, prefix_cache="radix",
+                                        cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4, 12))
+    assert tokens == references
+    assert replay_counter["graph"] >= 5 and replay_counter["other"] > 0  # prefill steps stay eager
+    assert stats.cache_hit_tokens > 0
+
+
 def test_naive_cache_gives_same_tokens_and_no_hits(checkpoint):
     model, references = checkpoint
     host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
@@ -294,25 +325,31 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_cuda_fp32_torch_attention_equals_generate(checkpoint):
-    """The same differential check on the GPU: device placement and the compute-stream ordering."""
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_fp32_torch_attention_equals_generate(checkpoint, page_size, replay_counter):
+    """The same differential check on the GPU, decode steps replayed from kvplug's CUDA graphs
+    (on by default on CUDA): device placement, compute-stream ordering, padded replays."""
     cpu_model, references = checkpoint
     model = cpu_model.to("cuda")
     try:
-        host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
-        tokens, stats = _generate_on_kvplug(model, host, attention="torch")
+        host = TransformersHost(max_seq_len=256, num_pages=4096 // page_size, page_size=page_size)
+        tokens, stats = _generate_on_kvplug(model, host, max_batch_tokens=256, attention="torch",
+                                            cuda_graph_batch_sizes=(1, 2, 4, 12))
     finally:
         cpu_model.to("cpu")
     assert tokens == references and stats.cache_hit_tokens > 0
+    assert replay_counter["graph"] >= 5
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("attention", ["auto", "triton", "flashinfer"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_cuda_bf16_gpu_attention_backends_serve_generate_batch(kind, attention):
-    """bf16 GPU kernels round differently from eager bf16, so greedy tokens may drift on a random
-    model; the first token must agree wherever eager bf16 has a clear winner, and all must complete."""
+def test_cuda_bf16_gpu_attention_backends_serve_generate_batch(kind, attention, replay_counter):
+    """bf16 GPU kernels round differently from eager bf16 (and a padded graph batch runs GEMMs of
+    another size than the eager step), so greedy tokens may drift on a random model; the first
+    token must agree wherever eager bf16 has a clear winner, with graphs and without, and all
+    must complete."""
     if attention != "auto":
         pytest.importorskip(attention)
     torch.manual_seed(1234)
@@ -326,28 +363,39 @@ def test_cuda_bf16_gpu_attention_backends_serve_generate_batch(kind, attention):
                 clear_winners[index] = int(top.indices[0])
     # on the H200 only 1 of 10 prompts had a top-2 gap > 0.1 with these random weights
     assert clear_winners, "no prompt has a clear eager bf16 winner: the check below would be vacuous"
-    host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
-    tokens, stats = _generate_on_kvplug(model, host, attention=attention)
-    assert {index: tokens[index][0] for index in clear_winners} == clear_winners
-    assert all(len(sequence) == MAX_NEW_TOKENS or 0 in sequence for sequence in tokens)
-    assert stats.cache_hit_tokens > 0
-    if attention != "auto":
-        assert stats.attention == attention
+    runs = {}
+    for graphs in (True, False):
+        host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
+        tokens, stats = _generate_on_kvplug(model, host, max_batch_tokens=256, attention=attention,
+                                            cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4, 12))
+        assert {index: tokens[index][0] for index in clear_winners} == clear_winners
+        assert all(len(sequence) == MAX_NEW_TOKENS or 0 in sequence for sequence in tokens)
+        assert stats.cache_hit_tokens > 0
+        if attention != "auto":
+            assert stats.attention == attention
+        runs[graphs] = tokens
+    assert replay_counter["graph"] >= 5
+    same = sum(a == b for a, b in zip(runs[True], runs[False]))
+    print(f"{kind} {attention}: {same}/{len(PROMPTS)} sequences token-identical with and without graphs")
 
 
 def test_install_replaces_and_uninstall_restores_transformers_internals():
-    from transformers.generation.continuous_batching import cache, continuous_api
+    from transformers.generation.continuous_batching import cache, continuous_api, model_runner
 
     original_cache = continuous_api.PagedAttentionCache
     original_switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
+    runner = model_runner.ModelRunner
+    original_runner = (runner.compute_batch, runner.warmup)
     assert original_cache is cache.PagedAttentionCache
     host = TransformersHost()
     with host.installed_context(prefix_cache="naive") as installed:
         assert installed.installed and installed.settings.prefix_cache == "naive"
         assert continuous_api.PagedAttentionCache is not original_cache
+        assert runner.compute_batch is not original_runner[0] and runner.warmup is not original_runner[1]
         assert ATTENTION_NAME in transformers.AttentionInterface()
     assert continuous_api.PagedAttentionCache is original_cache
     assert continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn is original_switch
+    assert (runner.compute_batch, runner.warmup) == original_runner
     assert host.settings.prefix_cache == "radix"
 
 

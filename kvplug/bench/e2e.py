@@ -7,7 +7,8 @@ workloads:
 
 - ``shared-prefix``: requests = one of a few system prompts + a unique question, all submitted at
   once; one run per concurrency level (requests per step);
-- ``no-prefix``: the same lengths, every token random: what radix costs when nothing hits;
+- ``no-prefix``: the same lengths, every token random: what radix costs when nothing hits (with
+  long outputs, the decode-heavy workload);
 - ``multi-turn``: chats growing turn by turn (prompt = previous prompt + answer + new question),
   one round per turn, one manager (one prefix cache) across the turns.
 
@@ -45,7 +46,7 @@ from kvplug.devices import resolve_device
 
 SUITE = "e2e"
 SCHEMA = 1
-BASELINES = ("naive", NATIVE)
+BASELINES = ("naive", NATIVE, "radix:eager")
 MEDIAN_FIELDS = ("serve_s", "wall_s", "req_per_s", "output_tok_per_s", "total_tok_per_s", "ttft_p50_ms",
                  "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms")
 # SPEC §7: radix >= 3x naive's throughput with shared prefixes, and costs < 2 % when nothing hits
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: qwen3-0.6b on CUDA, qwen3-tiny on CPU")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--variants", default="radix,naive,native",
-                        help="kvplug prefix caches by name, and 'native' for transformers' own cache")
+                        help="kvplug prefix caches by name (append ':eager' to turn kvplug's CUDA graphs off), "
+                             "and 'native' for transformers' own cache")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {','.join(WORKLOADS)}")
     parser.add_argument("--concurrency", default=None, help="comma-separated requests per step (shared-prefix levels)")
     parser.add_argument("--page-size", type=int, default=16)
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = model.config.vocab_size
     workloads = [build_workload(name, sizes, vocab, args.seed) for name in workload_names]
     plan = [(workload, level) for workload in workloads
-            for level in (sizes.concurrency if workload.name == "shared-prefix" else sizes.concurrency[-1:])]
+            for level in (sizes.concurrency if workload.name != "multi-turn" else sizes.concurrency[-1:])]
     _warm_up(model, variants, sizes, args)
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     total, done = len(plan) * repeats * len(variants), 0

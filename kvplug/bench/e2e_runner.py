@@ -1,8 +1,9 @@
 """One measured run of ``kvplug bench e2e``: a workload through transformers' ``generate_batch``.
 
 A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug installed through
-``kvplug_transformers.TransformersHost``) or ``native`` (transformers' own paged cache, with its
-default block sharing). Every variant gets the same pool size in tokens, page size, requests per
+``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
+CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager), or ``native``
+(transformers' own paged cache, with its default block sharing). Every variant gets the same pool size in tokens, page size, requests per
 step and tokens per step, so only the KV cache differs.
 
 Timing comes from transformers' per-request records (``record_timestamps=True``): a request's
@@ -25,6 +26,7 @@ import numpy as np
 from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
 
 NATIVE = "native"
+EAGER_SUFFIX = ":eager"
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,11 @@ class VariantRunner:
         from kvplug_transformers.host import TransformersHost
 
         config = self.config
-        host = TransformersHost(prefix_cache=self.variant, attention=config.attention, page_size=config.page_size,
-                                max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len)
+        eager = self.variant.endswith(EAGER_SUFFIX)
+        cache = self.variant.removesuffix(EAGER_SUFFIX)
+        host = TransformersHost(prefix_cache=cache, attention=config.attention, page_size=config.page_size,
+                                max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
+                                cuda_graphs=False if eager else None)
         return host, host.installed_context()
 
     def _cb_config(self) -> Any:

@@ -1,11 +1,14 @@
-"""Decode-step latency of a model-shaped stack, eager vs CUDA graph (kvplug bench graphs).
+"""Decode-step latency of a model-shaped stack through ``KVBackend``, eager vs CUDA graph
+(kvplug bench graphs).
 
 The stack is Qwen3-0.6B-shaped by default (28 layers, 16 query / 8 KV heads of 128, hidden
-1024) with random weights; each step embeds tokens gathered from a device token pool, runs every
-layer's attention through the chosen kvplug backend, and projects to logits. Eager steps include
-the host work a real engine does per step (``build_attention_batch`` + ``prepare_metadata``);
-graph steps include the runner's input copy and ``prepare_for_replay``. Latency is wall time per
-step with the device synchronised, median over steps.
+1024) with random weights; each step embeds the step's input ids, runs every layer's attention
+through the chosen kvplug backend, and projects to logits. Two backends of the same sizes hold
+the same requests (``--context`` cached tokens each): one steps eagerly
+(``begin_decode`` -> forward -> ``commit``), the other through ``decode_graphs``
+(``begin_decode`` -> ``graphs.run`` -> ``commit``), so both figures include the host work a real
+engine does per step. Latency is wall time per step with the device synchronised, median over
+steps.
 """
 
 from __future__ import annotations
@@ -37,23 +40,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class DecoderStack:
     """Embedding -> layers of (qkv projection, kvplug attention, output projection) -> logits."""
 
-    def __init__(self, backend: Any, token_pool: torch.Tensor, args: argparse.Namespace, vocab: int = 32_000) -> None:
-        device, dtype = token_pool.device, torch.bfloat16
-        self.backend, self.token_pool, self.layers = backend, token_pool, args.layers
+    def __init__(self, backend: Any, args: argparse.Namespace, vocab: int = 32_000) -> None:
+        device, dtype = backend.device, torch.bfloat16
+        self.backend, self.layers = backend, args.layers
         self.q_size, self.kv_size = args.qo_heads * args.head_dim, args.kv_heads * args.head_dim
         scale = args.hidden**-0.5
-        self.embed = torch.randn(vocab, args.hidden, device=device, dtype=dtype)
-        self.qkv = [torch.randn(args.hidden, self.q_size + 2 * self.kv_size, device=device, dtype=dtype) * scale
-                    for _ in range(args.layers)]
-        self.proj = [torch.randn(self.q_size, args.hidden, device=device, dtype=dtype) * self.q_size**-0.5
-                     for _ in range(args.layers)]
-        self.head = torch.randn(args.hidden, vocab, device=device, dtype=dtype) * scale
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.embed = torch.randn(vocab, args.hidden, device=device, dtype=dtype, generator=gen)
+        self.qkv = [torch.randn(args.hidden, self.q_size + 2 * self.kv_size, device=device, dtype=dtype, generator=gen)
+                    * scale for _ in range(args.layers)]
+        self.proj = [torch.randn(self.q_size, args.hidden, device=device, dtype=dtype, generator=gen)
+                     * self.q_size**-0.5 for _ in range(args.layers)]
+        self.head = torch.randn(args.hidden, vocab, device=device, dtype=dtype, generator=gen) * scale
 
-    def __call__(self, batch: Any) -> torch.Tensor:
-        x = self.embed[self.token_pool[batch.table_rows.long(), batch.positions.long()].long()]
+    def __call__(self, step: Any) -> torch.Tensor:
+        x = self.embed[step.input_ids.long()]
         for layer in range(self.layers):
             q, k, v = (x @ self.qkv[layer]).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            x = x + self.backend.forward(q, k, v, layer, batch) @ self.proj[layer]
+            x = x + self.backend.forward(q, k, v, layer, step.batch) @ self.proj[layer]
         return x @ self.head
 
 
@@ -69,45 +73,51 @@ def _latency_us(step: Any, steps: int) -> float:
     return statistics.median(samples)
 
 
-def bench_backend(name: str, args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
+def _backend_with_requests(name: str, args: argparse.Namespace, max_bs: int, max_seq_len: int) -> tuple:
+    """A backend holding ``max_bs`` requests of ``--context`` cached tokens each (their K/V are
+    not computed: the timings do not depend on the values), with one known token to decode."""
     import kvplug
-    from kvplug.attention.batch import build_attention_batch
-    from kvplug.attention.graph_runner import GraphRunner
-    from kvplug.interface import AttentionConfig, ForwardPhase, KVPoolConfig
+    from kvplug.memory.model_shape import ModelShape
 
-    device, max_bs, ctx, page = torch.device("cuda"), max(sizes), args.context + 1, args.page_size
-    pages_per_req = -(-ctx // page)
-    pool = kvplug.create_kv_pool("mha", KVPoolConfig(args.layers, args.kv_heads, args.head_dim, max_bs * pages_per_req,
-                                                     page, torch.bfloat16, device, options={"validate": False}))
-    pool.kv_buffer.normal_()
-    width = -(-ctx // 32) * 32
-    table = torch.zeros(max_bs + 1, max(width, pages_per_req * page), dtype=torch.int32, device=device)
-    order = torch.randperm(max_bs * pages_per_req, device=device).view(max_bs, pages_per_req, 1)
-    table[:max_bs, : pages_per_req * page] = (order * page + torch.arange(page, device=device)).view(max_bs, -1).to(torch.int32)
-    table[max_bs] = pool.num_pages * page
-    token_pool = torch.randint(0, 32_000, table.shape, dtype=torch.int32, device=device)
-    backend = kvplug.create_attention_backend(
-        name, AttentionConfig(pool, table, args.qo_heads, args.kv_heads, args.head_dim)
-    )
-    model = DecoderStack(backend, token_pool, args)
-    runner = GraphRunner(backend, table, model, max_batch_size=max_bs, max_seq_len=ctx, batch_sizes=sizes)
+    shape = ModelShape(args.layers, args.qo_heads, args.kv_heads, args.head_dim, torch.bfloat16)
+    pages = max_bs * -(-max_seq_len // args.page_size) + 1
+    backend = kvplug.create_backend(shape, page_size=args.page_size, num_pages=pages, max_running_reqs=max_bs,
+                                    max_seq_len=max_seq_len, prefix_cache="naive", attention=name, device="cuda")
+    gen = torch.Generator().manual_seed(1)
+    requests = [backend.admit(torch.randint(0, 32_000, (args.context,), generator=gen)) for _ in range(max_bs)]
+    backend.allocate(requests)
+    backend.prepare(requests, "prefill")
+    backend.append_tokens(requests, torch.ones(max_bs, dtype=torch.int32, device="cuda"))
+    return backend, requests, DecoderStack(backend, args)
+
+
+def bench_backend(name: str, args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
+    max_bs = max(sizes)
+    max_seq_len = args.context + len(sizes) * (args.steps + 3) + 8
+    eager_backend, eager_requests, eager_model = _backend_with_requests(name, args, max_bs, max_seq_len)
+    graph_backend, graph_requests, graph_model = _backend_with_requests(name, args, max_bs, max_seq_len)
     start = time.perf_counter()
-    runner.capture()
+    graphs = graph_backend.decode_graphs(graph_model, batch_sizes=sizes)
     capture_s = time.perf_counter() - start
+    sampled = torch.ones(max_bs, dtype=torch.int32, device="cuda")
     rows = []
     for bs in sizes:
-        live, cached, lens = list(range(bs)), [args.context] * bs, [ctx] * bs
+        def eager() -> None:
+            step = eager_backend.begin_decode(eager_requests[:bs])
+            eager_model(step)
+            step.commit(sampled[:bs])
 
-        def eager() -> torch.Tensor:
-            batch = build_attention_batch(table, live, cached, lens, ForwardPhase.DECODE)
-            backend.prepare_metadata(batch)
-            return model(batch)
+        def replayed() -> None:
+            step = graph_backend.begin_decode(graph_requests[:bs])
+            graphs.run(step)
+            step.commit(sampled[:bs])
 
         eager_us = _latency_us(eager, args.steps)
-        graph_us = _latency_us(lambda: runner.replay(live, cached, lens), args.steps)
+        graph_us = _latency_us(replayed, args.steps)
         rows.append({"backend": name, "bs": bs, "eager_us": round(eager_us, 1), "graph_us": round(graph_us, 1),
-                     "speedup": round(eager_us / graph_us, 2), "capture_s": round(capture_s, 2)})
-    runner.teardown()
+                     "speedup": round(eager_us / graph_us, 2), "capture_s": round(capture_s, 2),
+                     "capture_mib": round(graphs.capture_bytes / 2**20, 1)})
+    graphs.release()
     return rows
 
 

@@ -1,22 +1,23 @@
-"""``kvplug bench host-step``: host time of one decode step through ``KVBackend`` (SPEC §7).
+"""``kvplug bench host-step``: host time of one decode step through ``KVBackend``.
 
-SPEC §7: "host-side work per decode step (allocation, table write, metadata) <= 50 us at bs 256,
+The bar: "host-side work per decode step (allocation, table write, metadata) <= 50 us at bs 256,
 excluding the attention library's own plan()". A memory-only backend (``attention=None``, so no
 plan() at all) admits ``bs`` requests with prompts of random lengths (so page boundaries are
-crossed on different steps), prefills them, then runs decode steps of
+crossed on different steps), prefills them, then runs decode steps two ways, each timed phase by
+phase (``perf_counter_ns``, cyclic GC paused):
 
-    allocate -> prepare("decode") -> input_ids -> append_tokens
+- ``step``: the explicit step, ``begin_decode`` (pages, batch, input ids) then ``commit``;
+- ``calls``: the same step call by call, ``allocate -> prepare("decode") -> input_ids ->
+  append_tokens``.
 
-Each phase is timed on its own (``perf_counter_ns``, cyclic GC paused); ``step`` is their sum per
-step. The clean run is repeated (``--repeats``, fresh backend each time) and the repeat with the
-lowest median step time is reported, as ``timeit`` reports its best repeat: on a machine shared
-with other work, bursts of contention inflate a whole repeat. A second, instrumented run of the same workload times two sub-phases by wrapping them:
-``table_write`` (the page-table write inside ``allocate``; on GPU tables a decode step's pages
-are written by ``prepare``'s staging launch instead, so only writes of other steps count) and
-``batch_build`` (building the
-``AttentionBatch`` inside ``prepare``); the wrappers add ~0.2 us each, which is why the phase
-figures come from the clean run. On CUDA the device is synchronised between steps, outside the
-timed region, so every figure is host time (the copies stay asynchronous inside a step).
+Each variant's clean run is repeated (``--repeats``, fresh backend each time) and the repeat
+with the lowest median step time is reported, as ``timeit`` reports its best repeat: on a
+machine shared with other work, bursts of contention inflate a whole repeat. A second,
+instrumented run of the explicit step times two sub-phases by wrapping them: ``table_write``
+(the allocator's page-table write; on GPU tables a step's pages are written by its staging
+launch, so it stays empty there) and ``batch_build`` (building the ``AttentionBatch``); the
+wrappers add ~0.2 us each, which is why the phase figures come from the clean run. On CUDA the
+device is synchronised between steps, outside the timed region, so every figure is host time.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ SUITE = "host-step"
 SCHEMA = 1
 FULL = dict(batch_sizes=(1, 64, 256), steps=500, warmup=20, min_prompt=64, max_prompt=512)
 QUICK = dict(batch_sizes=(1, 8), steps=20, warmup=3, min_prompt=8, max_prompt=40)
-PHASES = ("allocate", "prepare", "input_ids", "append")
+STEP_PHASES = ("begin_decode", "commit")
+CALL_PHASES = ("allocate", "prepare", "input_ids", "append")
+PHASES = STEP_PHASES + CALL_PHASES
 SUB_PHASES = ("table_write", "batch_build")
 BAR_BATCH_SIZE = 256
-BAR_US = 50.0  # allocate (incl. table write) + prepare (metadata) + append, p50, at bs 256
+BAR_US = 50.0  # begin_decode (pages, table write, batch, input ids) + commit, p50, at bs 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,14 +77,26 @@ def admit_and_prefill(backend, bs: int, sizes: dict, rng: np.random.Generator) -
     return requests
 
 
-def decode_steps(backend, requests: list, steps: int, sync: Callable[[], None]) -> dict[str, list[int]]:
-    """Run ``steps`` decode steps, timing each phase; returns nanoseconds per phase."""
+def decode_steps(backend, requests: list, steps: int, sync: Callable[[], None], *, explicit: bool = True,
+                 ) -> dict[str, list[int]]:
+    """Run ``steps`` decode steps (explicit, or call by call), timing each phase; returns
+    nanoseconds per phase."""
     sampled = torch.ones(len(requests), dtype=torch.int32, device=backend.device)
-    timings: dict[str, list[int]] = {phase: [] for phase in PHASES}
+    phases = STEP_PHASES if explicit else CALL_PHASES
+    timings: dict[str, list[int]] = {phase: [] for phase in phases}
     clock = time.perf_counter_ns
     with gc_paused():
         for _ in range(steps):
             sync()
+            if explicit:
+                t0 = clock()
+                step = backend.begin_decode(requests)
+                t1 = clock()
+                step.commit(sampled)
+                t2 = clock()
+                timings["begin_decode"].append(t1 - t0)
+                timings["commit"].append(t2 - t1)
+                continue
             t0 = clock()
             backend.allocate(requests)
             t1 = clock()
@@ -91,7 +106,7 @@ def decode_steps(backend, requests: list, steps: int, sync: Callable[[], None]) 
             t3 = clock()
             backend.append_tokens(requests, sampled)
             t4 = clock()
-            for phase, begin, end in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+            for phase, begin, end in zip(CALL_PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
                 timings[phase].append(end - begin)
     return timings
 
@@ -119,19 +134,14 @@ def timed_attribute(owner: Any, name: str, sink: list[int]) -> Iterator[None]:
 def sub_phase_targets(backend) -> dict[str, list[tuple[Any, str]]]:
     """Where the sub-phases live: (object, attribute) pairs wrapped for timing. The decode batch
     is built by ``kvplug.backend.build_decode_batch`` (tables in host memory) or the backend's
-    ``DecodeStager`` (tables used through torch, a GPU's); earlier revisions built it with
-    ``stage_decode_batch`` or ``kvplug.attention.batch.build_attention_batch``, so the suite
-    measures those too (a baseline run on an older checkout)."""
-    import kvplug.attention.batch as batch_module
+    ``DecodeStager`` (tables used through torch, a GPU's)."""
     import kvplug.backend as backend_module
 
-    builders = [(backend_module, name) for name in ("build_decode_batch", "stage_decode_batch")
-                if hasattr(backend_module, name)]
-    stager = getattr(backend, "_decode_stager", None)
+    builders = [(backend_module, "build_decode_batch")]
+    stager = getattr(backend, "stager", None)
     if stager is not None:
         builders.append((stager, "stage"))
-    return {"table_write": [(backend.allocator, "_write_pages")],
-            "batch_build": builders or [(batch_module, "build_attention_batch")]}
+    return {"table_write": [(backend.allocator, "_write_pages")], "batch_build": builders}
 
 
 def run_case(bs: int, page_size: int, sizes: dict, steps: int, args: argparse.Namespace) -> list[dict]:
@@ -144,17 +154,19 @@ def run_case(bs: int, page_size: int, sizes: dict, steps: int, args: argparse.Na
         decode_steps(backend, requests, sizes["warmup"], sync)
         return backend, requests
 
-    best: dict[str, list[int]] | None = None
-    for _ in range(max(args.repeats, 1)):
-        backend, requests = fresh_decoding_backend()
-        timings = decode_steps(backend, requests, steps, sync)
-        timings["step"] = [sum(parts) for parts in zip(*(timings[phase] for phase in PHASES))]
-        timings["step_excl_input_ids"] = [
-            a + p + w for a, p, w in zip(timings["allocate"], timings["prepare"], timings["append"])
-        ]
-        if best is None or np.median(timings["step"]) < np.median(best["step"]):
-            best = timings
-    results = dict(best)
+    results: dict[str, list[int]] = {}
+    for explicit, total, phases in ((True, "step", STEP_PHASES), (False, "calls_step", CALL_PHASES)):
+        best: dict[str, list[int]] | None = None
+        for _ in range(max(args.repeats, 1)):
+            backend, requests = fresh_decoding_backend()
+            timings = decode_steps(backend, requests, steps, sync, explicit=explicit)
+            timings[total] = [sum(parts) for parts in zip(*(timings[phase] for phase in phases))]
+            if best is None or np.median(timings[total]) < np.median(best[total]):
+                best = timings
+        results.update(best)
+    results["calls_step_excl_input_ids"] = [
+        a + p + w for a, p, w in zip(results["allocate"], results["prepare"], results["append"])
+    ]
     backend, requests = fresh_decoding_backend()
     with contextlib.ExitStack() as stack:
         for phase, targets in sub_phase_targets(backend).items():
@@ -171,7 +183,7 @@ def run_case(bs: int, page_size: int, sizes: dict, steps: int, args: argparse.Na
 def _bars(rows: list[dict], full_size: bool) -> list[dict]:
     return [{"bs": row["bs"], "page_size": row["page_size"], "p50_us": row["p50_us"], "bar_us": BAR_US,
              "met": full_size and row["p50_us"] <= BAR_US}
-            for row in rows if row["phase"] == "step_excl_input_ids" and row["bs"] == BAR_BATCH_SIZE]
+            for row in rows if row["phase"] == "step" and row["bs"] == BAR_BATCH_SIZE]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(rows, ["bs", "page_size", "phase", "n", "p50_us", "p99_us", "mean_us", "min_us"]))
     for bar in bars:
         verdict = "met" if bar["met"] else "NOT met"
-        print(f"bs {bar['bs']} page {bar['page_size']}: allocate+prepare+append p50 {bar['p50_us']:.1f} us "
+        print(f"bs {bar['bs']} page {bar['page_size']}: begin_decode+commit p50 {bar['p50_us']:.1f} us "
               f"(bar {BAR_US:.0f} us): {verdict}")
     return {
         "suite": SUITE, "schema": SCHEMA, "kvplug_version": __version__, "quick": bool(getattr(args, "quick", False)),

@@ -4,10 +4,17 @@ The free list holds the first token location of every free page (SPEC §1 "Paged
 Growing a request from ``allocated_len`` to ``device_len`` takes pages ``allocated_len / P ..
 ceil(device_len / P)``; a batch's pages are expanded to token locations and written into the page
 table in one scattered write. In decode only requests crossing a page boundary grow, by one page
-each: one numpy pass finds them and their pages go straight to their page-sized table slots. On
-shortage the prefix cache evicts the missing pages; when even that cannot cover the batch,
-``OutOfMemoryError`` is raised before anything changes. Giving pages back (a request's prefix
-into the cache, its tail to the free list) is ``kvplug.memory.caching``.
+each: one numpy pass finds them and their pages go straight to their page-sized table slots.
+``take_decode_pages`` does the same for a staged decode step but returns the pages instead of
+writing them: the step's staging launch writes them (on a GPU host an upload, an add and a
+scatter, 25-54 us of host time, half a step). On shortage the prefix cache evicts the missing
+pages; when even that cannot cover the batch, ``OutOfMemoryError`` is raised before anything
+changes.
+
+Giving pages back: a finished request's computed page-aligned prefix goes into the prefix cache
+(``cache_request``); a prefix the cache already holds (another request inserted it meanwhile)
+leaves duplicate pages behind, which are freed; every other page goes to the free list. Frees
+may be batched with ``lazy_free`` so a scheduling step concatenates the free list once.
 
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
@@ -15,14 +22,13 @@ Who owns a page at any moment (``check_integrity`` verifies it): the free list, 
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from kvplug.interface import BasePrefixCache, InvalidArgumentError, OutOfMemoryError
-from kvplug.memory.caching import PrefixCaching
-from kvplug.memory.deferred_pages import DeferredPageWrites
 from kvplug.memory.free_list import FreeList
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
@@ -30,9 +36,23 @@ from kvplug.memory.ragged import HostInts, expand_pages, host_ints
 from kvplug.memory.request import Request, RequestStates
 
 
-class PagedAllocator(PrefixCaching, DeferredPageWrites):
-    """Page allocation, prefix caching of finished work (``PrefixCaching``), decode page writes
-    deferred to the staging launch (``DeferredPageWrites``), and conservation checks.
+class NewPages(NamedTuple):
+    """Pages a decode step's requests take, from the free list, not yet in the page table (the
+    staging launch writes each at its request's cached length).
+
+    Attributes:
+        page_slot: shape ``[bs]``, int32, host; per request, the index in ``storage`` of its new
+            page's first location, or -1 when it takes none.
+        storage: int32, device; the free list's tensor the pages were taken from (kept alive here).
+    """
+
+    page_slot: np.ndarray
+    storage: torch.Tensor
+
+
+class PagedAllocator:
+    """Page allocation, decode pages for a staging launch, prefix caching of finished work, and
+    conservation checks (see the module docstring).
 
     Args:
         num_pages: pages that can be handed out (the pool's, dummy page excluded).
@@ -55,6 +75,7 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         self.free_list = FreeList(num_pages, page_size, self.device)
         self._live: dict[int, Request] = {}
         self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._no_page_slots: dict[int, np.ndarray] = {}
         self.evicted_tokens = 0
 
     # ------------------------------------------------------------------ sizes
@@ -92,7 +113,6 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
             row: a request row the caller owns (not live in this allocator).
             input_ids: shape ``[n]``, int32, device; ``1 <= n <= max_seq_len``.
         """
-        self.flush_deferred_pages()
         if row in self._live:
             raise InvalidArgumentError(f"row {row} already belongs to a live request")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
@@ -111,21 +131,14 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         self._live[row] = request
         return request
 
-    def allocate(
-        self, requests: Sequence[Request], new_device_lens: HostInts | None = None, *, decoding_rows: np.ndarray | None = None
-    ) -> np.ndarray:
+    def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> np.ndarray:
         """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages
         that takes, in one table write. Returns the requests' rows (``states.batch_rows``).
-
-        ``decoding_rows``: a ``batch_rows`` array the caller knows to hold ``num_tokens ==
-        cached_len + 1`` for each of its requests (nothing changed them since an append); when
-        it is this batch's, a decode step's growth needs no checks.
 
         Evicts from the prefix cache when the free list is short. Raises ``OutOfMemoryError``
         (saying how many pages were needed and how many are available) or
         ``InvalidArgumentError`` with nothing changed.
         """
-        self.flush_deferred_pages()
         states = self.states
         rows, row_starts = states.batch_rows(requests)
         num_tokens = states.num_tokens[rows]
@@ -149,17 +162,54 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
         # only requests growing past their last page need pages (in decode: about 1 in page_size)
         growing = (growth > 0).nonzero()[0]
         if growing.size:
-            grown_rows, starts = rows, row_starts
             if growing.size != rows.size:
-                grown_rows, starts, allocated, growth = rows[growing], row_starts[growing], allocated[growing], growth[growing]
-            decoding = new_device_lens is None and rows is decoding_rows
-            if not (
-                self.defer_decode_pages
-                and self._defer_growth(rows, growing, grown_rows, starts, allocated, growth, checked=decoding)
-            ):
-                self._grow(grown_rows, starts, allocated, growth)
+                self._grow(rows[growing], row_starts[growing], allocated[growing], growth[growing])
+            else:
+                self._grow(rows, row_starts, allocated, growth)
         states.device_len[rows] = lengths
         return rows
+
+    def take_decode_pages(self, rows: np.ndarray, cached: np.ndarray) -> NewPages | None:
+        """A decode step's pages, taken but not written: each request whose new token (at
+        ``cached[i]``) starts a page gets one, and its ``allocated_len`` grows by a page; the
+        caller's staging launch writes them into the table (``DecodeStager.stage``). ``None``
+        when no request crosses a page boundary.
+
+        Args:
+            rows: shape ``[bs]``, int64, host; live rows (``states.batch_rows``).
+            cached: shape ``[bs]``, int64, host; their cached lengths, each with exactly one
+                known token after it (the caller checked), so ``allocated_len >= cached`` and
+                a request grows iff ``allocated_len == cached``.
+
+        Raises ``OutOfMemoryError`` with nothing changed.
+        """
+        allocated = self.states.allocated_len[rows]
+        growing = (allocated == cached).nonzero()[0]
+        count = int(growing.size)
+        if not count:
+            return None
+        self._make_room(count, count)
+        storage, start = self.free_list.take_positions(count)
+        page_slot = self._page_slots_template(rows.size).copy()
+        page_slot[growing] = np.arange(start, start + count, dtype=np.int32)
+        grown = rows[growing] if count != rows.size else rows
+        self.states.allocated_len[grown] = allocated[growing] + self.page_size
+        return NewPages(page_slot, storage)
+
+    def write_decode_pages(self, rows: np.ndarray, cached: np.ndarray, pages: NewPages) -> None:
+        """Write ``take_decode_pages``' pages into the table here (a caller without a staging
+        launch): each at its request's cached length (``rows``, ``cached`` as given there)."""
+        growing = (pages.page_slot >= 0).nonzero()[0]
+        slots = torch.from_numpy(pages.page_slot[growing].astype(np.int64)).to(self.device)
+        self._write_pages(rows[growing] * self.page_table.row_width + cached[growing], pages.storage[slots])
+
+    def _page_slots_template(self, size: int) -> np.ndarray:
+        """shape ``[size]``, int32, host, all -1 (read-only; a copy is cheaper than ``np.full``)."""
+        template = self._no_page_slots.get(size)
+        if template is None:
+            template = self._no_page_slots[size] = np.full(size, -1, dtype=np.int32)
+            template.flags.writeable = False
+        return template
 
     def _grow(self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray) -> None:
         """Give each request row ``rows[i]`` (flat start ``row_starts[i]``) the pages that grow it
@@ -231,8 +281,60 @@ class PagedAllocator(PrefixCaching, DeferredPageWrites):
             locations = expand_pages(pages, size)
             self.page_table.write_flat(self.page_table.table, flat_index, locations[torch.from_numpy(inside).to(self.device)])
 
+    # ------------------------------------------------------------------ giving pages back
+    def cache_request(self, request: Request, *, finished: bool) -> None:
+        """Move ``request``'s computed page-aligned prefix into the prefix cache.
+
+        The cache may already hold part of it (another request inserted it meanwhile): those
+        duplicate pages are freed. Unfinished (between prefill chunks): the request keeps its
+        tail pages, locks the new handle and its row is pointed at the cache's pages.
+        Finished: every page the cache did not take goes back to the free list and the request
+        stops being live (its row is the caller's to free).
+        """
+        self.check_live(request)
+        size, row = self.page_size, request.row
+        aligned = request.cached_len // size * size
+        old_handle = request.handle
+        token_ids = self.page_table.read_tokens(row, 0, aligned)
+        # the cache may keep the tensor it is given; the row itself will be overwritten later
+        locations = self.page_table.locations(row, 0, aligned).clone()
+        result = self.prefix_cache.insert_prefix(token_ids, locations)
+        new_handle = result.handle
+        self.prefix_cache.lock_handle(old_handle, unlock=True)
+        old_len = int(old_handle.cached_len)
+        duplicate_end = max(int(result.cached_len), old_len)
+        self.free_list.release(locations[old_len:duplicate_end:size])
+        if finished:
+            kept_end = max(duplicate_end, int(new_handle.cached_len))
+            self.free_list.release(self._owned_page_starts(request, kept_end))
+            request.handle = None
+            request.finished = True
+            request._detach()
+            del self._live[row]
+            return
+        self.prefix_cache.lock_handle(new_handle)
+        if duplicate_end > old_len:
+            cached = new_handle.get_matched_indices()[old_len:duplicate_end]
+            self.page_table.write_locations(row, old_len, cached)
+        request.handle = new_handle
+
+    def check_live(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"expected a kvplug Request, got {type(request).__name__}")
+        if request.finished or self._live.get(request.row) is not request:
+            raise InvalidArgumentError(f"request in row {request.row} is not live (finished, or not from this allocator)")
+
+    def lazy_free(self) -> contextlib.AbstractContextManager[None]:
+        """Collect frees made inside the block and apply them at its end (one concatenation per
+        scheduling step). Pages freed inside are not allocatable until the outermost block exits."""
+        return self.free_list.lazy()
+
+    def _owned_page_starts(self, request: Request, begin: int) -> torch.Tensor:
+        """First locations of the pages ``request`` owns from token ``begin`` (page-aligned) on."""
+        end = min(request.allocated_len, self.page_table.row_width)
+        return self.page_table.table[request.row, begin:end:self.page_size]
+
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless every page has exactly one owner (see module docstring)."""
-        self.flush_deferred_pages()
         check_allocator(self, self.free_list.snapshot(include_pending=True))

@@ -12,18 +12,25 @@ from kvplug.interface import InvalidArgumentError
 MAX_TOKEN_ID = 2**31 - 1
 
 
-def as_token_ids(values: torch.Tensor | Sequence[int], device: torch.device, *, allow_empty: bool = False) -> torch.Tensor:
+def as_token_ids(
+    values: torch.Tensor | Sequence[int], device: torch.device, *, allow_empty: bool = False, check_values: bool = False
+) -> torch.Tensor:
     """``values`` as shape ``[n]``, int32, on ``device``.
 
-    Accepts a 1-D integer tensor on any device (an int32 tensor already on ``device`` is returned
-    as is; other integer dtypes are range-checked, which reads them) or a sequence of Python ints.
+    Accepts a 1-D integer tensor on any device or a sequence of Python ints. Values must lie in
+    ``[0, 2**31 - 1]``: checked for lists, CPU tensors and other integer dtypes (which reads
+    them); an int32 tensor on a GPU is returned as is unless ``check_values`` (a device sync: for
+    prompts at admission, not for sampled ids every step).
     """
     if isinstance(values, torch.Tensor):
         dtype = values.dtype
         if values.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise InvalidArgumentError(f"token ids must be a 1-D integer tensor, got shape {tuple(values.shape)}, {dtype}")
-        if dtype != torch.int32 and values.numel() and not bool(((values >= 0) & (values <= MAX_TOKEN_ID)).all()):
-            raise InvalidArgumentError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+        if values.numel() and (dtype != torch.int32 or check_values or values.device.type == "cpu"):
+            if not bool(((values >= 0) & (values <= MAX_TOKEN_ID)).all()):
+                raise InvalidArgumentError(
+                    f"token ids must lie in [0, {MAX_TOKEN_ID}], got values in [{int(values.min())}, {int(values.max())}]"
+                )
         ids = values.to(device, torch.int32)
     else:
         # numpy converts the list in C: a Python check per token costs ~1 ms per 8k-token prompt.

@@ -1,9 +1,10 @@
 """The version gate: every use of transformers internals goes through ``require_transformers()``.
 
-The adapter replaces two things inside transformers' continuous batching, both private:
-``continuous_api.PagedAttentionCache`` (the class ``ContinuousBatchingManager`` instantiates) and
+The adapter replaces three things inside transformers' continuous batching, all private:
+``continuous_api.PagedAttentionCache`` (the class ``ContinuousBatchingManager`` instantiates),
 ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (which picks the ``paged|...`` attention
-function). Their contracts were read from the releases listed in ``SUPPORTED_RANGE``; any other
+function) and ``ModelRunner.compute_batch`` (one step's forward and sampling; kvplug replays
+decode steps from its CUDA graphs and then calls ``ModelRunner._sample``). Their contracts were read from the releases listed in ``SUPPORTED_RANGE``; any other
 version is refused with an error naming that range, because a silent mismatch would corrupt the
 KV cache rather than fail loudly. ``KVPLUG_TRANSFORMERS_SKIP_VERSION_CHECK=1`` skips the version
 comparison (the structural checks still run) for people porting the adapter to a new release.
@@ -28,6 +29,11 @@ _REQUIRED_ATTRIBUTES = {
     "transformers.generation.continuous_batching.continuous_api": ("PagedAttentionCache", "ContinuousBatchingManager"),
     "transformers.generation.continuous_batching.cache": ("PagedAttentionCache", "group_layers_by_attn_type"),
     "transformers.modeling_utils": ("AttentionInterface", "ALL_ATTENTION_FUNCTIONS"),
+    "transformers.generation.continuous_batching.model_runner": ("ModelRunner",),
+}
+# methods of those classes the adapter replaces or calls (CUDA-graph decode)
+_REQUIRED_METHODS = {
+    ("transformers.generation.continuous_batching.model_runner", "ModelRunner"): ("compute_batch", "warmup", "_sample"),
 }
 
 
@@ -43,6 +49,7 @@ class TransformersModules:
     continuous_api: ModuleType
     cache: ModuleType
     modeling_utils: ModuleType
+    model_runner: ModuleType
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -103,9 +110,18 @@ def require_transformers() -> TransformersModules:
                 f"kvplug-transformers replaces; supported versions: {SUPPORTED_RANGE} ({INSTALL_HINT})"
             )
         modules[module_name.rsplit(".", 1)[-1]] = module
+    for (module_name, class_name), methods in _REQUIRED_METHODS.items():
+        owner = getattr(modules[module_name.rsplit(".", 1)[-1]], class_name)
+        missing = [name for name in methods if not callable(getattr(owner, name, None))]
+        if missing:
+            raise UnsupportedTransformersError(
+                f"transformers {transformers.__version__} lacks {class_name}.{', '.join(missing)}, which "
+                f"kvplug-transformers relies on; supported versions: {SUPPORTED_RANGE} ({INSTALL_HINT})"
+            )
     return TransformersModules(
         version=transformers.__version__,
         continuous_api=modules["continuous_api"],
         cache=modules["cache"],
         modeling_utils=modules["modeling_utils"],
+        model_runner=modules["model_runner"],
     )

@@ -5,6 +5,12 @@
 2. ``ContinuousBatchingManager.switch_to_cb_friendly_attn``, which picks the ``paged|...``
    attention function when a manager is created, selects ``paged|kvplug`` instead (and, like the
    original, remembers the model's implementation so ``stop()`` restores it).
+3. ``ModelRunner.compute_batch``, which runs one step's forward and sampling, first offers the
+   step to the kvplug cache (``KVPlugPagedCache.run_decode_graph``: decode-only steps replayed
+   from kvplug's CUDA graphs); every other step, and every step of a non-kvplug cache, runs the
+   original. ``ModelRunner.warmup``, which transformers runs before a manager takes requests,
+   then captures those graphs (``KVPlugPagedCache.capture_decode_graphs``), so no request
+   waits for the capture.
 
 Both are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
@@ -26,6 +32,8 @@ class _Originals:
     modules: TransformersModules
     cache_class: Any
     switch_attention: Callable
+    compute_batch: Callable
+    warmup: Callable
 
 
 _lock = threading.Lock()
@@ -45,10 +53,26 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         modules = _installed.modules if _installed is not None else require_transformers()
         register_attention_function(modules.modeling_utils)
         manager_class = modules.continuous_api.ContinuousBatchingManager
+        runner_class = modules.model_runner.ModelRunner
         if _installed is None:
             _installed = _Originals(
-                modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn
+                modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
+                runner_class.compute_batch, runner_class.warmup,
             )
+        original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
+
+        def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
+            run_decode_graph = getattr(runner.cache, "run_decode_graph", None)
+            if run_decode_graph is not None and run_decode_graph(runner, model, batch_data):
+                return
+            original_compute_batch(runner, model, batch_data)
+
+        def kvplug_warmup(runner: Any, model: Any) -> None:
+            original_warmup(runner, model)
+            capture = getattr(runner.cache, "capture_decode_graphs", None)
+            if capture is not None:
+                capture(model)
+
         group_layers = modules.cache.group_layers_by_attn_type
 
         def kvplug_paged_attention_cache(*args: Any, **kwargs: Any) -> Any:
@@ -56,6 +80,8 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
 
         modules.continuous_api.PagedAttentionCache = kvplug_paged_attention_cache
         manager_class.switch_to_cb_friendly_attn = _switch_to_kvplug_attention
+        runner_class.compute_batch = kvplug_compute_batch
+        runner_class.warmup = kvplug_warmup
         return modules
 
 
@@ -69,6 +95,8 @@ def uninstall_patches() -> None:
         modules = _installed.modules
         modules.continuous_api.PagedAttentionCache = _installed.cache_class
         modules.continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = _installed.switch_attention
+        modules.model_runner.ModelRunner.compute_batch = _installed.compute_batch
+        modules.model_runner.ModelRunner.warmup = _installed.warmup
         _installed = None
 
 

@@ -29,6 +29,7 @@ import torch
 from kvplug.backend import KVBackend, create_backend
 from kvplug.interface import InvalidArgumentError
 
+from kvplug_transformers.decode_graphs import HostDecodeGraphs, graphs_for
 from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
 from kvplug_transformers.settings import KVPlugSettings
 from kvplug_transformers.step_tracker import StepTracker
@@ -102,15 +103,15 @@ class KVPlugPagedCache:
         )
         self._init_transformers_attributes(config, dtype, device)
         self.steps = StepTracker(self.backend, on_stats=on_stats)
+        self.decode_graphs: HostDecodeGraphs | None = graphs_for(self, settings)
 
     # ------------------------------------------------------------------ construction helpers
     def _disable_unsupported_features(self, cb: Any) -> None:
         """Turn off what would bypass kvplug: the flash decode fast path (its own block table),
-        CUDA graphs / torch.compile of the step (kvplug plans on the host per step), async double
-        buffering (it prepares step N+1 while N runs) and transformers' CPU offload pool."""
+        transformers' own CUDA graphs and torch.compile of the step (they would capture kvplug's
+        per-step batch; kvplug captures decode graphs of its own, ``settings.cuda_graphs``), async
+        double buffering (it prepares step N+1 while N runs) and transformers' CPU offload pool."""
         requested = []
-        if any(cb.cuda_graph_booleans):
-            requested.append("use_cuda_graph")
         if cb.use_async_batching:
             requested.append("use_async_batching")
         if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
@@ -243,6 +244,18 @@ class KVPlugPagedCache:
         if scaling is not None and abs(scaling - backend_scale) > 1e-12 * backend_scale:
             q = q * (scaling / backend_scale)  # the backend applies its own scale; fold in the ratio
         return self.backend.forward(q, k, v, layer_id, batch)
+
+    def capture_decode_graphs(self, model: Any) -> None:
+        """Capture the decode graphs now (transformers' warm-up), when graphs are on; otherwise
+        the first decode-only step captures them."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.ensure_captured(model)
+
+    def run_decode_graph(self, runner: Any, model: Any, batch_data: dict) -> bool:
+        """transformers' step from kvplug's CUDA graphs when it is a decode-only step that fits
+        (``HostDecodeGraphs.run_step``); ``False``: run it eagerly."""
+        graphs = self.decode_graphs
+        return graphs is not None and graphs.run_step(runner, model, batch_data)
 
     def stats(self):
         """The backend's ``BackendStats`` now."""

@@ -28,6 +28,13 @@ class KVPlugSettings:
         max_batch_tokens: tokens per forward step (``None``: the ContinuousBatchingConfig's, else
             2048 on CPU and 8192 on CUDA).
         backend_options: extra keyword options for ``kvplug.create_backend``.
+        cuda_graphs: replay decode-only steps from CUDA graphs kvplug captures (the model's
+            forward at padded batch sizes; prefill and mixed steps stay eager). ``None``: on
+            CUDA only; ``True`` elsewhere runs the same padded steps eagerly (tests the path).
+        cuda_graph_max_bs: the largest batch size captured (``None``: ``max_running_reqs``);
+            larger decode steps run eagerly.
+        cuda_graph_batch_sizes: the sizes captured (``None``: 1, 2, 4, 8, then steps of 8 up to
+            ``cuda_graph_max_bs``).
     """
 
     prefix_cache: str = "radix"
@@ -39,6 +46,9 @@ class KVPlugSettings:
     max_seq_len: int | None = None
     max_batch_tokens: int | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
+    cuda_graphs: bool | None = None
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):
@@ -47,7 +57,16 @@ class KVPlugSettings:
                 raise InvalidArgumentError(f"{name} must be a non-empty component name, got {value!r}")
         for name in ("page_size", "max_running_reqs"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_pages", "max_seq_len", "max_batch_tokens"):
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise InvalidArgumentError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (tuple, list)) or not sizes:
+                raise InvalidArgumentError(f"cuda_graph_batch_sizes must be a non-empty tuple of ints, got {sizes!r}")
+            for size in sizes:
+                _check_positive_int("cuda_graph_batch_sizes entries", size)
+            object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
+        for name in ("num_pages", "max_seq_len", "max_batch_tokens", "cuda_graph_max_bs"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         memory = self.kv_memory

@@ -6,7 +6,9 @@ A continuous-batching step, as transformers drives it (one background thread, sy
    on a miss) per candidate request;
 2. batch preparation: ``add_to_step`` per scheduled request, with the step's ``(past, new)``;
 3. forward: the first attention call builds the step's ``AttentionBatch`` (``current_batch``),
-   allocating kvplug pages for exactly the tokens the step computes;
+   allocating kvplug pages for exactly the tokens the step computes - or, when kvplug replays
+   the step from a CUDA graph, ``stage`` builds it before the replay. A decode-only step is a
+   ``KVBackend.begin_decode`` step (pages, batch and input ids in one staging launch);
 4. update: ``record_commit`` per covered request (its K/V are now written), then maybe ``finish``.
 
 transformers reserves blocks *ahead* of the tokens it knows, kvplug allocates pages only for known
@@ -17,17 +19,21 @@ is admitted to kvplug (row, lock, statistics) only once transformers schedules i
 makes it active, so requests waiting for memory hold nothing.
 
 ``flush`` (called first by every other entry point) applies commits in one batch: sampled ids
-go into kvplug's token pool with one write, finished prefills into the prefix cache.
+go into kvplug's token pool with one write (a decode step's ``commit`` when every request of the
+step has its token, so the next step's launch writes them), finished prefills into the prefix
+cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
-from kvplug.backend import KVBackend
+from kvplug.backend import DecodeStep, KVBackend
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError, OutOfMemoryError
 from kvplug.memory.request import Request
 
@@ -63,6 +69,7 @@ class StepTracker:
         self._step_marker: object | None = None
         self._step: list[tuple[Tracked, int, int]] = []
         self._batch: AttentionBatch | None = None
+        self._decode_step: DecodeStep | None = None  # the step's, when it is decode-only
         self._commits: list[Any] = []
         self._waiting_prompts: dict[str, list[int]] = {}
         self._declined: set[str] = set()
@@ -152,7 +159,7 @@ class StepTracker:
         """Add a request to the step being prepared. ``marker`` is an object transformers creates
         afresh for every step (its write-index list), so a new marker starts a new step."""
         if marker is not self._step_marker:
-            self._step_marker, self._step, self._batch = marker, [], None
+            self._step_marker, self._step, self._batch, self._decode_step = marker, [], None, None
         tracked = self._tracked.get(request_id)
         if tracked is None:
             raise InvalidArgumentError(f"request {request_id} was scheduled without being admitted to kvplug")
@@ -166,23 +173,56 @@ class StepTracker:
         self._step.append((tracked, past, new))
 
     def current_batch(self) -> AttentionBatch:
-        """The step's ``AttentionBatch``, built on the first attention call of the step."""
+        """The step's ``AttentionBatch``, built on the first attention call of the step (unless
+        ``stage`` built it before)."""
         if self._batch is None:
-            if not self._step:
-                raise InvalidArgumentError("paged|kvplug attention was called with no scheduled requests")
-            device = self.backend.device
-            if device.type == "cuda":
-                # scheduling wrote the tables on the default stream; transformers runs the forward on
-                # its own compute stream, which does not wait for the default one by itself
-                torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
-            requests = [tracked.request for tracked, _, _ in self._step]
-            # covered by the step's promises, so this never has to fail
+            self.stage()
+        return self._batch
+
+    def is_decode_only(self) -> bool:
+        """Whether the step being prepared computes one token per request, each its request's
+        only known token past the cached ones (what ``KVBackend.begin_decode`` stages)."""
+        if not self._step or any(new != 1 for _, _, new in self._step):
+            return False
+        states = self.backend.allocator.states
+        rows = states.rows_of([tracked.request for tracked, _, _ in self._step])
+        return not np.count_nonzero(states.num_tokens[rows] - states.cached_len[rows] - 1)
+
+    def stage(self) -> DecodeStep | None:
+        """Build the step's batch now: allocate its pages and plan it. Returns the
+        ``DecodeStep`` when the step is decode-only (staged padded into a CUDA graph's buffers
+        when the backend has one that fits), else ``None``."""
+        if self._batch is not None:
+            return self._decode_step
+        if not self._step:
+            raise InvalidArgumentError("paged|kvplug attention was called with no scheduled requests")
+        device = self.backend.device
+        if device.type == "cuda":
+            # scheduling wrote the tables on the default stream; transformers runs the forward on
+            # its own compute stream, which does not wait for the default one by itself
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+        requests = [tracked.request for tracked, _, _ in self._step]
+        # covered by the step's promises, so this never has to fail
+        if self.is_decode_only():
+            self._decode_step = self.backend.begin_decode(requests)
+            self._batch = self._decode_step.batch
+        else:
             self.backend.allocate(requests, [past + new for _, past, new in self._step])
-            for tracked, _, _ in self._step:
-                self._set_promise(tracked, self._pages_short_of(tracked, tracked.capacity))
             phase = ForwardPhase.DECODE if all(new == 1 for _, _, new in self._step) else ForwardPhase.PREFILL
             self._batch = self.backend.prepare(requests, phase)
-        return self._batch
+        for tracked, _, _ in self._step:
+            self._set_promise(tracked, self._pages_short_of(tracked, tracked.capacity))
+        return self._decode_step
+
+    @contextlib.contextmanager
+    def forward_over(self, step: DecodeStep) -> Iterator[None]:
+        """Attention calls inside read ``step.batch`` (a CUDA-graph capture's dummy step)."""
+        saved = self._batch
+        self._batch = step.batch
+        try:
+            yield
+        finally:
+            self._batch = saved
 
     # ------------------------------------------------------------------ after the forward
     def record_commit(self, state: Any) -> None:
@@ -218,7 +258,14 @@ class StepTracker:
             else:
                 tracked.forward_done = True
         if appended:
-            self.backend.append_tokens([tracked.request for tracked in appended], token_ids)
+            requests = [tracked.request for tracked in appended]
+            step = self._decode_step
+            if step is not None and not step.committed and len(requests) == step.num_live and all(
+                request is staged for request, staged in zip(requests, step.requests)
+            ):
+                step.commit(token_ids)  # the whole step: the next step's launch writes the ids
+            else:
+                self.backend.append_tokens(requests, token_ids)
         for tracked in unfinished:
             self.backend.cache_unfinished(tracked.request)
         self._report()
@@ -237,7 +284,7 @@ class StepTracker:
         self._declined.clear()
         for tracked in list(self._tracked.values()):
             self._release(tracked)
-        self._step_marker, self._step, self._batch = None, [], None
+        self._step_marker, self._step, self._batch, self._decode_step = None, [], None, None
         self._report()
 
     def _release(self, tracked: Tracked) -> None:

@@ -1,0 +1,148 @@
+"""``DecodeStep``: one staged decode step, as an object the host holds from staging to commit.
+
+``KVBackend.begin_decode(requests)`` takes each request's one new token (pages for those that
+cross a page boundary), stages the step's batch and input ids (into a CUDA graph's fixed
+buffers when the backend has graphs for the batch size, padded with the dummy request) and plans
+attention; it returns a ``DecodeStep``. The host runs its forward over ``step.batch`` (or
+``DecodeGraphs.run(step)``), samples, and calls ``step.commit(token_ids)``: the forward's K/V
+count as cached and each sampled id becomes its request's next token. The ids are handed to the
+page table as pending tokens (``PageTable.defer_tokens``): the next step over the same requests
+writes them in its staging launch and reads them as its input ids; any other access of the token
+pool writes them first. A step is committed once; nothing else carries state from one call to
+the next.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from kvplug.interface import AttentionBatch, InvalidArgumentError
+from kvplug.memory.page_table import PendingTokens
+from kvplug.memory.request import Request
+from kvplug.memory.token_ids import as_token_ids
+
+if TYPE_CHECKING:
+    from kvplug.backend import KVBackend
+
+
+class DecodeStep:
+    """A staged decode step of ``len(requests)`` live requests (see the module docstring).
+
+    Attributes:
+        requests: the live requests, in batch order.
+        batch: the ``AttentionBatch`` (``batch_size >= len(requests)``: padded with the dummy
+            request when staged for a CUDA graph, ``batch.num_padded`` of them last).
+        input_ids: shape ``[batch.batch_size]``, int32, device; each request's new token.
+        positions: shape ``[batch.batch_size]``, int32, device; its position (= cached length).
+        out_loc: shape ``[batch.batch_size]``, int32, device; the pool location its K/V go to.
+        graph_size: the captured batch size it was staged for, or ``None`` (eager).
+        committed: whether ``commit`` ran.
+
+    The tensors are views of staging buffers that later steps reuse (a ring of ``ring_size``
+    steps, or the graph's fixed buffers for the next step of the same size): run the forward
+    before staging more steps than that.
+    """
+
+    __slots__ = (
+        "requests", "batch", "input_ids", "graph_size", "committed", "stamp",
+        "_backend", "_rows", "_keys", "_cached", "_cells", "_append_index",
+    )
+
+    def __init__(
+        self,
+        backend: "KVBackend",
+        requests: tuple[Request, ...],
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+        rows: np.ndarray,
+        cached: np.ndarray,
+        cells: np.ndarray,
+        append_index: torch.Tensor | None,
+        graph_size: int | None = None,
+        stamp: int = 0,
+    ) -> None:
+        self.requests = requests
+        self.batch = batch
+        self.input_ids = input_ids
+        self.graph_size = graph_size
+        self.committed = False
+        self.stamp = stamp
+        self._backend = backend
+        self._rows = rows
+        self._keys = backend.allocator.states.key[rows]
+        self._cached = cached
+        self._cells = cells
+        self._append_index = append_index
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.batch.positions
+
+    @property
+    def out_loc(self) -> torch.Tensor:
+        return self.batch.out_loc
+
+    @property
+    def num_live(self) -> int:
+        """Live requests (the batch's first ``num_live`` entries)."""
+        return len(self.requests)
+
+    def commit(self, token_ids: torch.Tensor | Sequence[int]) -> None:
+        """The forward over this step ran: its K/V count as cached, and ``token_ids[i]`` becomes
+        request ``i``'s next token (the next step's input). Requests that reached
+        ``max_seq_len`` tokens keep their K/V but store no token (the host finishes them; a
+        later ``begin_decode`` refuses them).
+
+        Args:
+            token_ids: shape ``[num_live]``, int32 (a device tensor stays on the device and is
+                read in stream order later: do not modify it in place before the next step is
+                staged) or a list of ints.
+
+        Raises ``InvalidArgumentError`` (nothing changed) for a second commit, ids of the wrong
+        shape, or when a request of the step was finished or moved on since it was staged.
+        """
+        backend = self._backend
+        if self.committed:
+            raise InvalidArgumentError("this decode step is already committed")
+        if type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == backend.device:
+            ids = token_ids if token_ids.is_contiguous() else token_ids.contiguous()
+        else:
+            ids = as_token_ids(token_ids, backend.device, allow_empty=True)
+        rows, cached = self._rows, self._cached
+        if ids.dim() != 1 or ids.shape[0] != rows.size:
+            raise InvalidArgumentError(
+                f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
+            )
+        states = backend.allocator.states
+        if np.count_nonzero(states.key[rows] - self._keys) or np.count_nonzero(states.cached_len[rows] - cached):
+            bad = int(np.flatnonzero((states.key[rows] != self._keys) | (states.cached_len[rows] != cached))[0])
+            raise InvalidArgumentError(
+                f"request in row {rows[bad]} was finished or changed since this decode step was staged; "
+                "commit a step before finishing its requests"
+            )
+        self.committed = True
+        states.cached_len[rows] = cached + 1
+        tables = backend.tables
+        full = cached + 2 > tables.max_seq_len  # the sampled token has no cell: finish these
+        if np.count_nonzero(full):
+            keep = np.flatnonzero(~full)
+            states.num_tokens[rows[keep]] = cached[keep] + 2
+            if keep.size:
+                tables.write_flat(tables.token_pool, self._cells[keep] + 1, ids[torch.from_numpy(keep).to(ids.device)])
+            return
+        states.num_tokens[rows] = cached + 2
+        if self._append_index is None or tables.uses_host_views:
+            tables.write_flat(tables.token_pool, self._cells + 1, ids)
+        else:
+            # the next step's staging launch writes them (and reads them as its input ids)
+            live = rows.size
+            tables.defer_tokens(PendingTokens(self._cells + 1, self._append_index[:live], ids))
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodeStep(requests={self.num_live}, batch_size={self.batch.batch_size}, graph_size={self.graph_size}, "
+            f"committed={self.committed})"
+        )

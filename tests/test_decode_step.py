@@ -1,0 +1,245 @@
+"""``KVBackend.begin_decode`` / ``DecodeStep.commit``: the explicit decode step, on numpy host
+tables and on the torch path a GPU table takes (where a commit's ids ride the next step's
+staging launch), and what each call refuses with nothing changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvplug
+from kvplug.decode_step import DecodeStep
+from kvplug.interface import InvalidArgumentError, OutOfMemoryError
+from tests.test_backend import _backend_with_tables
+
+
+@pytest.fixture(scope="module")
+def manager():
+    return kvplug.PluginManager(entry_points=False)
+
+
+def _ready(backend, prompts, sampled=9):
+    requests = [backend.admit(prompt) for prompt in prompts]
+    backend.allocate(requests)
+    backend.prepare(requests, "prefill")
+    backend.append_tokens(requests, [sampled] * len(requests))
+    return requests
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+def test_a_step_moves_lengths_by_one_and_its_commit_feeds_the_next(manager, host_views):
+    backend = _backend_with_tables(manager, 4, host_views=host_views)
+    requests = _ready(backend, [[1, 2, 3], [4, 5, 6, 7, 8]])
+    before = [(r.cached_len, r.num_tokens) for r in requests]
+    step = backend.begin_decode(requests)
+    assert isinstance(step, DecodeStep) and step.num_live == 2 and step.graph_size is None
+    assert step.input_ids.tolist() == [9, 9]
+    rows = torch.tensor([r.row for r in requests])
+    cached = torch.tensor([c for c, _ in before])
+    assert torch.equal(step.out_loc, backend.page_table[rows, cached])
+    assert step.positions.tolist() == cached.tolist()
+    assert [r.device_len for r in requests] == [c + 1 for c, _ in before]
+    step.commit(torch.tensor([11, 12], dtype=torch.int32))
+    assert [(r.cached_len, r.num_tokens, r.device_len) for r in requests] == [(c + 1, n + 1, c + 1) for c, n in before]
+    following = backend.begin_decode(requests)
+    assert following.input_ids.tolist() == [11, 12]
+    assert backend.token_pool[rows, cached + 1].tolist() == [11, 12]
+    following.commit([21, 22])
+    backend.check_integrity()
+
+
+def test_a_commit_is_written_by_the_next_launch_or_by_any_other_reader_first(manager, monkeypatch):
+    """Torch tables: a commit writes nothing itself; the next step over the same cells takes the
+    ids in its staging launch (no token-pool write of its own); any other access of the token
+    pool (a read, another batch, an admission reusing a row) writes them first."""
+    backend = _backend_with_tables(manager, 1, host_views=False)
+    a, b, c = _ready(backend, [[1, 2], [3, 4, 5], [6]])
+    writes: list[str] = []
+    original = backend.tables.settle_tokens
+
+    def counting_settle():
+        if backend.tables._pending is not None:
+            writes.append("settle")
+        original()
+
+    monkeypatch.setattr(backend.tables, "settle_tokens", counting_settle)
+    step = backend.begin_decode([a, b])
+    step.commit(torch.tensor([21, 22], dtype=torch.int32))
+    assert backend.tables._pending is not None and writes == []
+    following = backend.begin_decode([a, b])  # the same cells: the launch writes and reads them
+    assert following.input_ids.tolist() == [21, 22] and writes == [] and backend.tables._pending is None
+    following.commit(torch.tensor([31, 32], dtype=torch.int32))
+    # another request list: written first, then staged without them
+    other = backend.begin_decode([b, c])
+    assert writes == ["settle"] and other.input_ids.tolist() == [32, 9]
+    assert backend.token_pool[a.row, a.num_tokens - 1] == 31
+    other.commit([41, 42])
+    # a finished request's row reused by an admission: the pending id goes in before the new prompt
+    backend.finish(c, computed=True)
+    d = backend.admit([7, 7, 7])
+    assert d.row == c.row and writes == ["settle", "settle"]
+    assert backend.token_pool[d.row, :3].tolist() == [7, 7, 7]
+    assert backend.token_pool[b.row, b.num_tokens - 1] == 41
+    backend.check_integrity()
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+def test_new_pages_are_written_by_the_step(manager, host_views):
+    backend = _backend_with_tables(manager, 4, host_views=host_views)
+    requests = _ready(backend, [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12]])  # next tokens start pages
+    free_before = backend.allocator.num_free_pages
+    pages = backend.allocator.free_page_starts[:2].tolist()
+    step = backend.begin_decode(requests)
+    assert backend.allocator.num_free_pages == free_before - 2
+    assert step.out_loc.tolist() == pages
+    for request, page in zip(requests, pages):
+        assert backend.page_table[request.row, request.cached_len : request.cached_len + 4].tolist() == list(
+            range(page, page + 4)
+        )
+        assert request.allocated_len == request.cached_len + 4
+    step.commit([1, 2])
+    step = backend.begin_decode(requests)  # inside the new pages: none taken
+    assert backend.allocator.num_free_pages == free_before - 2
+    step.commit([3, 4])
+    backend.check_integrity()
+
+
+def test_staged_pages_are_clipped_at_the_row_end():
+    """The stager's torch path (the kernel's reference) writes a new page token by token from the
+    request's cached length, stopping at the row's end (a page size that does not divide the
+    row), and takes out_loc from the page; requests without a page read the table."""
+    from kvplug.attention.decode_staging import DecodeStager
+    from kvplug.memory.allocator import NewPages
+
+    table = torch.arange(4 * 12, dtype=torch.int32).view(4, 12)
+    stager = DecodeStager(table, torch.zeros_like(table), page_size=5, use_kernel=False)
+    storage = torch.tensor([500, 600, 700], dtype=torch.int32)
+    rows, cached = np.array([2, 0, 1]), np.array([10, 5, 3])
+    batch = stager.stage(rows, cached, pages=NewPages(np.array([1, 2, -1], dtype=np.int32), storage))
+    assert table[2, 10:].tolist() == [600, 601]  # clipped: the row ends after two cells
+    assert table[0, 5:10].tolist() == [700, 701, 702, 703, 704] and table[0, 10:].tolist() == [10, 11]
+    assert table[1].tolist() == list(range(12, 24))  # no page: untouched
+    assert batch.out_loc.tolist() == [600, 700, 15]
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+def test_what_begin_decode_refuses_leaves_everything_unchanged(manager, host_views):
+    backend = _backend_with_tables(manager, 4, host_views=host_views, num_pages=4)
+    (a,) = _ready(backend, [[1, 2, 3, 4, 5, 6, 7]])  # 8 tokens known, 7 cached: 2 pages
+    b = backend.admit([1, 2, 3])  # not prefilled
+    snapshot = (backend.page_table.clone(), backend.token_pool.clone(), backend.stats())
+    for requests, error, match in (
+        ([], InvalidArgumentError, "at least one request"),
+        (None, InvalidArgumentError, "list of kvplug Requests"),
+        ([a, a], InvalidArgumentError, "twice"),
+        ([a, b], InvalidArgumentError, "exactly one known token"),
+        (["x"], InvalidArgumentError, "kvplug Requests"),
+    ):
+        with pytest.raises(error, match=match):
+            backend.begin_decode(requests)
+    other = _backend_with_tables(manager, 4, host_views=host_views)
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        other.begin_decode([a])
+    assert torch.equal(backend.page_table, snapshot[0]) and torch.equal(backend.token_pool, snapshot[1])
+    assert backend.stats() == snapshot[2]
+    # out of pages: a's next token starts its third page while b and c hold the other two
+    backend.allocate([b])
+    step = backend.begin_decode([a])
+    step.commit([5])
+    assert (a.cached_len, a.allocated_len) == (8, 8)
+    c = backend.admit([9, 9, 9])
+    backend.allocate([c])  # the last free page
+    free, lengths = backend.allocator.num_free_pages, a.lengths()
+    with pytest.raises(OutOfMemoryError, match="needs 1 pages"):
+        backend.begin_decode([a])
+    assert backend.allocator.num_free_pages == free and a.lengths() == lengths
+    backend.check_integrity()
+
+
+def test_what_commit_refuses(manager):
+    backend = _backend_with_tables(manager, 1, host_views=False)
+    a, b = _ready(backend, [[1, 2], [3, 4, 5]])
+    step = backend.begin_decode([a, b])
+    lengths = [a.lengths(), b.lengths()]
+    for ids, match in (([1], "one token id per request"), ([1, -2], r"\[0, 2147483647\]"),
+                       (torch.tensor([[1, 2]], dtype=torch.int32), "one token id per request"),
+                       ([1.5, 2], "flat list of ints")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            step.commit(ids)
+    assert [a.lengths(), b.lengths()] == lengths and not step.committed
+    step.commit([7, 8])
+    with pytest.raises(InvalidArgumentError, match="already committed"):
+        step.commit([7, 8])
+    step = backend.begin_decode([a, b])
+    backend.finish(b, computed=True)
+    with pytest.raises(InvalidArgumentError, match="finished or changed"):
+        step.commit([1, 2])
+    assert a.cached_len == lengths[0]["cached_len"] + 1
+    backend.check_integrity()
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+def test_a_request_reaching_max_seq_len_stores_no_token_and_is_refused_after(manager, host_views):
+    backend = _backend_with_tables(manager, 16, host_views=host_views)  # max_seq_len 96
+    full, short = _ready(backend, [list(range(94)), [1, 2]])  # 95 and 3 known tokens
+    step = backend.begin_decode([full, short])
+    step.commit([5, 6])
+    assert (full.cached_len, full.num_tokens) == (95, 96) and backend.token_pool[full.row, 95] == 5
+    step = backend.begin_decode([full, short])  # full's last token: its K/V, no room for another
+    step.commit([7, 8])
+    assert (full.cached_len, full.num_tokens) == (96, 96) and (short.cached_len, short.num_tokens) == (4, 5)
+    assert backend.token_pool[short.row, 4] == 8
+    assert short.row == full.row + 1  # the cell after full's row is short's first: untouched
+    assert backend.token_pool[short.row, :5].tolist() == [1, 2, 9, 6, 8]
+    with pytest.raises(InvalidArgumentError, match="max_seq_len=96 tokens; finish it"):
+        backend.begin_decode([full, short])
+    backend.finish(full)
+    backend.begin_decode([short]).commit([9])
+    backend.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_torch_table_steps_stay_exact_under_prefix_hits_and_evictions(manager, page_size):
+    """Explicit steps on torch tables with the radix cache in a pool small enough to evict:
+    out_loc is the table's cell for each new token, input ids are the pool's tokens (the
+    previous commit's), and integrity holds after every step."""
+    rng = np.random.default_rng(page_size + 10)
+    backend = _backend_with_tables(manager, page_size, host_views=False, prefix_cache="radix",
+                                   num_pages=200 // page_size)
+    prefixes = [rng.integers(0, 1000, 24).tolist() for _ in range(3)]
+    running: list = []
+    expected_next: dict[int, int] = {}
+    for step_number in range(120):
+        if len(running) < 5 and rng.random() < 0.5:
+            prompt = prefixes[int(rng.integers(3))] + rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
+            request = backend.admit(prompt)
+            try:
+                backend.allocate([request])
+                backend.prepare([request], "prefill")
+                first = int(rng.integers(0, 1000))
+                backend.append_tokens([request], [first])
+                running.append(request)
+                expected_next[request.row] = first
+            except OutOfMemoryError:
+                backend.finish(request)
+        if running and (rng.random() < 0.2 or len(running) == 5):
+            backend.finish(running.pop(int(rng.integers(len(running)))), computed=False)
+        running = [r for r in running if r.num_tokens < backend.max_seq_len - 1]
+        if not running:
+            continue
+        try:
+            step = backend.begin_decode(running)
+        except OutOfMemoryError:
+            backend.finish(running.pop(0))
+            continue
+        rows = torch.tensor([r.row for r in running])
+        cached = torch.tensor([r.cached_len for r in running])
+        assert torch.equal(step.out_loc, backend.page_table[rows, cached]), f"step {step_number}"
+        assert step.input_ids.tolist() == [expected_next[r.row] for r in running]
+        sampled = rng.integers(0, 1000, len(running))
+        step.commit(torch.tensor(sampled, dtype=torch.int32))
+        expected_next.update({r.row: int(t) for r, t in zip(running, sampled)})
+        backend.check_integrity()
+    stats = backend.stats()
+    assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
