@@ -58,8 +58,8 @@ def _worlds(backend, **overrides):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_graph_steps_equal_eager_steps(backend, page_size, compiled):
     eager, graphed = _worlds(backend, page_size=page_size)
-    graphs = graphed[0].decode_graphs(graphed[1].step_forward, max_batch_size=16)
-    assert graphs.uses_cuda_graphs and graphs.batch_sizes == [1, 2, 4, 8, 16]
+    graphs = graphed[0].decode_graphs(graphed[1].step_forward, max_batch_size=8)  # bigger steps stay eager
+    assert graphs.uses_cuda_graphs and graphs.batch_sizes == [1, 2, 4, 8]
     counters = run_scenario(eager, graphed, steps=40, seed=page_size, tolerance=2e-2, check_live_kv=True)
     print(f"{backend} page {page_size}: {counters['graph_steps']} replays, {counters['eager_steps']} eager, "
           f"worst relative error {counters['worst']:.2e}")
