@@ -90,3 +90,35 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_python_dash_m_and_version():
     result = run_kvplug("-m", "kvplug", "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"kvplug {kvplug.__version__}"
+
+
+def test_plugins_command_lists_skipped_plugins_and_exits_0(tmp_path):
+    from tests.plugin_fixtures import SOURCES, make_distribution
+
+    make_distribution(tmp_path, "fake-shadow", "1.0", "shadow", "cli_shadow_plugin",
+                      SOURCES["colliding"].replace("{cache_name}", "radix"))
+    make_distribution(tmp_path, "fake-exiter", "2.0", "exiter", "cli_exiter_plugin", SOURCES["exit-on-import"])
+    make_distribution(tmp_path, "fake-hooked", "3.0", "hooked", "cli_hooked_plugin", SOURCES["raising-hook"])
+    plain = run_kvplug("-m", "kvplug", "plugins", pythonpath=str(tmp_path))
+    assert plain.returncode == 0, plain.stderr
+    assert "prefix_cache: naive, radix" in plain.stdout and plain.stderr == ""
+    skipped = [line for line in plain.stdout.splitlines() if line.startswith("skipped: ")]
+    assert [line.split()[1] for line in skipped] == ["exiter", "hooked", "shadow"]
+    assert "called sys.exit(3) on import" in skipped[0] and "this hook is broken on purpose" in skipped[1]
+    assert "'kvplug.builtin.prefix_caches' and by plugin 'shadow'" in skipped[2]
+
+    result = run_kvplug("-m", "kvplug", "plugins", "--json", pythonpath=str(tmp_path),
+                        env_extra={"KVPLUG_DISABLE_PLUGINS": "transformers"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    failures = {failure["entry_point"]: failure for failure in report["load_failures"]}
+    assert sorted(failures) == ["exiter", "hooked", "shadow"]
+    assert failures["exiter"]["distribution"] == "fake-exiter" and failures["exiter"]["version"] == "2.0"
+    assert failures["shadow"]["error"].startswith("DuplicateComponentError: prefix_cache 'radix' is registered twice")
+    assert {plugin["name"] for plugin in report["plugins"]}.isdisjoint(failures)
+    filtered = {entry["entry_point"]: entry["why"] for entry in report["filtered_out"]}
+    if "transformers" in filtered:  # only where the transformers host plugin is installed
+        assert filtered["transformers"] == "KVPLUG_DISABLE_PLUGINS lists it"
+
+    strict = run_kvplug("-m", "kvplug", "plugins", pythonpath=str(tmp_path), env_extra={"KVPLUG_STRICT_PLUGINS": "1"})
+    assert strict.returncode == 2 and "KVPLUG_STRICT_PLUGINS is set" in strict.stderr
