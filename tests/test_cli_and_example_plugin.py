@@ -122,3 +122,84 @@ def test_plugins_command_lists_skipped_plugins_and_exits_0(tmp_path):
 
     strict = run_kvplug("-m", "kvplug", "plugins", pythonpath=str(tmp_path), env_extra={"KVPLUG_STRICT_PLUGINS": "1"})
     assert strict.returncode == 2 and "KVPLUG_STRICT_PLUGINS is set" in strict.stderr
+
+
+# ------------------------------------------------------------- start-up weight (causes, not timings)
+
+
+def test_version_and_plugin_loading_import_no_torch():
+    script = (
+        "import sys\n"
+        "from kvplug.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit as done:\n"
+        "    assert done.code == 0\n"
+        "assert 'torch' not in sys.modules, 'kvplug --version imported torch'\n"
+        "assert not [name for name in sys.modules if name.startswith('kvplug.cli.')], 'a command was imported'\n"
+        "import kvplug\n"
+        "from kvplug import hookimpl\n"
+        "manager = kvplug.PluginManager(entry_points=False)\n"
+        "assert manager.available('prefix_cache') == ['naive', 'radix']\n"
+        "assert 'torch' not in sys.modules, 'loading the built-in plugins imported torch'\n"
+        "print('light')\n"
+    )
+    result = run_kvplug("-c", script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"kvplug {kvplug.__version__}", "light"]
+
+
+def test_every_public_name_and_sub_package_is_importable_from_the_top_level():
+    script = (
+        "import kvplug\n"
+        "namespace = {}\n"
+        "exec('from kvplug import *', namespace)\n"
+        "missing = [name for name in kvplug.__all__ if name not in namespace]\n"
+        "assert not missing, missing\n"
+        "from kvplug import BasePrefixCache, create_backend, INTERFACE_VERSION, hookimpl\n"
+        "assert kvplug.BasePrefixCache is BasePrefixCache and INTERFACE_VERSION == 1\n"
+        "assert kvplug.testing.check_prefix_cache and kvplug.memory.PageTable and kvplug.interface.KVPlugError\n"
+        "assert set(kvplug.__all__) <= set(dir(kvplug))\n"
+        "try:\n"
+        "    kvplug.no_such_name\n"
+        "except AttributeError as error:\n"
+        "    assert 'no_such_name' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('kvplug.no_such_name did not raise')\n"
+        "print('ok')\n"
+    )
+    result = run_kvplug("-c", script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_only_the_command_run_is_imported():
+    from kvplug.cli import command_names, commands_to_register
+
+    assert {"bench", "capacity", "plugins", "serve"} <= set(command_names())
+    assert commands_to_register(["plugins", "--json"]) == ["plugins"]
+    assert commands_to_register(["--version"]) == []
+    assert commands_to_register(["--help"]) is None and commands_to_register([]) is None
+    assert commands_to_register(["no-such-command"]) is None
+
+
+def test_mistyped_command_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plugin"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'plugin'" in err and "'plugins'" in err and "'capacity'" in err
+
+
+def test_bench_help_is_plain_text_without_references_outside_the_repository(capsys):
+    from kvplug.bench import discover_suites
+
+    suites, _ = discover_suites()
+    assert {"e2e", "prefix-cache", "host-step"} <= set(suites)
+    for argv in (["bench", "--help"], *(["bench", suite, "--help"] for suite in sorted(suites))):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert "usage: kvplug bench" in out
+        assert "``" not in out and "SPEC" not in out and "../shared" not in out, (argv, out)

@@ -1,9 +1,10 @@
-"""``kvplug bench host-step``: host time of one decode step through ``KVBackend`` (SPEC §7).
+"""Host time of one decode step through ``KVBackend``, phase by phase.
 
-SPEC §7: "host-side work per decode step (allocation, table write, metadata) <= 50 us at bs 256,
-excluding the attention library's own plan()". A memory-only backend (``attention=None``, so no
-plan() at all) admits ``bs`` requests with prompts of random lengths (so page boundaries are
-crossed on different steps), prefills them, then runs decode steps of
+The target (docs/design.md, "Performance targets"): host-side work per decode step (allocation,
+table write, metadata) <= 50 us at bs 256, excluding the attention library's own plan(). A
+memory-only backend (``attention=None``, so no plan() at all) admits ``bs`` requests with prompts
+of random lengths (so page boundaries are crossed on different steps), prefills them, then runs
+decode steps of
 
     allocate -> prepare("decode") -> input_ids -> append_tokens
 

@@ -23,7 +23,6 @@ import json
 import warnings
 
 from kvplug._version import __version__
-from kvplug.interface import INTERFACE_VERSION
 from kvplug.plugins import PluginManager
 from kvplug.plugins.loading import PluginLoadWarning
 
@@ -37,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def report(manager: PluginManager) -> dict:
+    from kvplug.interface import INTERFACE_VERSION  # imports torch: not needed to load the plugins
+
     return {
         "schema": JSON_SCHEMA_VERSION,
         "kvplug_version": __version__,

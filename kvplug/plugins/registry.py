@@ -41,14 +41,14 @@ class ComponentRegistry:
         Raises ``DuplicateComponentError`` naming both plugins when two register the same name for
         the same kind.
         """
-        from kvplug.interface import DuplicateComponentError
-
         entries: dict[str, dict[str, ComponentEntry]] = {kind.name: {} for kind in kinds}
         for plugin_entries in plugins:
             for kind, kind_entries in plugin_entries.items():
                 table = entries[kind]
                 for entry in kind_entries:
                     if entry.name in table:
+                        from kvplug.interface import DuplicateComponentError
+
                         raise DuplicateComponentError(
                             f"{kind} {entry.name!r} is registered twice: by plugin {table[entry.name].plugin!r} "
                             f"and by plugin {entry.plugin!r}; disable one of them with KVPLUG_DISABLE_PLUGINS"
@@ -99,39 +99,46 @@ def collect_plugin(
 
 
 def _call_hook(hookimpl: pluggy.HookImpl, kind: ComponentKind) -> list[ComponentEntry]:
-    from kvplug.interface import KVPlugError, PluginRegistrationError
-
+    # kvplug.interface (and torch with it) is imported only on error paths: loading plugins needs neither
     plugin = hookimpl.plugin_name
     registered: dict[str, ComponentEntry] = {}
 
     def register(name: Any, factory: Any) -> None:
         if not isinstance(name, str):
-            raise PluginRegistrationError(
+            raise _registration_error(
                 f"plugin {plugin!r} registered a {kind.name} with a non-string name {name!r} "
                 f"({type(name).__name__}); expected a non-empty str"
             )
         if not name.strip() or name != name.strip() or "," in name:
-            raise PluginRegistrationError(
+            raise _registration_error(
                 f"plugin {plugin!r} registered a {kind.name} named {name!r}; expected a non-empty name "
                 "without surrounding spaces or commas"
             )
         if not callable(factory):
-            raise PluginRegistrationError(
+            raise _registration_error(
                 f"plugin {plugin!r} registered {kind.name} {name!r} with a factory that is not callable: {factory!r}"
             )
         if name in registered:
-            raise PluginRegistrationError(f"plugin {plugin!r} registered {kind.name} {name!r} twice")
+            raise _registration_error(f"plugin {plugin!r} registered {kind.name} {name!r} twice")
         registered[name] = ComponentEntry(kind.name, name, factory, plugin)
 
     arguments = {"register": register}
     try:
         hookimpl.function(*[arguments[argname] for argname in hookimpl.argnames])
-    except KVPlugError:
-        raise
     except (Exception, SystemExit) as error:  # a plugin's hook must not take the process or the others down
+        from kvplug.interface import KVPlugError
+
+        if isinstance(error, KVPlugError):
+            raise
         if isinstance(error, SystemExit):
             what = f"called sys.exit({error.code!r})"
         else:
             what = f"raised {type(error).__name__}: {error}"
-        raise PluginRegistrationError(f"plugin {plugin!r} {what} in its hook {kind.hook}") from error
+        raise _registration_error(f"plugin {plugin!r} {what} in its hook {kind.hook}") from error
     return list(registered.values())
+
+
+def _registration_error(message: str) -> Exception:
+    from kvplug.interface import PluginRegistrationError
+
+    return PluginRegistrationError(message)
