@@ -316,6 +316,9 @@ def test_why_not_loaded_tells_filtered_failed_and_missing_apart(site):
     assert manager.why_not_loaded("absent") == "it is not installed"
     empty = isolated_manager(KVPLUG_LOAD_PLUGINS="")
     assert "KVPLUG_LOAD_PLUGINS='' does not list it" in empty.why_not_loaded("picky")
+    with pytest.warns(PluginLoadWarning):
+        loaded = isolated_manager()
+    assert loaded.why_not_loaded("picky") == "its plugin is loaded but registers nothing under that name"
     blocked = isolated_manager(KVPLUG_DISABLE_PLUGINS="picky,crashy")
     assert blocked.why_not_loaded("picky").endswith("not loaded: KVPLUG_DISABLE_PLUGINS lists it")
 

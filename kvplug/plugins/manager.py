@@ -167,7 +167,7 @@ class PluginManager:
                     f"it is installed ({filtered.distribution} {filtered.version}) but not loaded: {filtered.why}"
                 )
         if self._pluggy.has_plugin(entry_point):
-            return "it is loaded"
+            return "its plugin is loaded but registers nothing under that name"
         return "it is not installed"
 
     @property
