@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def report(manager: PluginManager) -> dict:
-    from kvplug.interface import INTERFACE_VERSION  # imports torch: not needed to load the plugins
+    from kvplug.interface import INTERFACE_VERSION  # imported late: the interface package imports torch today
 
     return {
         "schema": JSON_SCHEMA_VERSION,
