@@ -135,10 +135,25 @@ def test_budget_too_small_for_two_pages():
 
 
 def test_cli_text_output(qwen3_dir, capsys):
-    assert main(["capacity", str(qwen3_dir), "--memory", "40GiB", "--context-len", "4096"]) == 0
+    assert main(["capacity", str(qwen3_dir), "--memory", "40GiB", "--context-len", "4096", "--page-size", "1"]) == 0
     out = capsys.readouterr().out
     assert "KV bytes per token: 114,688" in out
-    assert "pages that fit: 374,490" in out and "tokens that fit: 374,490" in out
+    assert "pages that fit: 374,490 of 1 token(s)" in out and "tokens that fit: 374,490" in out
+    assert "concurrent requests at 4,096 tokens: 91" in out
+
+
+def test_cli_page_size_defaults_to_serve_s(qwen3_dir, capsys):
+    from kvplug.cli import build_parser
+
+    defaults = {
+        command: build_parser([command]).parse_args([command, *extra]).page_size
+        for command, extra in (("capacity", ["--memory", "1GiB"]), ("serve", []))
+    }
+    assert defaults["capacity"] == defaults["serve"] == 16
+    assert main(["capacity", str(qwen3_dir), "--memory", "40GiB", "--context-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    # 40 GiB / (114,688 B x 16 tokens) = 23,405 pages, one of which is the dummy page
+    assert "pages that fit: 23,404 of 16 token(s)" in out and "tokens that fit: 374,464" in out
     assert "concurrent requests at 4,096 tokens: 91" in out
 
 

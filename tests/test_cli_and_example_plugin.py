@@ -90,3 +90,116 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_python_dash_m_and_version():
     result = run_kvplug("-m", "kvplug", "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"kvplug {kvplug.__version__}"
+
+
+def test_plugins_command_lists_skipped_plugins_and_exits_0(tmp_path):
+    from tests.plugin_fixtures import SOURCES, make_distribution
+
+    make_distribution(tmp_path, "fake-shadow", "1.0", "shadow", "cli_shadow_plugin",
+                      SOURCES["colliding"].replace("{cache_name}", "radix"))
+    make_distribution(tmp_path, "fake-exiter", "2.0", "exiter", "cli_exiter_plugin", SOURCES["exit-on-import"])
+    make_distribution(tmp_path, "fake-hooked", "3.0", "hooked", "cli_hooked_plugin", SOURCES["raising-hook"])
+    plain = run_kvplug("-m", "kvplug", "plugins", pythonpath=str(tmp_path))
+    assert plain.returncode == 0, plain.stderr
+    assert "prefix_cache: naive, radix" in plain.stdout and plain.stderr == ""
+    skipped = [line for line in plain.stdout.splitlines() if line.startswith("skipped: ")]
+    assert [line.split()[1] for line in skipped] == ["exiter", "hooked", "shadow"]
+    assert "called sys.exit(3) on import" in skipped[0] and "this hook is broken on purpose" in skipped[1]
+    assert "'kvplug.builtin.prefix_caches' and by plugin 'shadow'" in skipped[2]
+
+    result = run_kvplug("-m", "kvplug", "plugins", "--json", pythonpath=str(tmp_path),
+                        env_extra={"KVPLUG_DISABLE_PLUGINS": "transformers"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    failures = {failure["entry_point"]: failure for failure in report["load_failures"]}
+    assert sorted(failures) == ["exiter", "hooked", "shadow"]
+    assert failures["exiter"]["distribution"] == "fake-exiter" and failures["exiter"]["version"] == "2.0"
+    assert failures["shadow"]["error"].startswith("DuplicateComponentError: prefix_cache 'radix' is registered twice")
+    assert {plugin["name"] for plugin in report["plugins"]}.isdisjoint(failures)
+    filtered = {entry["entry_point"]: entry["why"] for entry in report["filtered_out"]}
+    if "transformers" in filtered:  # only where the transformers host plugin is installed
+        assert filtered["transformers"] == "KVPLUG_DISABLE_PLUGINS lists it"
+
+    strict = run_kvplug("-m", "kvplug", "plugins", pythonpath=str(tmp_path), env_extra={"KVPLUG_STRICT_PLUGINS": "1"})
+    assert strict.returncode == 2 and "KVPLUG_STRICT_PLUGINS is set" in strict.stderr
+
+
+# ------------------------------------------------------------- start-up weight (causes, not timings)
+
+
+def test_version_and_plugin_loading_import_no_torch():
+    script = (
+        "import sys\n"
+        "from kvplug.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit as done:\n"
+        "    assert done.code == 0\n"
+        "assert 'torch' not in sys.modules, 'kvplug --version imported torch'\n"
+        "assert not [name for name in sys.modules if name.startswith('kvplug.cli.')], 'a command was imported'\n"
+        "import kvplug\n"
+        "from kvplug import hookimpl\n"
+        "manager = kvplug.PluginManager(entry_points=False)\n"
+        "assert manager.available('prefix_cache') == ['naive', 'radix']\n"
+        "assert 'torch' not in sys.modules, 'loading the built-in plugins imported torch'\n"
+        "print('light')\n"
+    )
+    result = run_kvplug("-c", script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"kvplug {kvplug.__version__}", "light"]
+
+
+def test_every_public_name_and_sub_package_is_importable_from_the_top_level():
+    script = (
+        "import kvplug\n"
+        "namespace = {}\n"
+        "exec('from kvplug import *', namespace)\n"
+        "missing = [name for name in kvplug.__all__ if name not in namespace]\n"
+        "assert not missing, missing\n"
+        "from kvplug import BasePrefixCache, create_backend, INTERFACE_VERSION, hookimpl\n"
+        "assert kvplug.BasePrefixCache is BasePrefixCache and INTERFACE_VERSION == 1\n"
+        "assert kvplug.testing.check_prefix_cache and kvplug.memory.PageTable and kvplug.interface.KVPlugError\n"
+        "assert set(kvplug.__all__) <= set(dir(kvplug))\n"
+        "try:\n"
+        "    kvplug.no_such_name\n"
+        "except AttributeError as error:\n"
+        "    assert 'no_such_name' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('kvplug.no_such_name did not raise')\n"
+        "print('ok')\n"
+    )
+    result = run_kvplug("-c", script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_only_the_command_run_is_imported():
+    from kvplug.cli import command_names, commands_to_register
+
+    assert {"bench", "capacity", "plugins", "serve"} <= set(command_names())
+    assert commands_to_register(["plugins", "--json"]) == ["plugins"]
+    assert commands_to_register(["--version"]) == []
+    assert commands_to_register(["--help"]) is None and commands_to_register([]) is None
+    assert commands_to_register(["no-such-command"]) is None
+
+
+def test_mistyped_command_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plugin"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'plugin'" in err and "'plugins'" in err and "'capacity'" in err
+
+
+def test_bench_help_is_plain_text_without_references_outside_the_repository(capsys):
+    from kvplug.bench import discover_suites
+
+    suites, _ = discover_suites()
+    assert {"e2e", "prefix-cache", "host-step"} <= set(suites)
+    for argv in (["bench", "--help"], *(["bench", suite, "--help"] for suite in sorted(suites))):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert "usage: kvplug bench" in out
+        assert "``" not in out and "SPEC" not in out and "../shared" not in out, (argv, out)

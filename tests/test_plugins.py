@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import re
 
 import pluggy
 import pytest
+import torch
 
 import kvplug
 from kvplug.plugins import PluginLoadWarning, PluginManager
 from kvplug.prefix_cache.naive import NaivePrefixCache
-from tests.plugin_fixtures import BROKEN_PLUGIN, GOOD_PLUGIN, MISSPELT_PLUGIN, make_distribution
+from tests.plugin_fixtures import SOURCES, make_distribution
 
 _unique = itertools.count()
 
@@ -65,11 +67,37 @@ def test_third_party_object_registers_and_creates_by_name():
     assert "mine" not in manager.available("prefix_cache")
 
 
-def test_duplicate_name_names_both_plugins():
+def test_duplicate_name_names_both_plugins_and_changes_nothing():
     manager = PluginManager(entry_points=False)
-    manager.register(CachePlugin("naive"), "impostor")
+    manager.register(CachePlugin("mine"), "first")
+    before = {kind: manager.providers(kind) for kind in ("prefix_cache", "kv_pool", "attention", "host")}
     with pytest.raises(kvplug.DuplicateComponentError, match="kvplug.builtin.prefix_caches.*impostor"):
-        manager.available("prefix_cache")
+        manager.register(CachePlugin("naive"), "impostor")
+    with pytest.raises(kvplug.DuplicateComponentError, match="'first'.*'second'"):
+        manager.register(CachePlugin("mine"), "second")
+    assert {kind: manager.providers(kind) for kind in before} == before
+    assert {"impostor", "second"}.isdisjoint(info.name for info in manager.plugins())
+    assert isinstance(manager.create_prefix_cache("naive"), NaivePrefixCache)
+    # the refused name is free again once its first provider leaves
+    manager.unregister("first")
+    manager.register(CachePlugin("mine"), "second")
+    assert manager.providers("prefix_cache")["mine"] == "second"
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("hook broken"), SystemExit(4)])
+def test_a_failing_hook_is_refused_with_the_plugin_named(failure):
+    class Failing:
+        @kvplug.hookimpl
+        def kvplug_register_prefix_caches(self, register):
+            register("half-registered", NaivePrefixCache)
+            raise failure
+
+    manager = PluginManager(entry_points=False)
+    with pytest.raises(kvplug.PluginRegistrationError, match="'failing'.*kvplug_register_prefix_caches") as caught:
+        manager.register(Failing(), "failing")
+    assert caught.value.__cause__ is failure
+    assert manager.available("prefix_cache") == ["naive", "radix"]
+    assert "failing" not in {info.name for info in manager.plugins()}
 
 
 def test_misspelt_hook_argument_is_rejected_by_pluggy():
@@ -119,10 +147,10 @@ def test_hook_may_omit_register_argument():
 )
 def test_bad_registration_names_the_plugin(name, factory, message):
     manager = PluginManager(entry_points=False)
-    manager.register(CachePlugin(name, factory), "sloppy-plugin")
     with pytest.raises(kvplug.PluginRegistrationError, match=message) as caught:
-        manager.available("prefix_cache")
+        manager.register(CachePlugin(name, factory), "sloppy-plugin")
     assert "sloppy-plugin" in str(caught.value)
+    assert manager.available("prefix_cache") == ["naive", "radix"]
 
 
 def test_factory_returning_wrong_type_names_the_plugin():
@@ -159,7 +187,7 @@ def site(tmp_path, monkeypatch):
 
 def install(site, kind: str, entry_point: str, cache_name: str = "") -> str:
     module = f"fake_kvplug_plugin_{next(_unique)}"
-    source = {"good": GOOD_PLUGIN.format(cache_name=cache_name), "broken": BROKEN_PLUGIN, "misspelt": MISSPELT_PLUGIN}[kind]
+    source = SOURCES[kind].replace("{cache_name}", cache_name)
     make_distribution(site, f"fake-{entry_point}", "1.2.3", entry_point, module, source)
     importlib.invalidate_caches()
     return module
@@ -208,8 +236,101 @@ def test_allow_list_and_block_list(site):
     assert "alpha-cache" not in names(isolated_manager(KVPLUG_LOAD_PLUGINS="alpha", KVPLUG_DISABLE_PLUGINS="alpha"))
 
 
-def test_duplicate_name_from_entry_point_names_both(site):
-    install(site, "good", "shadow", cache_name="radix")
-    with pytest.raises(kvplug.DuplicateComponentError, match="kvplug.builtin.prefix_caches.*shadow"):
-        isolated_manager().available("prefix_cache")
+def test_entry_point_colliding_with_a_builtin_is_skipped_and_reported(site):
+    install(site, "colliding", "shadow", cache_name="radix")
+    install(site, "good", "zzz-after", cache_name="after-cache")
+    with pytest.warns(PluginLoadWarning, match="'shadow'.*kvplug.builtin.prefix_caches.*'shadow'.*skipped"):
+        manager = isolated_manager()
+    assert manager.providers("prefix_cache") == {
+        "naive": "kvplug.builtin.prefix_caches",
+        "radix": "kvplug.builtin.prefix_caches",
+        "after-cache": "zzz-after",
+    }
+    assert "radix-own" not in manager.available("prefix_cache")  # nothing of the skipped plugin stays
+    assert [(failure.entry_point, type(failure.error)) for failure in manager.load_failures] == [
+        ("shadow", kvplug.DuplicateComponentError)
+    ]
+    assert "shadow" not in {info.name for info in manager.plugins()}
+    assert isinstance(manager.create_prefix_cache("naive"), NaivePrefixCache)
+    strict_message = "shadow.*registered twice.*kvplug.builtin.prefix_caches"
+    with pytest.raises(kvplug.PluginLoadError, match=strict_message) as caught:
+        isolated_manager(KVPLUG_STRICT_PLUGINS="1")
+    assert isinstance(caught.value.__cause__, kvplug.DuplicateComponentError)
     assert "radix" in isolated_manager(KVPLUG_DISABLE_PLUGINS="shadow").available("prefix_cache")
+
+
+def test_entry_point_colliding_with_another_plugin_loses_to_the_first_loaded(site):
+    install(site, "good", "aaa-first", cache_name="contested")
+    install(site, "good", "bbb-second", cache_name="contested")
+    with pytest.warns(PluginLoadWarning, match="'bbb-second'.*'aaa-first' and by plugin 'bbb-second'"):
+        manager = isolated_manager()
+    assert manager.providers("prefix_cache")["contested"] == "aaa-first"
+    assert [failure.entry_point for failure in manager.load_failures] == ["bbb-second"]
+
+
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("raising-hook", r"PluginRegistrationError: plugin 'bad' raised RuntimeError: this hook is broken on purpose"),
+        ("exit-on-import", r"called sys.exit\(3\) on import"),
+        ("exit-in-hook", r"plugin 'bad' called sys.exit\('exiting from a hook on purpose'\)"),
+        ("broken", r"RuntimeError: this plugin is broken on purpose"),
+    ],
+)
+def test_failing_entry_point_is_skipped_reported_or_raised_when_strict(site, kind, reason):
+    install(site, kind, "bad")
+    install(site, "good", "fine", cache_name="fine-cache")
+    with pytest.warns(PluginLoadWarning, match="'bad'.*fake-bad 1.2.3.*skipped"):
+        manager = isolated_manager()
+    assert [failure.entry_point for failure in manager.load_failures] == ["bad"]
+    assert re.search(reason, manager.load_failures[0].reason)
+    assert manager.available("prefix_cache") == ["fine-cache", "naive", "radix"]
+    assert isinstance(manager.create_prefix_cache("naive"), NaivePrefixCache)
+    with pytest.raises(kvplug.PluginLoadError, match="'bad'.*KVPLUG_STRICT_PLUGINS"):
+        isolated_manager(KVPLUG_STRICT_PLUGINS="1")
+
+
+def test_default_manager_survives_a_colliding_plugin(site):
+    install(site, "colliding", "shadow-default", cache_name="radix")
+    kvplug.reset_default_manager()
+    try:
+        with pytest.warns(PluginLoadWarning, match="shadow-default"):
+            cache = kvplug.create_prefix_cache("naive")
+        assert isinstance(cache, NaivePrefixCache)
+        assert kvplug.available("prefix_cache") == ["naive", "radix"]
+    finally:
+        kvplug.reset_default_manager()
+
+
+def test_why_not_loaded_tells_filtered_failed_and_missing_apart(site):
+    install(site, "good", "picky", cache_name="picky-cache")
+    install(site, "broken", "crashy")
+    with pytest.warns(PluginLoadWarning):
+        manager = isolated_manager(KVPLUG_LOAD_PLUGINS="crashy")
+    assert manager.why_not_loaded("picky") == (
+        "it is installed (fake-picky 1.2.3) but not loaded: KVPLUG_LOAD_PLUGINS='crashy' does not list it"
+    )
+    assert manager.why_not_loaded("crashy") == (
+        "its plugin failed to load: RuntimeError: this plugin is broken on purpose"
+    )
+    assert manager.why_not_loaded("absent") == "it is not installed"
+    empty = isolated_manager(KVPLUG_LOAD_PLUGINS="")
+    assert "KVPLUG_LOAD_PLUGINS='' does not list it" in empty.why_not_loaded("picky")
+    with pytest.warns(PluginLoadWarning):
+        loaded = isolated_manager()
+    assert loaded.why_not_loaded("picky") == "its plugin is loaded but registers nothing under that name"
+    blocked = isolated_manager(KVPLUG_DISABLE_PLUGINS="picky,crashy")
+    assert blocked.why_not_loaded("picky").endswith("not loaded: KVPLUG_DISABLE_PLUGINS lists it")
+
+
+def test_create_refuses_cuda_without_cuda_and_a_missing_config():
+    manager = PluginManager(entry_points=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(kvplug.InvalidArgumentError, match="CUDA is not available"):
+            manager.create_prefix_cache("radix", device="cuda")
+    with pytest.raises(kvplug.InvalidArgumentError, match="KVPoolConfig, got None"):
+        manager.create_kv_pool("mha", None)
+    with pytest.raises(kvplug.InvalidArgumentError, match="AttentionConfig, got"):
+        manager.create_attention_backend("torch", {"num_qo_heads": 2})
+    with pytest.raises(kvplug.InvalidArgumentError, match="KVPoolConfig"):
+        kvplug.create_kv_pool("mha", None)

@@ -1,4 +1,4 @@
-"""``kvplug bench e2e``: end-to-end serving through the transformers host, radix vs naive vs native.
+"""End-to-end serving through the transformers host, radix vs naive vs native.
 
 A Qwen3-shaped model with random weights (built in-process, nothing downloaded) generates with
 transformers' continuous batching (``generate_batch``) on kvplug with the ``radix`` and ``naive``

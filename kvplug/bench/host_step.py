@@ -1,10 +1,10 @@
-"""``kvplug bench host-step``: host time of one decode step through ``KVBackend``.
+"""Host time of one decode step through ``KVBackend``, phase by phase.
 
-The bar: "host-side work per decode step (allocation, table write, metadata) <= 50 us at bs 256,
-excluding the attention library's own plan()". A memory-only backend (``attention=None``, so no
-plan() at all) admits ``bs`` requests with prompts of random lengths (so page boundaries are
-crossed on different steps), prefills them, then runs decode steps two ways, each timed phase by
-phase (``perf_counter_ns``, cyclic GC paused):
+The target (docs/design.md, "Performance targets"): host-side work per decode step (allocation,
+table write, metadata) <= 50 us at bs 256, excluding the attention library's own plan(). A
+memory-only backend (``attention=None``, so no plan() at all) admits ``bs`` requests with prompts
+of random lengths (so page boundaries are crossed on different steps), prefills them, then runs
+decode steps two ways, each timed phase by phase (``perf_counter_ns``, cyclic GC paused):
 
 - ``step``: the explicit step, ``begin_decode`` (pages, batch, input ids) then ``commit``;
 - ``calls``: the same step call by call, ``allocate -> prepare("decode") -> input_ids ->

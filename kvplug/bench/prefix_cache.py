@@ -1,4 +1,4 @@
-"""``kvplug bench prefix-cache``: per-call host latency of prefix caches (SPEC §7), side by side.
+"""Per-call host latency of prefix caches, side by side (targets: docs/design.md, "Performance targets").
 
 Workloads, at each page size (default 1 and 16):
 

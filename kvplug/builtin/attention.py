@@ -6,8 +6,12 @@ asking for a backend whose library is missing raises an ``ImportError`` naming t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvplug.hookspecs import hookimpl
-from kvplug.interface import AttentionConfig, BaseAttentionBackend
+
+if TYPE_CHECKING:  # loading the built-ins must not import the tensor types (kvplug plugins stays fast)
+    from kvplug.interface import AttentionConfig, BaseAttentionBackend
 
 
 def create_torch(config: AttentionConfig) -> BaseAttentionBackend:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvplug.hookspecs import hookimpl
-from kvplug.interface import BaseKVPool, KVPoolConfig
+
+if TYPE_CHECKING:  # loading the built-ins must not import the tensor types (kvplug plugins stays fast)
+    from kvplug.interface import BaseKVPool, KVPoolConfig
 
 
 def create_mha(config: KVPoolConfig) -> BaseKVPool:

@@ -1,5 +1,10 @@
 """The ``kvplug`` command. Each sub-command is a module of this package exposing
-``register(subparsers)``; modules are discovered, so adding a command touches no shared file."""
+``register(subparsers)``; modules are discovered, so adding a command touches no shared file.
+
+Only the command being run is imported (``kvplug plugins`` never imports ``serve``'s or
+``bench``'s dependencies, ``kvplug --version`` imports no command at all); ``kvplug --help`` and
+a mistyped command import them all, to list them.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +12,54 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from kvplug._version import __version__
-from kvplug.interface import KVPlugError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_names() -> list[str]:
+    """The sub-commands: this package's public modules (found without importing them)."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvplug`` parser with ``commands`` registered (every command by default)."""
     parser = argparse.ArgumentParser(
         prog="kvplug", description="kvplug: the KV-cache subsystem of an LLM serving engine, as a plugin."
     )
     parser.add_argument("--version", action="version", version=f"kvplug {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
-        if module_info.name.startswith("_"):
-            continue
-        importlib.import_module(f"{__name__}.{module_info.name}").register(subparsers)
+    for name in command_names() if commands is None else commands:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)
     return parser
 
 
+def commands_to_register(argv: Sequence[str]) -> list[str] | None:
+    """Which commands ``argv`` needs: the one it names, none for a bare ``--version``, else all."""
+    positional = next((arg for arg in argv if not arg.startswith("-")), None)
+    if positional in command_names():
+        return [positional]
+    if positional is None and "--version" in argv and not {"-h", "--help"} & set(argv):
+        return []
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(commands_to_register(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return int(args.handler(args) or 0)
-    except KVPlugError as error:
-        print(f"kvplug {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as error:
+        # kvplug's own errors are one line; KVPlugError is looked up where it lives so that a
+        # command that never imported the interface (and torch with it) does not import it here
+        errors = sys.modules.get("kvplug.interface.errors")
+        if errors is None or not isinstance(error, errors.KVPlugError):
+            raise
+        print(f"kvplug {args.command}: error: {error}", file=sys.stderr)
+        return 2

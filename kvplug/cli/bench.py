@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from kvplug.bench import discover_suites
@@ -20,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     suites_parsers = parser.add_subparsers(dest="suite", metavar="SUITE")
     suites, failures = discover_suites()
     for name, module in sorted(suites.items()):
-        summary = (module.__doc__ or name).strip().splitlines()[0]
-        suite_parser = suites_parsers.add_parser(name, help=summary, description=module.__doc__,
+        description = plain_text(module.__doc__ or name)
+        summary = description.strip().splitlines()[0]
+        suite_parser = suites_parsers.add_parser(name, help=summary, description=description,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         suite_parser.add_argument("--out", metavar="FILE.json", help="also write the results as JSON to this file")
         suite_parser.add_argument("--quick", action="store_true", help="small sizes: a fast smoke run")
@@ -49,6 +51,14 @@ def run(args: argparse.Namespace) -> int:
             handle.write("\n")
         print(f"wrote {args.out}")
     return 0
+
+
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(docstring: str) -> str:
+    """A suite's docstring as terminal text: reST inline literals (double backquotes) lose their markup."""
+    return _LITERAL.sub(r"\1", docstring)
 
 
 def _cuda_available() -> bool:

@@ -2,13 +2,13 @@
 
 Examples::
 
-    kvplug capacity path/to/Qwen3-0.6B --memory 40GiB --page-size 16 --context-len 4096
+    kvplug capacity path/to/Qwen3-0.6B --memory 40GiB --context-len 4096
     kvplug capacity --layers 28 --kv-heads 8 --head-dim 128 --memory 512MiB --json
 
 The model comes from a local HF ``config.json`` (a model directory or the file), or from
 ``--layers/--kv-heads/--head-dim``; flags given together with a config override its fields.
 The budget is per tensor-parallel rank. JSON output is ``CapacityPlan.to_json()`` plus a
-``model`` object.
+``model`` object. The page size defaults to ``kvplug serve``'s (16 tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
 from kvplug.interface import InvalidArgumentError
 from kvplug.memory.capacity import CapacityPlan, plan_capacity
 from kvplug.memory.model_shape import ModelShape, parse_dtype
@@ -33,7 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--head-dim", type=int, help="elements per head (overrides the config)")
     parser.add_argument("--memory", required=True, help="KV budget per rank: bytes or e.g. 40GiB, 512MiB, 1.5GB")
     parser.add_argument("--dtype", help="KV dtype: bf16, fp16, fp32 (default: the config's, else bf16)")
-    parser.add_argument("--page-size", type=int, default=1, help="tokens per page (default 1)")
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help=f"tokens per page (default {DEFAULT_PAGE_SIZE}, as kvplug serve)",
+    )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--context-len", type=int, help="request length for the concurrency estimate")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-
-from kvplug.interface import BaseAttentionBackend, BaseKVPool, BasePrefixCache
 
 
 @dataclass(frozen=True)
@@ -14,20 +13,29 @@ class ComponentKind:
     Attributes:
         name: the kind as users spell it (``kvplug.available(name)``).
         hook: the hook through which plugins register it.
-        base: the class every factory's result must be an instance of (``None``: any object).
+        base_path: ``"module:Class"`` of the class every factory's result must be an instance of
+            (``None``: any object). A path, not the class, so that listing and loading plugins
+            does not import the interface's tensor types.
     """
 
     name: str
     hook: str
-    base: type | None
+    base_path: str | None
+
+    @property
+    def base(self) -> type | None:
+        if self.base_path is None:
+            return None
+        module, _, qualname = self.base_path.partition(":")
+        return getattr(importlib.import_module(module), qualname)
 
 
 COMPONENT_KINDS: dict[str, ComponentKind] = {
     kind.name: kind
     for kind in (
-        ComponentKind("prefix_cache", "kvplug_register_prefix_caches", BasePrefixCache),
-        ComponentKind("kv_pool", "kvplug_register_kv_pools", BaseKVPool),
-        ComponentKind("attention", "kvplug_register_attention_backends", BaseAttentionBackend),
+        ComponentKind("prefix_cache", "kvplug_register_prefix_caches", "kvplug.interface:BasePrefixCache"),
+        ComponentKind("kv_pool", "kvplug_register_kv_pools", "kvplug.interface:BaseKVPool"),
+        ComponentKind("attention", "kvplug_register_attention_backends", "kvplug.interface:BaseAttentionBackend"),
         ComponentKind("host", "kvplug_register_hosts", None),
     )
 }

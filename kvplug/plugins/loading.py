@@ -5,6 +5,11 @@ Environment variables (read from the mapping given, ``os.environ`` by default):
 - ``KVPLUG_LOAD_PLUGINS=a,b``: load only these entry points (an empty value loads none).
 - ``KVPLUG_DISABLE_PLUGINS=a,b``: never load these.
 - ``KVPLUG_STRICT_PLUGINS=1``: a plugin that fails to load raises instead of warning.
+
+A plugin fails to load when importing it raises (``SystemExit`` included), when one of its hooks
+raises or registers badly, or when it registers a name another plugin (a built-in, or one loaded
+before it) already provides. Without strict mode it is skipped, warned about and reported in
+``PluginManager.load_failures``; everything loaded before it stays as it was.
 """
 
 from __future__ import annotations
@@ -12,12 +17,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import pluggy
 
 from kvplug.hookspecs import PROJECT_NAME
-from kvplug.interface import PluginLoadError
 
 ENTRY_POINT_GROUP = PROJECT_NAME
 TRUE_VALUES = {"1", "true", "yes", "on"}
@@ -45,7 +49,16 @@ class PluginSelection:
         )
 
     def wants(self, name: str) -> bool:
-        return name not in self.block and (self.allow is None or name in self.allow)
+        return self.why_not(name) is None
+
+    def why_not(self, name: str) -> str | None:
+        """Why entry point ``name`` is not loaded (the variable that filters it out), or ``None``."""
+        if name in self.block:
+            return "KVPLUG_DISABLE_PLUGINS lists it"
+        if self.allow is not None and name not in self.allow:
+            listed = ",".join(sorted(self.allow))
+            return f"KVPLUG_LOAD_PLUGINS={listed!r} does not list it"
+        return None
 
 
 @dataclass(frozen=True)
@@ -57,11 +70,35 @@ class LoadFailure:
     version: str
     error: BaseException
 
+    @property
+    def reason(self) -> str:
+        """The error in one line: ``"RuntimeError: ..."``, or ``"called sys.exit(3)"``."""
+        if isinstance(self.error, SystemExit):
+            return f"called sys.exit({self.error.code!r}) on import"
+        return f"{type(self.error).__name__}: {self.error}"
+
     def describe(self) -> str:
         return (
             f"kvplug plugin entry point {self.entry_point!r} from distribution {self.distribution} "
-            f"{self.version} failed to load: {type(self.error).__name__}: {self.error}"
+            f"{self.version} failed to load: {self.reason}"
         )
+
+
+@dataclass(frozen=True)
+class FilteredEntryPoint:
+    """An installed entry point that the environment told kvplug not to load."""
+
+    entry_point: str
+    distribution: str
+    version: str
+    why: str
+
+
+class LoadOutcome(NamedTuple):
+    """What ``load_entry_points`` did besides loading: the failures and the filtered-out entry points."""
+
+    failures: list[LoadFailure]
+    filtered_out: list[FilteredEntryPoint]
 
 
 def distribution_of(entry_point: metadata.EntryPoint) -> tuple[str, str]:
@@ -80,34 +117,38 @@ def kvplug_entry_points() -> list[metadata.EntryPoint]:
     return sorted(seen.values(), key=lambda ep: ep.name)
 
 
-def load_entry_points(
-    register: Callable[[Any, str, str, str], None], env: Mapping[str, str]
-) -> list[LoadFailure]:
+def load_entry_points(register: Callable[[Any, str, str, str], None], env: Mapping[str, str]) -> LoadOutcome:
     """Import and register each selected entry point.
 
-    ``register(plugin_object, name, distribution, version)`` adds one plugin to the manager and may
-    raise (e.g. ``pluggy.PluginValidationError``). Failures become ``PluginLoadWarning`` and are
-    returned, or raise when strict: ``PluginLoadError`` for import failures, pluggy's own
-    ``PluginValidationError`` for hook implementations that do not match their spec.
+    ``register(plugin_object, name, distribution, version)`` adds one plugin to the manager, or
+    raises and leaves the manager as it was (``pluggy.PluginValidationError``, a kvplug
+    registration error for a raising hook or a name collision). Failures become
+    ``PluginLoadWarning`` and are returned, or raise when strict: pluggy's own
+    ``PluginValidationError`` for hook implementations that do not match their spec,
+    ``PluginLoadError`` for everything else.
     """
     selection = PluginSelection.from_env(env)
-    failures: list[LoadFailure] = []
+    outcome = LoadOutcome([], [])
     for entry_point in kvplug_entry_points():
-        if not selection.wants(entry_point.name):
-            continue
         distribution, version = distribution_of(entry_point)
+        why_not = selection.why_not(entry_point.name)
+        if why_not is not None:
+            outcome.filtered_out.append(FilteredEntryPoint(entry_point.name, distribution, version, why_not))
+            continue
         try:
             plugin = entry_point.load()
             register(plugin, entry_point.name, distribution, version)
-        except Exception as error:  # a broken plugin must not take the others down
+        except (Exception, SystemExit) as error:  # a broken plugin must not take the others (or the process) down
             failure = LoadFailure(entry_point.name, distribution, version, error)
             if selection.strict:
                 if isinstance(error, pluggy.PluginValidationError):
                     raise pluggy.PluginValidationError(error.plugin, failure.describe()) from error
+                from kvplug.interface import PluginLoadError
+
                 raise PluginLoadError(failure.describe() + " (KVPLUG_STRICT_PLUGINS is set)") from error
-            warnings.warn(failure.describe(), PluginLoadWarning, stacklevel=3)
-            failures.append(failure)
-    return failures
+            warnings.warn(failure.describe() + " (skipped; the other plugins load)", PluginLoadWarning, stacklevel=3)
+            outcome.failures.append(failure)
+    return outcome
 
 
 def _split_names(value: str) -> frozenset[str]:
