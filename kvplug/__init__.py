@@ -20,6 +20,8 @@ from kvplug._version import __version__
 
 if TYPE_CHECKING:
     from kvplug.backend import BackendStats, KVBackend, ModelShape, Request, create_backend
+    from kvplug.decode_graphs import DecodeGraphs
+    from kvplug.decode_step import DecodeStep
     from kvplug.hookspecs import hookimpl
     from kvplug.interface import (
         INTERFACE_VERSION,
@@ -52,6 +54,8 @@ _LAZY_NAMES: dict[str, str] = {
     "ModelShape": "kvplug.backend",
     "Request": "kvplug.backend",
     "create_backend": "kvplug.backend",
+    "DecodeStep": "kvplug.decode_step",
+    "DecodeGraphs": "kvplug.decode_graphs",
     "hookimpl": "kvplug.hookspecs",
     "INTERFACE_VERSION": "kvplug.interface",
     "AttentionBatch": "kvplug.interface",
@@ -129,6 +133,8 @@ def create_attention_backend(
 
 __all__ = [
     "BackendStats",
+    "DecodeGraphs",
+    "DecodeStep",
     "KVBackend",
     "ModelShape",
     "Request",

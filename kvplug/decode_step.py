@@ -48,7 +48,7 @@ class DecodeStep:
 
     __slots__ = (
         "requests", "batch", "input_ids", "graph_size", "committed", "stamp",
-        "_backend", "_rows", "_keys", "_cached", "_cells", "_append_index",
+        "_backend", "_rows", "_generation", "_cached", "_cells", "_append_index",
     )
 
     def __init__(
@@ -72,7 +72,7 @@ class DecodeStep:
         self.stamp = stamp
         self._backend = backend
         self._rows = rows
-        self._keys = backend.allocator.states.key[rows]
+        self._generation = backend.allocator.states.generation  # which requests were live
         self._cached = cached
         self._cells = cells
         self._append_index = append_index
@@ -117,29 +117,35 @@ class DecodeStep:
                 f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
             )
         states = backend.allocator.states
-        if np.count_nonzero(states.key[rows] - self._keys) or np.count_nonzero(states.cached_len[rows] - cached):
-            bad = int(np.flatnonzero((states.key[rows] != self._keys) | (states.cached_len[rows] != cached))[0])
+        # the same requests are live while no request started or ended (the usual case); else
+        # each request's key says whether it is still the one staged
+        finished = states.generation != self._generation and np.count_nonzero(
+            states.key[rows] - np.fromiter((request.key for request in self.requests), np.int64, rows.size)
+        )
+        if finished or np.count_nonzero(states.cached_len[rows] - cached):
             raise InvalidArgumentError(
-                f"request in row {rows[bad]} was finished or changed since this decode step was staged; "
-                "commit a step before finishing its requests"
+                "a request of this decode step was finished or changed since it was staged; commit a step "
+                "before finishing its requests"
             )
         self.committed = True
-        states.cached_len[rows] = cached + 1
+        next_position = cached + 1
+        states.cached_len[rows] = next_position
         tables = backend.tables
-        full = cached + 2 > tables.max_seq_len  # the sampled token has no cell: finish these
-        if np.count_nonzero(full):
-            keep = np.flatnonzero(~full)
-            states.num_tokens[rows[keep]] = cached[keep] + 2
+        if next_position.max() + 1 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
+            keep = np.flatnonzero(next_position + 1 <= tables.max_seq_len)
+            states.num_tokens[rows[keep]] = next_position[keep] + 1
             if keep.size:
                 tables.write_flat(tables.token_pool, self._cells[keep] + 1, ids[torch.from_numpy(keep).to(ids.device)])
             return
-        states.num_tokens[rows] = cached + 2
+        states.num_tokens[rows] = next_position + 1
         if self._append_index is None or tables.uses_host_views:
             tables.write_flat(tables.token_pool, self._cells + 1, ids)
         else:
             # the next step's staging launch writes them (and reads them as its input ids)
-            live = rows.size
-            tables.defer_tokens(PendingTokens(self._cells + 1, self._append_index[:live], ids))
+            append_index = self._append_index
+            if append_index.shape[0] != rows.size:  # padded for a graph: the live requests come first
+                append_index = append_index[: rows.size]
+            tables.defer_tokens(PendingTokens(self._cells + 1, append_index, ids))
 
     def __repr__(self) -> str:
         return (

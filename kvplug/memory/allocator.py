@@ -190,10 +190,13 @@ class PagedAllocator:
             return None
         self._make_room(count, count)
         storage, start = self.free_list.take_positions(count)
-        page_slot = self._page_slots_template(rows.size).copy()
-        page_slot[growing] = np.arange(start, start + count, dtype=np.int32)
-        grown = rows[growing] if count != rows.size else rows
-        self.states.allocated_len[grown] = allocated[growing] + self.page_size
+        if count == rows.size:  # every request starts a page (page size 1: every step)
+            page_slot = np.arange(start, start + count, dtype=np.int32)
+            self.states.allocated_len[rows] = allocated + self.page_size
+        else:
+            page_slot = self._page_slots_template(rows.size).copy()
+            page_slot[growing] = np.arange(start, start + count, dtype=np.int32)
+            self.states.allocated_len[rows[growing]] = allocated[growing] + self.page_size
         return NewPages(page_slot, storage)
 
     def write_decode_pages(self, rows: np.ndarray, cached: np.ndarray, pages: NewPages) -> None:

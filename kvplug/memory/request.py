@@ -75,6 +75,11 @@ class RequestStates:
         self._memo_rows = BatchRows(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         self._memo_generation = -1
 
+    @property
+    def generation(self) -> int:
+        """Bumped by every ``claim`` and ``release``: unchanged means the same requests are live."""
+        return self._generation
+
     def claim(self, row: int) -> int:
         """Give ``row`` a fresh key (a new request starts there) and return it."""
         self._generation += 1

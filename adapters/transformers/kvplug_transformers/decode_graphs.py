@@ -160,4 +160,5 @@ def _progress_bar(total: int | None) -> Any:
         from tqdm.auto import tqdm
     except ImportError:  # transformers depends on tqdm; without it, the log line is the report
         return None
-    return tqdm(total=total, desc="kvplug: capturing decode CUDA graphs", unit="graph", leave=False)
+    # disable=None: no bar when the output is not a terminal (a log file), the log line stays
+    return tqdm(total=total, desc="kvplug: capturing decode CUDA graphs", unit="graph", leave=False, disable=None)

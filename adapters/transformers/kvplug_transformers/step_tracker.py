@@ -70,6 +70,7 @@ class StepTracker:
         self._step: list[tuple[Tracked, int, int]] = []
         self._batch: AttentionBatch | None = None
         self._decode_step: DecodeStep | None = None  # the step's, when it is decode-only
+        self._available: int | None = None  # available_pages, until the backend changes
         self._commits: list[Any] = []
         self._waiting_prompts: dict[str, list[int]] = {}
         self._declined: set[str] = set()
@@ -80,9 +81,21 @@ class StepTracker:
 
     # ------------------------------------------------------------------ page accounting
     def available_pages(self) -> int:
-        """Pages an allocation could obtain now: free plus evictable from the prefix cache."""
-        allocator = self.backend.allocator
-        return allocator.num_free_pages + allocator.num_evictable_pages
+        """Pages an allocation could obtain now: free plus evictable from the prefix cache.
+
+        transformers asks for free blocks once per candidate request while it schedules a step
+        (256 times a step at batch 256), and the prefix cache's size is a walk of its counters:
+        the figure is kept until this tracker changes the backend (``_backend_changed``), since
+        during continuous batching every change goes through it."""
+        available = self._available
+        if available is None:
+            allocator = self.backend.allocator
+            available = self._available = allocator.num_free_pages + allocator.num_evictable_pages
+        return available
+
+    def _backend_changed(self) -> None:
+        """Pages were taken, freed, cached or locked: ``available_pages`` is computed again."""
+        self._available = None
 
     def unpromised_pages(self) -> int:
         """Pages transformers may still reserve: available minus promises already made."""
@@ -150,6 +163,8 @@ class StepTracker:
             request = self.backend.admit(prompt_ids)
         except OutOfMemoryError:
             return None  # every row runs a request: transformers keeps this one waiting
+        finally:
+            self._backend_changed()
         tracked = Tracked(request_id, request, capacity=request.matched_len)
         self._tracked[request_id] = tracked
         return tracked
@@ -202,6 +217,7 @@ class StepTracker:
             # its own compute stream, which does not wait for the default one by itself
             torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
         requests = [tracked.request for tracked, _, _ in self._step]
+        self._backend_changed()
         # covered by the step's promises, so this never has to fail
         if self.is_decode_only():
             self._decode_step = self.backend.begin_decode(requests)
@@ -234,6 +250,7 @@ class StepTracker:
         if not self._commits:
             return
         commits, self._commits = self._commits, []
+        self._backend_changed()
         steps = {tracked.request_id: (tracked, new) for tracked, _, new in self._step}
         appended: list[Tracked] = []
         token_ids: list[int] = []
@@ -290,6 +307,7 @@ class StepTracker:
     def _release(self, tracked: Tracked) -> None:
         self._set_promise(tracked, 0)
         del self._tracked[tracked.request_id]
+        self._backend_changed()
         self.backend.finish(tracked.request, computed=tracked.forward_done)
 
     def _report(self) -> None:
