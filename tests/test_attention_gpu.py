@@ -219,7 +219,7 @@ def test_flashinfer_decode_on_a_staged_batch_plans_its_page_lists(flashinfer_com
                           page_list_size=backend.decode_page_list_size)
     rows = np.array(case.rows, dtype=np.int64)
     cached = np.array([c for c, _ in case.lens], dtype=np.int64)
-    batch = stager.stage(rows, cached).batch
+    batch = stager.stage(rows, cached)
     assert batch.page_lists.view_page_size == (page_size if kv_view == "page" else 1)
     expected_pool = case.expected_pool()
     backend.prepare_metadata(batch)

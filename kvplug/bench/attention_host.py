@@ -53,7 +53,7 @@ def bench_metadata(args: argparse.Namespace) -> list[dict[str, Any]]:
             for suffix, options in views:
                 backend = kvplug.create_attention_backend(name, setup.config(**options))
                 stager = DecodeStager(table, torch.zeros_like(table), page_size=16, page_list_size=backend.decode_page_list_size)
-                stage = lambda: stager.stage(live_rows, cached_lens).batch  # noqa: E731
+                stage = lambda: stager.stage(live_rows, cached_lens)  # noqa: E731
                 label = f"{name}{suffix}"
                 row[f"{label}_build_batch_us"] = round(host_us(stage), 1)
                 batch = stage()
