@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable
 from kvplug_transformers.request_limits import RequestRefused
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+DISCARD_LIMIT = 64 << 20  # bytes of a refused body read (and dropped) so that its sender sees the 413
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
@@ -69,6 +70,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._discard_body(receive, int(declared))
             return await send_refusal(send, self._refusal(int(declared)))
         chunks, size = [], 0
         while True:
@@ -78,6 +80,9 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
+                chunks.clear()
+                if message.get("more_body", False):
+                    await self._discard_body(receive, None)
                 return await send_refusal(send, self._refusal(size, at_least=True))
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -92,6 +97,21 @@ class BodySizeLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _discard_body(receive: Callable, declared: int | None) -> None:
+        """Read and drop the rest of a refused body, up to ``DISCARD_LIMIT`` bytes: a client
+        still sending when the server answers and closes sees a reset, not the 413."""
+        if declared is not None and declared > DISCARD_LIMIT:
+            return
+        seen = 0
+        while seen <= DISCARD_LIMIT:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     def _refusal(self, size: int, at_least: bool = False) -> RequestRefused:
         return RequestRefused(

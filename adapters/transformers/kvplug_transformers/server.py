@@ -50,6 +50,7 @@ logger = logging.getLogger("kvplug.serve")
 STARTUP_TIMEOUT_S = 60.0
 WORKER_DEATH_GRACE_S = 1.0  # time for aborted requests to get their 503 before the process exits
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+IDLE_POOL_THREAD = "AnyIO worker thread"  # Starlette runs sync routes there; idle ones never exit by themselves
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs here
 
 
@@ -103,9 +104,12 @@ def serve(adapter: Any, **options: Any) -> int:
         if opts.kv_backend == "kvplug":
             adapter.uninstall()
     if threads_left:
-        # a thread transformers started (non-daemon) is stuck, e.g. in a long forward: the
-        # bounded stop is the promise, so leave without waiting for it
-        logger.warning("kvplug serve: exiting with %s still running", ", ".join(threads_left))
+        # a non-daemon thread would hold the process: anyio's idle thread-pool workers, or a
+        # transformers thread stuck in a long forward. The bounded stop is the promise: leave
+        # without waiting for them
+        stuck = [name for name in threads_left if not name.startswith(IDLE_POOL_THREAD)]
+        if stuck:
+            logger.warning("kvplug serve: exiting with %s still running", ", ".join(stuck))
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
