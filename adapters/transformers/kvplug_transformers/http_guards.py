@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -187,8 +188,11 @@ class InFlightRequests:
                 entry.started = True
                 content_type = dict(message.get("headers", [])).get(b"content-type", b"")
                 entry.streaming = content_type.startswith(b"text/event-stream")
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                entry.finished = True
+            elif message["type"] == "http.response.body":
+                if entry.streaming:
+                    message = {**message, "body": openai_stream_error(message.get("body", b""))}
+                if not message.get("more_body", False):
+                    entry.finished = True
             await send(message)
 
         entry.task = asyncio.ensure_future(app(scope, receive, watched_send))
@@ -217,6 +221,21 @@ class InFlightRequests:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception:  # the client is gone or the connection closed: nothing left to tell it
             pass
+
+
+_TRANSFORMERS_STREAM_ERROR = re.compile(rb'data: \{"error": "(.*)"\}\n\n\Z', re.DOTALL)
+
+
+def openai_stream_error(body: bytes) -> bytes:
+    """transformers ends a failed stream with ``data: {"error": "<text>"}`` (the text unescaped,
+    so not always JSON); rewrite that last event in OpenAI's error shape, which clients report
+    with its message."""
+    match = _TRANSFORMERS_STREAM_ERROR.search(body)
+    if match is None:
+        return body
+    text = match.group(1).decode("utf-8", errors="replace")
+    refusal = RequestRefused(f"generation failed: {text}", status=500)
+    return body[: match.start()] + f"data: {json.dumps(refusal.to_json())}\n\n".encode()
 
 
 def wrap_app(app: Any, *, api_key: str | None, max_request_bytes: int, inflight: InFlightRequests) -> None:

@@ -90,7 +90,21 @@ def add_kvplug_routes(
     async def refused(_request: Any, error: RequestRefused) -> JSONResponse:
         return JSONResponse(error.to_json(), status_code=error.status)
 
+    async def worker_dead(_request: Any, error: Exception) -> JSONResponse:
+        refusal = RequestRefused(f"the batching worker died: {error}", status=503)
+        return JSONResponse(refusal.to_json(), status_code=503)
+
+    async def failed(_request: Any, error: Exception) -> JSONResponse:
+        # a generation that failed in the worker (transformers raises RuntimeError) or a bug:
+        # still an OpenAI-shaped error, so clients show its message; the traceback is logged
+        refusal = RequestRefused(f"internal error: {type(error).__name__}: {error}", status=500)
+        return JSONResponse(refusal.to_json(), status_code=500)
+
+    from transformers.cli.serving.utils import CBWorkerDeadError
+
     app.add_exception_handler(RequestRefused, refused)
+    app.add_exception_handler(CBWorkerDeadError, worker_dead)  # transformers' own answers {"error": str}
+    app.add_exception_handler(Exception, failed)
 
 
 def _native_stats(generation_state: Any) -> dict:
