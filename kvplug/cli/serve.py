@@ -194,8 +194,10 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
     if args.kv_backend == "native":
         ignored = [f"--{name.replace('_', '-')}" for name in KVPLUG_ONLY_FLAGS if name in given]
         if ignored:
+            verb = "configures" if len(ignored) == 1 else "configure"
             raise InvalidArgumentError(
-                f"{', '.join(ignored)} configure kvplug's cache and have no effect with --kv-backend native "
+                f"{', '.join(ignored)} {verb} kvplug's cache and {'has' if len(ignored) == 1 else 'have'} no effect "
+                "with --kv-backend native "
                 "(transformers' own cache); drop them or use --kv-backend kvplug"
             )
     _check_int("--page-size", args.page_size, low=1)

@@ -76,7 +76,7 @@ def serve(adapter: Any, **options: Any) -> int:
     context_len = model_context_len(config)
     if opts.max_seq_len is not None and opts.max_seq_len > context_len:
         raise InvalidArgumentError(
-            f"--max-seq-len {opts.max_seq_len:,} exceeds the model's context of {context_len:,} tokens "
+            f"--max-seq-len (--max-model-len) {opts.max_seq_len:,} exceeds the model's context of {context_len:,} tokens "
             f"(max_position_embeddings in {model_path}/config.json); give at most {context_len:,}"
         )
     dtype_name, kv_dtype = _resolve_dtype(opts.dtype, config, device, embedded=opts.model is None)
@@ -342,14 +342,25 @@ def _uvicorn_logging(opts: ServeOptions) -> Iterator[None]:
         uvicorn.Config = original
 
 
-class _ServingNoise(logging.Filter):
-    """transformers' server logs a warning per request ("[Request received] ...") and per model
-    load; kvplug logs its own request line at debug level."""
+# (logger name prefix, message prefix) of lines that repeat what another line says, or say per
+# request what the server logs at debug level: shown only with --log-level debug
+REPEATED_LINES = (
+    ("transformers.cli.serving", "[Request received]"),  # a warning per request
+    ("transformers.cli.serving", "Loading "),  # the model load, already announced
+    ("transformers.tokenization_utils_base", "Token indices sequence length"),  # over-long prompts get a 400
+    ("kvplug_transformers", "kvplug installed into transformers"),  # the settings, in the pool line
+    ("kvplug.backend", "kvplug backend: "),  # the pool, in "kvplug KV pool built"
+    ("kvplug.backend", "attention='auto' on"),  # the attention backend, in "kvplug KV pool built"
+)
 
+
+class _RepeatedLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name.startswith("transformers.cli.serving") and record.levelno == logging.WARNING:
-            message = record.getMessage()
-            return not (message.startswith("[Request received]") or message.startswith("Loading "))
+        if record.levelno > logging.WARNING:
+            return True
+        for name, prefix in REPEATED_LINES:
+            if record.name.startswith(name) and str(record.msg).startswith(prefix):
+                return False
         return True
 
 
@@ -363,8 +374,9 @@ def _configure_logging(level_name: str) -> None:
     if not isinstance(level, int):
         raise InvalidArgumentError(f"--log-level must be debug, info, warning or error, got {level_name!r}")
     logging.basicConfig(level=level, format=LOG_FORMAT, force=True)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_ServingNoise())
+    if level > logging.DEBUG:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_RepeatedLines())
     logging.captureWarnings(True)
     for name in ("kvplug", "kvplug_transformers", "uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(level)
