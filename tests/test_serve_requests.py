@@ -158,6 +158,13 @@ def test_generation_stops_at_the_limit_with_finish_reason_length(server, client)
         ({"messages": HI, "generation_config": "{not json"}, 400, "'generation_config'"),
         ({"messages": HI, "model": 7}, 400, "'model' must be a string"),
         ({"messages": HI, "bogus_field": 1}, 422, "Unexpected fields"),
+        ({"messages": HI, "seed": 2**70}, 400, "'seed' must be an integer in [0, 2**63)"),
+        # what transformers' continuous batching would silently not apply per request
+        ({"messages": HI, "logit_bias": {"999999999": 5}}, 400, "does not apply per-request logit_bias"),
+        ({"messages": HI, "frequency_penalty": -1}, 400, "does not apply per-request frequency_penalty"),
+        ({"messages": HI, "stop": ["x"]}, 400, "does not apply per-request stop"),
+        ({"messages": HI, "generation_config": '{"num_beams": 4}'}, 400, "does not apply per-request num_beams"),
+        ({"messages": HI, "generation_config": '{"do_sample": true, "top_k": -1}'}, 400, "samples every request the same way (greedy"),
     ],
 )
 def test_bad_chat_bodies_get_a_4xx_naming_the_field(server, body, status, words):
@@ -165,6 +172,14 @@ def test_bad_chat_bodies_get_a_4xx_naming_the_field(server, body, status, words)
     assert got == status, answer
     text = json.dumps(answer)
     assert words in text, text
+
+
+def test_parameters_matching_the_server_sampling_are_accepted(server, client):
+    for extra in ({"temperature": 0}, {"frequency_penalty": 0}, {"n": 1}, {"seed": 7}, {"stop": []}):
+        reply = client.chat.completions.create(model="kvplug-default", messages=HI, max_tokens=3, **extra)
+        assert reply.choices[0].finish_reason in ("stop", "length"), extra
+    status, answer = _chat(server[0], {"messages": HI, "max_completion_tokens": 2})
+    assert status == 200 and answer["usage"]["completion_tokens"] <= 2
 
 
 def test_bad_bodies_on_other_endpoints_and_non_json(server, client):

@@ -35,6 +35,8 @@ def check_chat_completion(body: dict) -> None:
     _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     _expect(body, "logit_bias", _is_logit_bias, "an object mapping token ids to numbers in [-100, 100]")
     _expect_number(body, "frequency_penalty", -2.0, 2.0)
+    if body.get("logit_bias"):
+        body["logit_bias"] = {key: float(bias) for key, bias in body["logit_bias"].items()}  # transformers wants floats
 
 
 def check_completion(body: dict) -> None:
@@ -123,7 +125,7 @@ def _check_common(body: dict, max_tokens_field: str) -> None:
     top_p = body.get("top_p")
     if top_p is not None and not (_is_number(top_p) and 0.0 < top_p <= 1.0):
         raise RequestRefused(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-    _expect(body, "seed", _is_int, "an integer")
+    _expect(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)")
     _expect(
         body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
         "a string or a list of strings",

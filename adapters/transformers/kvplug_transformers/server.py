@@ -5,7 +5,9 @@ started in a background thread; this module plans and installs kvplug first, the
 transformers builds its app, puts kvplug's guards in front of it:
 
 * every request body is checked (4xx naming the field), the model may be named by
-  ``--served-model-name`` or omitted, unsupported parameters (``n > 1`` ...) are refused;
+  ``--served-model-name`` or omitted, unsupported parameters (``n > 1`` ...) are refused, and so
+  are sampling parameters other than the server's (continuous batching applies one sampling
+  setting, the model's ``generation_config.json``, to every request);
 * a prompt that cannot fit is refused with a 400 naming the limit, ``max_tokens`` is lowered to the
   room left (``finish_reason: "length"``), bodies over ``--max-request-bytes`` get 413: no request
   can stop the batching worker;

@@ -12,6 +12,7 @@ request, and transformers then answers 503 forever. The watch:
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -22,14 +23,20 @@ logger = logging.getLogger("kvplug.serve")
 
 
 class LimitedManager:
-    """A transformers generation manager whose requests pass ``RequestLimits`` first."""
+    """A transformers generation manager whose requests pass ``RequestLimits`` first, and whose
+    sampling is the server's (``ServerSampling``) rather than its first request's."""
 
-    def __init__(self, inner: Any, limits: RequestLimits) -> None:
+    def __init__(self, inner: Any, limits: RequestLimits, sampling: ServerSampling) -> None:
         self._inner = inner
         self._limits = limits
+        self._sampling = sampling
 
     def init_cb(self, model: Any, generation_config: Any) -> None:
-        self._inner.init_cb(model, generation_config)
+        """transformers starts the worker with the first request's generation config and then
+        applies its sampling to every request; start it with the server's instead, and refuse a
+        request asking for other sampling (it would be silently ignored)."""
+        self._sampling.check(model, generation_config)
+        self._inner.init_cb(model, self._sampling.config(model))
 
     def generate_streaming(self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
         self._limits.apply(inputs["input_ids"], generation_config)
@@ -57,6 +64,72 @@ class LimitedManager:
             )
 
 
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "sequence_bias", "stop_strings",
+                   "num_beams", "num_return_sequences")
+NEUTRAL = {"repetition_penalty": 1.0, "sequence_bias": None, "stop_strings": None, "num_beams": 1,
+           "num_return_sequences": 1}
+OPENAI_NAMES = {"repetition_penalty": "frequency_penalty", "sequence_bias": "logit_bias", "stop_strings": "stop"}
+
+
+class ServerSampling:
+    """The one sampling setting of the server: the model's ``generation_config.json``.
+
+    transformers' continuous batching takes only ``max_new_tokens`` and the EOS token per
+    request; everything else (temperature, top_p, penalties, logit bias, stop strings) comes from
+    the config the worker started with. A request asking for something else is refused (400)
+    instead of being served with settings it did not ask for."""
+
+    def __init__(self) -> None:
+        self._config: Any = None
+
+    def config(self, model: Any) -> Any:
+        if self._config is None:
+            config = copy.deepcopy(model.generation_config)
+            config.use_cache = False  # continuous batching manages its own paged cache
+            self._config = config
+        return self._config
+
+    def check(self, model: Any, requested: Any) -> None:
+        server = self._settings(self.config(model))
+        asked = self._settings(requested)
+        differing = [name for name in SAMPLING_FIELDS if asked.get(name) != server.get(name)]
+        if differing:
+            names = sorted({OPENAI_NAMES.get(name, name) for name in differing})
+            raise RequestRefused(
+                f"this server samples every request the same way ({self._describe(server)}, from the model's "
+                f"generation_config.json): transformers' continuous batching does not apply per-request "
+                f"{', '.join(names)}; this request asks for {self._describe(asked)}",
+                param=names[0],
+            )
+
+    @staticmethod
+    def _settings(config: Any) -> dict:
+        values = {name: getattr(config, name, None) for name in SAMPLING_FIELDS}
+        for name, neutral in NEUTRAL.items():
+            if values[name] in (None, neutral, {}, []):
+                values[name] = neutral
+        if not values["do_sample"] or values["temperature"] == 0:
+            # greedy: temperature, top_p and top_k play no part
+            values.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            values["temperature"] = 1.0 if values["temperature"] is None else float(values["temperature"])
+            values["top_p"] = 1.0 if values["top_p"] is None else float(values["top_p"])
+        return values
+
+    @staticmethod
+    def _describe(settings: dict) -> str:
+        if not settings["do_sample"]:
+            shown = ["greedy"]
+        else:
+            shown = [f"temperature {settings['temperature']:g}", f"top_p {settings['top_p']:g}"]
+            if settings["top_k"] is not None:
+                shown.append(f"top_k {settings['top_k']}")
+        shown += [
+            f"{name} {settings[name]!r}" for name, neutral in NEUTRAL.items() if settings[name] != neutral
+        ]
+        return ", ".join(shown)
+
+
 class WorkerWatch:
     """Guards ``generation_state`` (transformers' ``GenerationState``) in place.
 
@@ -72,12 +145,13 @@ class WorkerWatch:
         self._inflight = inflight
         self._get_manager = generation_state.get_manager
         generation_state.get_manager = self.get_manager
+        self.sampling = ServerSampling()
         self.death: str | None = None
 
     def get_manager(self, model_id: str, use_cb: bool = False) -> LimitedManager:
         if self._inflight.closed_reason is not None:
             raise RequestRefused(self._inflight.closed_reason, status=503)
-        return LimitedManager(self._get_manager(model_id, use_cb=use_cb), self.limits)
+        return LimitedManager(self._get_manager(model_id, use_cb=use_cb), self.limits, self.sampling)
 
     def _batching_manager(self) -> Any:
         """transformers' ``ContinuousBatchingManager``, once the first request started it."""
@@ -94,7 +168,8 @@ class WorkerWatch:
         if status.fatal_error is not None:
             return f"{type(status.fatal_error).__name__}: {status.fatal_error}"
         thread = getattr(manager, "_generation_thread", None)
-        if thread is not None and not thread.is_alive() and status.local_status == status.DONT_STOP:
+        started = thread is not None and thread.ident is not None  # created but not yet started: not dead
+        if started and not thread.is_alive() and status.local_status == status.DONT_STOP:
             return "its thread exited without an error"
         return None
 
