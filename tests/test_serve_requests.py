@@ -81,6 +81,14 @@ def test_models_lists_the_served_name_and_requests_may_name_or_omit_it(server, c
     assert status == 404 and "'gpt-4o' does not exist" in body["error"]["message"] and "kvplug-default" in body["error"]["message"]
 
 
+def test_model_management_routes_are_gone(server):
+    port = server[0]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body in (("/reset", b"{}"), ("/load_model", b'{"model": "gpt2"}')):
+        assert post(port, path, body, auth)[0] == 404, path
+    assert get_json(port, "/health") == (200, {"status": "ok"})
+
+
 def test_api_key_is_required_on_v1_routes_only(server):
     port = server[0]
     assert _chat(port, {"messages": HI}, key=None)[0] == 401

@@ -7,7 +7,8 @@ evictions, utilisation, ...); with ``native``, what transformers' own cache expo
 ``worker`` (``{"alive": bool, "error": str | None}``); the answer is 503 once the batching worker
 has died. ``/health`` and ``/v1/models`` replace transformers' own: its health check does not see
 a closing server, and its model list scans the Hugging Face hub cache (500 without one) instead of
-naming the model this server serves.
+naming the model this server serves. transformers' ``/reset``, ``/load_model`` and
+``/v1/audio/transcriptions`` are removed (see ``REMOVED_ROUTES``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from kvplug_transformers.request_limits import RequestRefused
 from kvplug_transformers.worker_watch import WorkerWatch
 
 REPLACED_ROUTES = frozenset({"/health", "/v1/models"})
+# transformers' model-management routes: POST /reset unloads the one model this server is pinned
+# to (under the running batching worker), POST /load_model fetches any Hub model; and a text model
+# has no audio. Any client could use them to break the server: they are removed.
+REMOVED_ROUTES = frozenset({"/reset", "/load_model", "/v1/audio/transcriptions"})
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,9 @@ def add_kvplug_routes(
 ) -> None:
     from fastapi.responses import JSONResponse
 
-    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in REPLACED_ROUTES]
+    app.router.routes[:] = [
+        route for route in app.router.routes if getattr(route, "path", None) not in REPLACED_ROUTES | REMOVED_ROUTES
+    ]
 
     def worker_state() -> dict:
         error = watch.worker_error()
