@@ -192,3 +192,16 @@ def test_info_log_has_one_format_and_one_pool_line(cache_dir, tmp_path):
     assert "capped at max_running_reqs x max_seq_len = 4 x 512 tokens" in pool[0]
     assert not any("2 pages x 16 tokens" in line or "Using cuda graphs" in line for line in lines)
     assert not any("Qwen3Config" in line for line in lines)  # the config is printed at debug level only
+
+
+def test_a_filtered_out_host_plugin_is_not_called_missing(monkeypatch):
+    pytest.importorskip("kvplug_transformers")
+    from kvplug.cli.serve import find_host
+
+    monkeypatch.setenv("KVPLUG_LOAD_PLUGINS", "")
+    with pytest.raises(KVPlugError, match="installed but not loaded: KVPLUG_LOAD_PLUGINS='' does not name it"):
+        find_host(PluginManager())
+    monkeypatch.delenv("KVPLUG_LOAD_PLUGINS")
+    monkeypatch.setenv("KVPLUG_DISABLE_PLUGINS", "transformers")
+    with pytest.raises(KVPlugError, match="KVPLUG_DISABLE_PLUGINS='transformers' names it"):
+        find_host(PluginManager())

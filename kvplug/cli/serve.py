@@ -31,6 +31,7 @@ from kvplug.interface import InvalidArgumentError, KVPlugError, UnknownComponent
 from kvplug.memory.capacity import parse_memory_size
 from kvplug.memory.model_shape import parse_dtype
 from kvplug.plugins import PluginManager
+from kvplug.plugins.loading import PluginSelection, kvplug_entry_points
 
 HOST_NAME = "transformers"
 INSTALL_HINT = "pip install ./adapters/transformers (or: pip install kvplug-transformers)"
@@ -309,10 +310,19 @@ def find_host(manager: PluginManager) -> Any:
     """The transformers host adapter, or a clear error naming how to install it."""
     if HOST_NAME not in manager.available("host"):
         failures = [f for f in manager.load_failures if f.entry_point == HOST_NAME]
-        reason = f" (its plugin failed to load: {failures[0].error})" if failures else ""
-        raise KVPlugError(
-            f"kvplug serve needs the '{HOST_NAME}' host plugin, which is not installed{reason}: {INSTALL_HINT}"
-        )
+        if failures:
+            raise KVPlugError(
+                f"kvplug serve needs the '{HOST_NAME}' host plugin, which failed to load: {failures[0].error}"
+            )
+        selection = PluginSelection.from_env(os.environ)
+        if any(ep.name == HOST_NAME for ep in kvplug_entry_points()) and not selection.wants(HOST_NAME):
+            if HOST_NAME in selection.block:
+                why = f"KVPLUG_DISABLE_PLUGINS={os.environ.get('KVPLUG_DISABLE_PLUGINS')!r} names it: remove it there"
+            else:
+                why = (f"KVPLUG_LOAD_PLUGINS={os.environ.get('KVPLUG_LOAD_PLUGINS')!r} does not name it: "
+                       f"add '{HOST_NAME}' there or unset it")
+            raise KVPlugError(f"kvplug serve needs the '{HOST_NAME}' host plugin, which is installed but not loaded: {why}")
+        raise KVPlugError(f"kvplug serve needs the '{HOST_NAME}' host plugin, which is not installed: {INSTALL_HINT}")
     return manager.create("host", HOST_NAME)
 
 
