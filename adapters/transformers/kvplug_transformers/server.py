@@ -101,10 +101,11 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("native transformers paged cache: %s", cb_options or "transformers defaults")
     served = served_model(opts.model_name(model_path), model_path)
     try:
-        code, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits)
+        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits)
     finally:
         if opts.kv_backend == "kvplug":
             adapter.uninstall()
+    failure = None if death is None else KVPlugError(f"the batching worker died ({death}); the server stopped")
     if threads_left:
         # a non-daemon thread would hold the process: anyio's idle thread-pool workers, or a
         # transformers thread stuck in a long forward. The bounded stop is the promise: leave
@@ -113,10 +114,14 @@ def serve(adapter: Any, **options: Any) -> int:
         if stuck:
             logger.warning("kvplug serve: exiting with %s still running", ", ".join(stuck))
         logging.shutdown()
+        if failure is not None:
+            print(f"kvplug serve: error: {failure}", file=sys.stderr)  # what the CLI prints for an error
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
-    return code
+        os._exit(0 if failure is None else 2)
+    if failure is not None:
+        raise failure
+    return 0
 
 
 def describe_pool(plan: PoolPlan) -> str:
@@ -140,8 +145,9 @@ def _limit_source(opts: ServeOptions, context_len: int) -> str:
 def _run_server(
     adapter: Any, opts: ServeOptions, served: ServedModel, device: torch.device, dtype_name: str, cb_options: dict,
     limits: RequestLimits,
-) -> tuple[int, list[str]]:
-    """Serve until a stop signal or the worker's death; returns (exit code, threads still alive)."""
+) -> tuple[str | None, list[str]]:
+    """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
+    non-daemon threads still alive)."""
     from transformers.cli.serve import Serve
 
     stop = threading.Event()
@@ -178,10 +184,9 @@ def _run_server(
             threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout, death is not None)
     if opts.kv_backend == "kvplug":
         logger.info("%s", adapter.stats().describe())
-    if death is not None:
-        raise KVPlugError(f"the batching worker died ({death}); the server stopped")
-    logger.info("kvplug serve: stopped")
-    return 0, threads_left
+    if death is None:
+        logger.info("kvplug serve: stopped")
+    return death, threads_left
 
 
 def _check_components(settings: Any, shape: Any, device: torch.device) -> None:
