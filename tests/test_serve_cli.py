@@ -205,3 +205,16 @@ def test_a_filtered_out_host_plugin_is_not_called_missing(monkeypatch):
     monkeypatch.setenv("KVPLUG_DISABLE_PLUGINS", "transformers")
     with pytest.raises(KVPlugError, match="KVPLUG_DISABLE_PLUGINS='transformers' names it"):
         find_host(PluginManager())
+
+
+def test_default_served_name_is_the_checkpoint_folder_or_kvplug_default():
+    pytest.importorskip("kvplug_transformers")
+    from kvplug_transformers.serve_options import ServeOptions
+
+    assert ServeOptions(model="/models/Qwen3-0.6B").model_name("/models/Qwen3-0.6B") == "Qwen3-0.6B"
+    assert ServeOptions(model="/models/Qwen3-0.6B/").model_name("/models/Qwen3-0.6B/") == "Qwen3-0.6B"
+    assert ServeOptions().model_name("/cache/embedded-default-abc") == "kvplug-default"
+    assert ServeOptions(served_model_name="mine").model_name("/models/x") == "mine"
+    for bad in ({"shutdown_timeout": 0}, {"max_request_bytes": 10}, {"served_model_name": " "}, {"api_key": ""}):
+        with pytest.raises(InvalidArgumentError):
+            ServeOptions(**bad)
