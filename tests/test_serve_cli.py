@@ -63,7 +63,8 @@ def test_vllm_and_sglang_aliases(manager):
     ("argv", "message"),
     [
         (["--kv-backend", "native", "--prefix-cache", "naive"], "--prefix-cache configures kvplug's cache"),
-        (["--kv-backend", "native", "--attention", "torch", "--max-running-reqs", "4"], "--attention, --max-running-reqs configure"),
+        (["--kv-backend", "native", "--attention", "torch", "--max-running-reqs", "4"],
+         "--attention, --max-running-reqs configure"),
         (["--kv-backend", "native", "--stats-interval", "1"], "--stats-interval configures kvplug's cache"),
         (["--page-size", "0"], "--page-size must be an int >= 1, got 0"),
         (["--max-running-reqs", "0"], "--max-running-reqs must be an int >= 1, got 0"),
@@ -88,7 +89,8 @@ def test_bad_flag_shows_the_serve_usage():
         capture_output=True, text=True, timeout=60, env=kvplug_env(__import__("pathlib").Path("/nonexistent")),
     )
     assert result.returncode == 2
-    assert "usage: kvplug serve" in result.stderr and "unrecognized arguments: --tensor-parallel-size=2" in result.stderr
+    assert "usage: kvplug serve" in result.stderr
+    assert "unrecognized arguments: --tensor-parallel-size=2" in result.stderr
 
 
 def test_help_lists_the_registered_components_one_line_each():
@@ -158,7 +160,8 @@ def test_served_model_name_log_format_and_level(cache_dir, tmp_path):
         wait_ready(process, port, log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert [model.id for model in client.models.list().data] == ["tiny"]
-        assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2).model == "tiny"
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.model == "tiny"
         assert get_json(port, "/kvplug/stats")[1]["model"] == "tiny"
     finally:
         code, _ = stop(process)

@@ -82,7 +82,9 @@ def test_body_checks_normalise_what_transformers_would_misread():
     assert body["max_tokens"] == 5 and "max_completion_tokens" not in body
     assert body["messages"][0]["role"] == "system" and body["logit_bias"] == {"7": 1.0}
     with pytest.raises(RequestRefused, match="disagree"):
-        check_chat_completion({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 4})
+        check_chat_completion(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 4}
+        )
     response = {"input": "hi"}
     check_response(response)
     assert response["stream"] is False  # OpenAI's default; transformers' handler would stream

@@ -47,7 +47,8 @@ def _outcome(call) -> tuple[str, str]:
 def _chat(client, content: str, max_tokens: int | None, stream: bool, read_chunks: int | None = None) -> str:
     kwargs = {} if max_tokens is None else {"max_tokens": max_tokens}
     if not stream:
-        reply = client.chat.completions.create(model="kvplug-default", messages=[{"role": "user", "content": content}], **kwargs)
+        messages = [{"role": "user", "content": content}]
+        reply = client.chat.completions.create(model="kvplug-default", messages=messages, **kwargs)
         return reply.choices[0].finish_reason
     stream_ = client.chat.completions.create(
         model="kvplug-default", messages=[{"role": "user", "content": content}], stream=True, **kwargs
@@ -76,7 +77,8 @@ def test_sigterm_under_load_exits_0_in_time_and_answers_everyone(cache_dir, tmp_
     client = _client(port)
     with ThreadPoolExecutor(12) as pool:
         futures = [
-            pool.submit(_outcome, lambda i=i: _chat(client, f"request {i}", 5_000, stream=i % 2 == 1)) for i in range(12)
+            pool.submit(_outcome, lambda i=i: _chat(client, f"request {i}", 5_000, stream=i % 2 == 1))
+            for i in range(12)
         ]
         time.sleep(2.0)
         assert get_json(port, "/kvplug/stats")[1]["in_flight"] == 12
@@ -183,7 +185,8 @@ def test_soak_small_pool_mixed_clients_no_leak_and_clean_stop(cache_dir, tmp_pat
             elif kind == "prefix":
                 ok = _chat(client, shared + str(rng.randint(0, 3)), 8, stream=rng.random() < 0.5) in ("stop", "length")
             elif kind == "huge":
-                ok = _chat(client, f"h{rng.random()}", rng.choice([10**9, 5_000, None]), stream=rng.random() < 0.5) in ("length", "stop")
+                max_tokens = rng.choice([10**9, 5_000, None])
+                ok = _chat(client, f"h{rng.random()}", max_tokens, stream=rng.random() < 0.5) in ("length", "stop")
             elif kind == "too_long":
                 try:
                     _chat(client, "x" * rng.randint(max_seq_len, 3 * max_seq_len), 8, stream=rng.random() < 0.5)

@@ -58,7 +58,8 @@ def _chat(port: int, body: dict | bytes, key: str | None = API_KEY) -> tuple[int
 
 
 def _assert_serving(port: int, client) -> None:
-    reply = client.chat.completions.create(messages=[{"role": "user", "content": "still there?"}], max_tokens=3, model="kvplug-default")
+    messages = [{"role": "user", "content": "still there?"}]
+    reply = client.chat.completions.create(messages=messages, max_tokens=3, model="kvplug-default")
     assert reply.usage.completion_tokens >= 1
     status, stats = get_json(port, "/kvplug/stats")
     assert status == 200 and stats["worker"] == {"alive": True, "error": None}
@@ -78,7 +79,8 @@ def test_models_lists_the_served_name_and_requests_may_name_or_omit_it(server, c
     status, body = _chat(port, {"messages": HI, "max_tokens": 2})  # no model at all
     assert status == 200 and body["model"] == "kvplug-default"
     status, body = _chat(port, {"model": "gpt-4o", "messages": HI})
-    assert status == 404 and "'gpt-4o' does not exist" in body["error"]["message"] and "kvplug-default" in body["error"]["message"]
+    assert status == 404 and "'gpt-4o' does not exist" in body["error"]["message"]
+    assert "kvplug-default" in body["error"]["message"]
 
 
 def test_model_management_routes_are_gone(server):
@@ -107,7 +109,9 @@ def test_prompt_longer_than_the_limit_is_refused_with_vllm_wording(server, clien
     assert f"This model's maximum context length is {MAX_SEQ_LEN} tokens" in message and "--max-seq-len" in message
     # the same through streaming and the legacy and Responses endpoints
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="kvplug-default", messages=[{"role": "user", "content": "x" * 1200}], stream=True)
+        client.chat.completions.create(
+            model="kvplug-default", messages=[{"role": "user", "content": "x" * 1200}], stream=True
+        )
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="kvplug-default", prompt="y" * 300)
     with pytest.raises(openai.BadRequestError):
@@ -127,9 +131,12 @@ def test_generation_stops_at_the_limit_with_finish_reason_length(server, client)
         if reply.choices[0].finish_reason == "length":
             assert reply.usage.total_tokens == MAX_SEQ_LEN
     # a prompt one token short of the limit: exactly one generated token fits
-    prompt_len = client.chat.completions.create(model="kvplug-default", messages=[{"role": "user", "content": "a"}], max_tokens=1).usage.prompt_tokens
+    one = client.chat.completions.create(model="kvplug-default", messages=[{"role": "user", "content": "a"}],
+                                         max_tokens=1)
+    prompt_len = one.usage.prompt_tokens
     content = "a" * (1 + MAX_SEQ_LEN - 1 - prompt_len)  # byte-level tokenizer: one token per byte
-    reply = client.chat.completions.create(model="kvplug-default", messages=[{"role": "user", "content": content}], max_tokens=500)
+    messages = [{"role": "user", "content": content}]
+    reply = client.chat.completions.create(model="kvplug-default", messages=messages, max_tokens=500)
     assert reply.usage.prompt_tokens == MAX_SEQ_LEN - 1 and reply.usage.completion_tokens == 1
     assert reply.choices[0].finish_reason == "length"
     stream = client.chat.completions.create(model="kvplug-default", messages=HI, max_tokens=10**6, stream=True)
@@ -148,7 +155,8 @@ def test_generation_stops_at_the_limit_with_finish_reason_length(server, client)
         ({"messages": [{"role": "user"}]}, 400, "'messages[0].content'"),
         ({"messages": [{"content": "hi"}]}, 400, "'messages[0].role' must be one of"),
         ({"messages": ["hi"]}, 400, "'messages[0]' must be an object"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text part"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         400, "text part"),
         ({"messages": HI, "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1"),
         ({"messages": HI, "max_tokens": -1}, 400, "'max_tokens' must be an integer >= 1"),
         ({"messages": HI, "max_tokens": "abc"}, 400, "'max_tokens' must be an integer >= 1"),
@@ -172,7 +180,8 @@ def test_generation_stops_at_the_limit_with_finish_reason_length(server, client)
         ({"messages": HI, "frequency_penalty": -1}, 400, "does not apply per-request frequency_penalty"),
         ({"messages": HI, "stop": ["x"]}, 400, "does not apply per-request stop"),
         ({"messages": HI, "generation_config": '{"num_beams": 4}'}, 400, "does not apply per-request num_beams"),
-        ({"messages": HI, "generation_config": '{"do_sample": true, "top_k": -1}'}, 400, "samples every request the same way (greedy"),
+        ({"messages": HI, "generation_config": '{"do_sample": true, "top_k": -1}'},
+         400, "samples every request the same way (greedy"),
     ],
 )
 def test_bad_chat_bodies_get_a_4xx_naming_the_field(server, body, status, words):

@@ -165,7 +165,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
     )
     parser.add_argument(
-        "--max-request-bytes", default="4MiB", help="largest request body, bytes or a size ('4MiB'); 413 above (default 4MiB)"
+        "--max-request-bytes", default="4MiB",
+        help="largest request body, bytes or a size ('4MiB'); 413 above (default 4MiB)",
     )
 
 
@@ -214,12 +215,16 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         try:
             parse_dtype(dtype)
         except KVPlugError as error:
-            raise InvalidArgumentError(f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}") from error
+            raise InvalidArgumentError(
+                f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}"
+            ) from error
     model = _model_path(args)
     kv_memory = parse_kv_memory(args.kv_memory)
     if args.gpu_memory_utilization is not None:
         if kv_memory is not None:
-            raise InvalidArgumentError("give --kv-memory or --gpu-memory-utilization, not both (they set the same budget)")
+            raise InvalidArgumentError(
+                "give --kv-memory or --gpu-memory-utilization, not both (they set the same budget)"
+            )
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise InvalidArgumentError(
                 f"--gpu-memory-utilization must be a fraction in (0, 1], got {args.gpu_memory_utilization:g}"
@@ -321,7 +326,9 @@ def find_host(manager: PluginManager) -> Any:
             else:
                 why = (f"KVPLUG_LOAD_PLUGINS={os.environ.get('KVPLUG_LOAD_PLUGINS')!r} does not name it: "
                        f"add '{HOST_NAME}' there or unset it")
-            raise KVPlugError(f"kvplug serve needs the '{HOST_NAME}' host plugin, which is installed but not loaded: {why}")
+            raise KVPlugError(
+                f"kvplug serve needs the '{HOST_NAME}' host plugin, which is installed but not loaded: {why}"
+            )
         raise KVPlugError(f"kvplug serve needs the '{HOST_NAME}' host plugin, which is not installed: {INSTALL_HINT}")
     return manager.create("host", HOST_NAME)
 

@@ -31,7 +31,9 @@ async def send_refusal(send: Callable, refusal: RequestRefused, headers: list | 
     await send({
         "type": "http.response.start",
         "status": refusal.status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])],
+        "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])
+        ],
     })
     await send({"type": "http.response.body", "body": body})
 

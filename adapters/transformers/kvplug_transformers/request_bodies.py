@@ -62,7 +62,9 @@ def check_response(body: dict) -> None:
     """``POST /v1/responses``."""
     _check_common(body, "max_output_tokens")
     body.setdefault("stream", False)  # OpenAI's default; transformers' handler would stream instead
-    _refuse_if(body, "previous_response_id", bool, "previous_response_id is not supported: this server stores no responses")
+    _refuse_if(
+        body, "previous_response_id", bool, "previous_response_id is not supported: this server stores no responses"
+    )
     _refuse_if(body, "background", bool, "background responses are not supported by this server")
     _refuse_if(body, "top_logprobs", lambda v: v != 0, "top_logprobs are not supported by this server")
     _expect(body, "instructions", lambda v: isinstance(v, str), "a string")
@@ -85,14 +87,13 @@ def check_response(body: dict) -> None:
             raise RequestRefused(f"'{where}' must be an object, got {_describe(item)}", param="input")
         if "role" in item:
             _check_message(item, where)
-        elif item.get("type") == "function_call":
-            for key in ("call_id", "name", "arguments"):
+        elif item.get("type") in ("function_call", "function_call_output"):
+            keys = ("call_id", "name", "arguments") if item["type"] == "function_call" else ("call_id", "output")
+            for key in keys:
                 if not isinstance(item.get(key), str):
-                    raise RequestRefused(f"'{where}.{key}' must be a string, got {_describe(item.get(key))}", param="input")
-        elif item.get("type") == "function_call_output":
-            for key in ("call_id", "output"):
-                if not isinstance(item.get(key), str):
-                    raise RequestRefused(f"'{where}.{key}' must be a string, got {_describe(item.get(key))}", param="input")
+                    raise RequestRefused(
+                        f"'{where}.{key}' must be a string, got {_describe(item.get(key))}", param="input"
+                    )
         elif item.get("type") == "reasoning":
             continue
         else:
@@ -173,7 +174,9 @@ def _refuse_unsupported_chat_parameters(body: dict) -> None:
 
 def _check_message(message: Any, where: str) -> None:
     if not isinstance(message, dict):
-        raise RequestRefused(f"'{where}' must be an object with 'role' and 'content', got {_describe(message)}", param=where)
+        raise RequestRefused(
+            f"'{where}' must be an object with 'role' and 'content', got {_describe(message)}", param=where
+        )
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise RequestRefused(f"'{where}.role' must be one of {list(CHAT_ROLES)}, got {role!r}", param=where)

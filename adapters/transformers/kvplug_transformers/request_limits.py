@@ -50,7 +50,8 @@ class RequestLimits:
     source: str
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_context_len, bool) or not isinstance(self.max_context_len, int) or self.max_context_len < 2:
+        value = self.max_context_len
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
             raise InvalidArgumentError(f"max_context_len must be an int >= 2, got {self.max_context_len!r}")
 
     def admit(self, prompt_len: int, requested_new_tokens: int | None) -> int:

@@ -52,7 +52,8 @@ class ServeOptions:
             raise InvalidArgumentError(
                 f"--shutdown-timeout must be seconds in (0, {MAX_SHUTDOWN_TIMEOUT:g}], got {self.shutdown_timeout!r}"
             )
-        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+        size = self.max_request_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
             raise InvalidArgumentError(f"--max-request-bytes must be an int >= 1024, got {self.max_request_bytes!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise InvalidArgumentError("--served-model-name must not be empty")

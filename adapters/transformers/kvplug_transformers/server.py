@@ -78,8 +78,9 @@ def serve(adapter: Any, **options: Any) -> int:
     context_len = model_context_len(config)
     if opts.max_seq_len is not None and opts.max_seq_len > context_len:
         raise InvalidArgumentError(
-            f"--max-seq-len (--max-model-len) {opts.max_seq_len:,} exceeds the model's context of {context_len:,} tokens "
-            f"(max_position_embeddings in {model_path}/config.json); give at most {context_len:,}"
+            f"--max-seq-len (--max-model-len) {opts.max_seq_len:,} exceeds the model's context of "
+            f"{context_len:,} tokens (max_position_embeddings in {model_path}/config.json); "
+            f"give at most {context_len:,}"
         )
     dtype_name, kv_dtype = _resolve_dtype(opts.dtype, config, device, embedded=opts.model is None)
     shape = model_shape(config, kv_dtype)
@@ -181,7 +182,7 @@ def _run_server(
             )
             death = _watch(server, adapter, opts, stop, watch)
         finally:
-            threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout, death is not None)
+            threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
     if opts.kv_backend == "kvplug":
         logger.info("%s", adapter.stats().describe())
     if death is None:
@@ -248,7 +249,7 @@ def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event,
     return None
 
 
-def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeout: float, worker_dead: bool) -> list[str]:
+def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeout: float) -> list[str]:
     """Stop within ``timeout`` s: refuse new requests and close the listener at once, let running
     requests finish until ``timeout - margin``, abort the rest, stop the worker and the HTTP
     thread. Returns the names of non-daemon threads still alive at the deadline."""
@@ -260,7 +261,9 @@ def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeo
     uvicorn_server.should_exit = True  # uvicorn closes its listening socket at its next tick
     running = inflight.count()
     if running:
-        logger.info("kvplug serve: shutting down; waiting up to %.1f s for %d running request(s)", timeout - margin, running)
+        logger.info(
+            "kvplug serve: shutting down; waiting up to %.1f s for %d running request(s)", timeout - margin, running
+        )
     else:
         logger.info("kvplug serve: shutting down")
     while inflight.count() and time.monotonic() < deadline - margin:

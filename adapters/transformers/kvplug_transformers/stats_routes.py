@@ -86,7 +86,9 @@ def add_kvplug_routes(
 
     def get_model(model_id: str) -> JSONResponse:
         if model_id != served.name:
-            raise RequestRefused(f"The model '{model_id}' does not exist; this server serves '{served.name}'", status=404, param="model")
+            raise RequestRefused(
+                f"The model '{model_id}' does not exist; this server serves '{served.name}'", status=404, param="model"
+            )
         return JSONResponse(served.card(watch.limits.max_context_len))
 
     app.add_api_route("/kvplug/stats", kvplug_stats, methods=["GET"])

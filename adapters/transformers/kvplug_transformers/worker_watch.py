@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 
 logger = logging.getLogger("kvplug.serve")
+CAUSE_WAIT_S = 2.0  # how long a dying worker is given to record why, for the log and the 503s
 
 
 class LimitedManager:
@@ -147,6 +149,7 @@ class WorkerWatch:
         generation_state.get_manager = self.get_manager
         self.sampling = ServerSampling()
         self.death: str | None = None
+        self._stopping = False  # set when the server itself stops the worker
 
     def get_manager(self, model_id: str, use_cb: bool = False) -> LimitedManager:
         if self._inflight.closed_reason is not None:
@@ -167,6 +170,9 @@ class WorkerWatch:
         status = manager.background_thread_status
         if status.fatal_error is not None:
             return f"{type(status.fatal_error).__name__}: {status.fatal_error}"
+        if status.local_status >= status.HARD_STOP and not self._stopping:
+            # transformers requests a hard stop first, fails every request, then records the error
+            return "it is stopping after a fatal error"
         thread = getattr(manager, "_generation_thread", None)
         started = thread is not None and thread.ident is not None  # created but not yet started: not dead
         if started and not thread.is_alive() and status.local_status == status.DONT_STOP:
@@ -180,6 +186,13 @@ class WorkerWatch:
             return self.death
         error = self.worker_error()
         if error is not None:
+            manager = self._batching_manager()
+            deadline = time.monotonic() + CAUSE_WAIT_S
+            while manager is not None and manager.background_thread_status.fatal_error is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            error = self.worker_error() or error
             self.death = error
             reason = f"the batching worker died ({error}); kvplug serve is exiting"
             self._inflight.close(reason)
@@ -190,6 +203,7 @@ class WorkerWatch:
     def stop_worker(self, timeout: float) -> bool:
         """Hard-stop the batching worker (its remaining requests fail) and wait up to
         ``timeout`` s; ``True`` when it has stopped."""
+        self._stopping = True
         manager = self._batching_manager()
         if manager is None:
             return True
