@@ -38,9 +38,11 @@ try:
             time.sleep(1)
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    model = client.models.list().data[0].id  # the served name: kvplug-default for the embedded model
+    print(f"serving {model!r}")
     for attempt in range(2):  # the second request hits kvplug's prefix cache
         reply = client.chat.completions.create(
-            model=stats["model"],
+            model=model,
             messages=[{"role": "user", "content": "Say hello to kvplug."}],
             max_tokens=16,
             temperature=0,
@@ -48,5 +50,5 @@ try:
         print(f"reply {attempt + 1}: {reply.choices[0].message.content!r}")
     print("kvplug stats:", json.dumps(json.load(urllib.request.urlopen(f"{base}/kvplug/stats")), indent=2))
 finally:
-    server.send_signal(signal.SIGTERM)
+    server.send_signal(signal.SIGTERM)  # stops within --shutdown-timeout (10 s), exit code 0
     server.wait(timeout=60)

@@ -56,10 +56,12 @@ def test_validate_checks_paths_and_names_before_loading_anything(tmp_path):
         validate(_parse("--prefix-cache", "radx"), manager)
     with pytest.raises(UnknownComponentError, match="--attention"):
         validate(_parse("--attention", "torch,nope"), manager)
-    with pytest.raises(InvalidArgumentError, match="--page-size"):
+    with pytest.raises(InvalidArgumentError, match="--page-size must be an int >= 1, got 0"):
         validate(_parse("--page-size", "0"), manager)
-    # the native backend ignores kvplug component names
-    options = validate(_parse("--kv-backend", "native", "--prefix-cache", "radx", "--kv-memory", "0.5"), manager)
+    # flags that only configure kvplug's cache are an error with the native backend, which ignores them
+    with pytest.raises(InvalidArgumentError, match="--prefix-cache configures kvplug's cache and has no effect"):
+        validate(_parse("--kv-backend", "native", "--prefix-cache", "naive"), manager)
+    options = validate(_parse("--kv-backend", "native", "--kv-memory", "0.5"), manager)
     assert options["kv_backend"] == "native" and options["kv_memory"] == 0.5 and options["host"] == "127.0.0.1"
 
 

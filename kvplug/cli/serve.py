@@ -3,72 +3,171 @@
 Examples::
 
     kvplug serve                                   # the embedded default model, radix cache
-    kvplug serve --model ./Qwen3-0.6B --prefix-cache radix --attention auto --port 8000
-    kvplug serve --model ./Qwen3-0.6B --kv-backend native      # transformers' own paged cache
+    kvplug serve ./Qwen3-0.6B --prefix-cache radix --attention auto --port 8000
+    kvplug serve ./Qwen3-0.6B --kv-backend native  # transformers' own paged cache
 
-Without ``--model`` it serves the embedded default: a small Qwen3-shaped model with random weights
+Without a model it serves the embedded default: a small Qwen3-shaped model with random weights
 and a byte-level tokenizer, built offline and cached on disk; its output text is meaningless.
 Cache statistics (hit tokens, evictions, utilisation) are logged and served at
-``GET /kvplug/stats``. Ctrl-C or SIGTERM stops it cleanly (exit code 0).
+``GET /kvplug/stats``. Ctrl-C or SIGTERM stops it cleanly (exit code 0) within
+``--shutdown-timeout`` seconds.
 
 This module never imports transformers: the server lives in the ``transformers`` host plugin
 (``pip install ./adapters/transformers``), found through the plugin manager. Arguments that can be
-checked without it (paths, sizes, component names) are checked here, before anything loads.
+checked without it (paths, sizes, component names, which flags apply to which backend, the port)
+are checked here, before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
+import socket
 from typing import Any
 
 from kvplug.interface import InvalidArgumentError, KVPlugError, UnknownComponentError
 from kvplug.memory.capacity import parse_memory_size
 from kvplug.memory.model_shape import parse_dtype
 from kvplug.plugins import PluginManager
+from kvplug.plugins.loading import PluginSelection, kvplug_entry_points
 
 HOST_NAME = "transformers"
 INSTALL_HINT = "pip install ./adapters/transformers (or: pip install kvplug-transformers)"
 _FRACTION = re.compile(r"^\s*([0-9]+\.[0-9]*|\.[0-9]+|[0-9]*\.?[0-9]+%)\s*$")
 
+DEFAULTS = {
+    "kv_backend": "kvplug",
+    "prefix_cache": "radix",
+    "attention": "auto",
+    "page_size": 16,
+    "max_running_reqs": 64,
+    "stats_interval": 10.0,
+}
+# flags that only configure kvplug: an error with --kv-backend native, which would ignore them
+KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval")
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+COMPONENT_DESCRIPTIONS = {
+    ("prefix_cache", "radix"): "a radix tree of cached prompt prefixes shared across requests; LRU eviction",
+    ("prefix_cache", "naive"): "caches nothing: every prompt is computed in full (a baseline to compare with)",
+    ("attention", "auto"): "torch on CPU; on CUDA the best available of fa3, flashinfer, triton, torch",
+    ("attention", "torch"): "reference PyTorch kernels (CPU and CUDA)",
+    ("attention", "triton"): "Triton kernels (CUDA)",
+    ("attention", "flashinfer"): "FlashInfer kernels (CUDA; needs the flashinfer package)",
+    ("attention", "fa3"): "FlashAttention 3 (Hopper GPUs; needs flash-attn 3)",
+}
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """The ``serve`` parser: a flag it does not know is reported with the ``serve`` usage (the
+    top-level parser would print its own), and ``--help`` lists the components registered now."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def format_help(self) -> str:
+        return super().format_help() + "\n" + components_help() + "\n"
+
+
+def components_help() -> str:
+    """One line per registered prefix cache and attention backend, with where it comes from."""
+    try:
+        manager = PluginManager()
+    except Exception as error:  # the help must print even when a plugin is broken
+        return f"(cannot list components: {type(error).__name__}: {error})\n"
+    sections = []
+    for kind, flag in (("prefix_cache", "--prefix-cache"), ("attention", "--attention")):
+        providers = manager.providers(kind)
+        lines = [f"{flag} choices (registered now):"]
+        for name in manager.available(kind):
+            description = COMPONENT_DESCRIPTIONS.get((kind, name), f"from the plugin {providers.get(name, '?')}")
+            lines.append(f"  {name:<12} {description}")
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="serve a model over an OpenAI-compatible API with kvplug as its KV cache",
-        description=(
-            "Start transformers' OpenAI-compatible server (continuous batching) with kvplug's KV pool, "
-            "allocator, prefix cache and attention installed. Without --model, serves the embedded default "
-            "model (random weights, offline byte-level tokenizer: its text output is meaningless)."
-        ),
-    )
-    parser.add_argument("--model", help="local Hugging Face checkpoint directory (default: the embedded model)")
+    parser_class = subparsers._parser_class
+    subparsers._parser_class = _ServeParser
+    try:
+        parser = subparsers.add_parser(
+            "serve",
+            help="serve a model over an OpenAI-compatible API with kvplug as its KV cache",
+            description=(
+                "Start transformers' OpenAI-compatible server (continuous batching) with kvplug's KV pool, "
+                "allocator, prefix cache and attention installed. Without MODEL, serves the embedded default "
+                "model (random weights, offline byte-level tokenizer: its text output is meaningless). "
+                "Flags that vLLM and SGLang users know are accepted where they mean the same thing."
+            ),
+        )
+    finally:
+        subparsers._parser_class = parser_class
+    _add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--kv-backend",
-        choices=("kvplug", "native"),
-        default="kvplug",
+        "model_positional", nargs="?", metavar="MODEL",
+        help="local Hugging Face checkpoint directory (default: the embedded model)",
+    )
+    parser.add_argument("--model", "--model-path", dest="model", help="same as MODEL (--model-path: SGLang's name)")
+    parser.add_argument(
+        "--served-model-name",
+        help="the model id clients use and GET /v1/models lists (default: the checkpoint folder's name, or "
+        "'kvplug-default' for the embedded model); requests may also omit it",
+    )
+    parser.add_argument(
+        "--kv-backend", choices=("kvplug", "native"), default=None,
         help="kvplug (default) or native: transformers' own paged cache, for comparison",
     )
-    parser.add_argument("--prefix-cache", default="radix", help="prefix cache by name (default radix)")
-    parser.add_argument("--attention", default="auto", help="attention backend by name or 'P,D' (default auto)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    parser.add_argument("--max-running-reqs", type=int, default=64, help="requests running at once (default 64)")
+    parser.add_argument("--prefix-cache", help="prefix cache by name (default radix; choices listed below)")
+    parser.add_argument("--attention", help="attention backend by name or 'P,D' for prefill,decode (default auto)")
+    parser.add_argument("--page-size", type=int, help="tokens per KV page, >= 1 (native: >= 4) (default 16)")
+    parser.add_argument("--max-running-reqs", type=int, help="requests holding KV at once (default 64)")
     parser.add_argument(
         "--kv-memory",
         help="KV pool budget: bytes ('2GiB', '512MiB', '1000000') or a fraction of free memory ('0.5', '50%%')",
     )
-    parser.add_argument("--max-seq-len", type=int, help="longest request in tokens (default: the model's context)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, metavar="FRACTION",
+        help="vLLM's flag, here the KV pool's fraction of free device memory: same as --kv-memory FRACTION",
+    )
+    parser.add_argument(
+        "--max-seq-len", "--max-model-len", "--context-length", dest="max_seq_len", type=int,
+        help="longest request (prompt + completion) in tokens, at most the model's context (default: the "
+        "model's context); longer prompts are refused with 400, completions stop there (finish_reason length)",
+    )
     parser.add_argument("--max-batch-tokens", type=int, help="tokens per forward step (default: 2048 CPU, 8192 CUDA)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
-    parser.add_argument("--dtype", default="auto", help="model and KV dtype: auto, bfloat16, float16, float32")
+    parser.add_argument(
+        "--dtype", default="auto", help="model and KV dtype: auto, bfloat16, float16 (half), float32 (float)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error (default info)")
     parser.add_argument(
-        "--stats-interval", type=float, default=10.0, help="seconds between cache-statistics log lines (0: off)"
+        "--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise)"
     )
-    parser.set_defaults(handler=run)
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+        help="for every logger: kvplug's, transformers' and uvicorn's (default info)",
+    )
+    parser.add_argument(
+        "--stats-interval", type=float, help="seconds between cache-statistics log lines (0: off; default 10)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=10.0,
+        help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
+    )
+    parser.add_argument(
+        "--max-request-bytes", default="4MiB",
+        help="largest request body, bytes or a size ('4MiB'); 413 above (default 4MiB)",
+    )
 
 
 def parse_kv_memory(text: str | None) -> int | float | None:
@@ -90,27 +189,51 @@ def parse_kv_memory(text: str | None) -> int | float | None:
 
 def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]:
     """Check every argument that needs no model or transformers; return the host's keyword options."""
-    for name in ("page_size", "max_running_reqs", "port"):
-        value = getattr(args, name)
-        if value < 1 or (name == "port" and value > 65535):
-            flag = "--" + name.replace("_", "-")
-            raise InvalidArgumentError(f"{flag} must be a positive int (port <= 65535), got {value}")
-    for name in ("max_seq_len", "max_batch_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
-    if args.dtype != "auto":
-        parse_dtype(args.dtype)
-    model = None
-    if args.model is not None:
-        model = os.path.abspath(os.path.expanduser(args.model))
-        if not os.path.isdir(model):
+    given = {name for name in DEFAULTS if getattr(args, name, None) is not None}
+    for name, value in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.kv_backend == "native":
+        ignored = [f"--{name.replace('_', '-')}" for name in KVPLUG_ONLY_FLAGS if name in given]
+        if ignored:
+            verb = "configures" if len(ignored) == 1 else "configure"
             raise InvalidArgumentError(
-                f"--model must be a local Hugging Face checkpoint directory; {args.model!r} does not exist "
-                "or is not a directory (downloads are not supported: download it first)"
+                f"{', '.join(ignored)} {verb} kvplug's cache and {'has' if len(ignored) == 1 else 'have'} no effect "
+                "with --kv-backend native "
+                "(transformers' own cache); drop them or use --kv-backend kvplug"
             )
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise InvalidArgumentError(f"--model {args.model!r} has no config.json: not a Hugging Face checkpoint")
+    _check_int("--page-size", args.page_size, low=1)
+    _check_int("--max-running-reqs", args.max_running_reqs, low=1)
+    _check_int("--port", args.port, low=1, high=65535)
+    for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-batch-tokens", args.max_batch_tokens)):
+        if value is not None:
+            _check_int(flag, value, low=2 if flag == "--max-seq-len" else 1)
+    if args.stats_interval < 0:
+        raise InvalidArgumentError(f"--stats-interval must be >= 0 seconds (0: off), got {args.stats_interval:g}")
+    dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
+    if dtype != "auto":
+        try:
+            parse_dtype(dtype)
+        except KVPlugError as error:
+            raise InvalidArgumentError(
+                f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}"
+            ) from error
+    model = _model_path(args)
+    kv_memory = parse_kv_memory(args.kv_memory)
+    if args.gpu_memory_utilization is not None:
+        if kv_memory is not None:
+            raise InvalidArgumentError(
+                "give --kv-memory or --gpu-memory-utilization, not both (they set the same budget)"
+            )
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise InvalidArgumentError(
+                f"--gpu-memory-utilization must be a fraction in (0, 1], got {args.gpu_memory_utilization:g}"
+            )
+        kv_memory = float(args.gpu_memory_utilization)
+    try:
+        max_request_bytes = parse_memory_size(args.max_request_bytes)
+    except KVPlugError as error:
+        raise InvalidArgumentError(f"--max-request-bytes must be a size ('4MiB', '1000000'): {error}") from error
     if args.kv_backend == "kvplug":
         _check_names(manager, "prefix_cache", [args.prefix_cache], "--prefix-cache")
         if args.attention != "auto":
@@ -122,16 +245,61 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "attention": args.attention,
         "page_size": args.page_size,
         "max_running_reqs": args.max_running_reqs,
-        "kv_memory": parse_kv_memory(args.kv_memory),
+        "kv_memory": kv_memory,
         "max_seq_len": args.max_seq_len,
         "max_batch_tokens": args.max_batch_tokens,
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "host": args.host,
         "port": args.port,
         "log_level": args.log_level,
         "stats_interval": args.stats_interval,
+        "served_model_name": args.served_model_name,
+        "api_key": args.api_key,
+        "shutdown_timeout": args.shutdown_timeout,
+        "max_request_bytes": max_request_bytes,
     }
+
+
+def _model_path(args: argparse.Namespace) -> str | None:
+    positional, flag = args.model_positional, args.model
+    if positional is not None and flag is not None and positional != flag:
+        raise InvalidArgumentError(f"MODEL {positional!r} and --model {flag!r} disagree: give the model once")
+    given = positional if positional is not None else flag
+    if given is None:
+        return None
+    model = os.path.abspath(os.path.expanduser(given))
+    if not os.path.isdir(model):
+        raise InvalidArgumentError(
+            f"MODEL must be a local Hugging Face checkpoint directory; {given!r} does not exist "
+            "or is not a directory (downloads are not supported: download it first)"
+        )
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise InvalidArgumentError(f"MODEL {given!r} has no config.json: not a Hugging Face checkpoint")
+    return model
+
+
+def _check_int(flag: str, value: int, *, low: int, high: int | None = None) -> None:
+    if value < low or (high is not None and value > high):
+        rule = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
+        raise InvalidArgumentError(f"{flag} must be {rule}, got {value}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on now, before the model loads (seconds saved)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise InvalidArgumentError(f"--host {host!r} is not an address of this machine: {error}") from error
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise KVPlugError(f"port {port} on {host} is already in use (--port)") from error
+            raise KVPlugError(f"cannot listen on {host}:{port}: {error.strerror or error}") from error
 
 
 def _check_names(manager: PluginManager, kind: str, names: list[str], flag: str) -> None:
@@ -147,15 +315,27 @@ def find_host(manager: PluginManager) -> Any:
     """The transformers host adapter, or a clear error naming how to install it."""
     if HOST_NAME not in manager.available("host"):
         failures = [f for f in manager.load_failures if f.entry_point == HOST_NAME]
-        reason = f" (its plugin failed to load: {failures[0].error})" if failures else ""
-        raise KVPlugError(
-            f"kvplug serve needs the '{HOST_NAME}' host plugin, which is not installed{reason}: {INSTALL_HINT}"
-        )
+        if failures:
+            raise KVPlugError(
+                f"kvplug serve needs the '{HOST_NAME}' host plugin, which failed to load: {failures[0].error}"
+            )
+        selection = PluginSelection.from_env(os.environ)
+        if any(ep.name == HOST_NAME for ep in kvplug_entry_points()) and not selection.wants(HOST_NAME):
+            if HOST_NAME in selection.block:
+                why = f"KVPLUG_DISABLE_PLUGINS={os.environ.get('KVPLUG_DISABLE_PLUGINS')!r} names it: remove it there"
+            else:
+                why = (f"KVPLUG_LOAD_PLUGINS={os.environ.get('KVPLUG_LOAD_PLUGINS')!r} does not name it: "
+                       f"add '{HOST_NAME}' there or unset it")
+            raise KVPlugError(
+                f"kvplug serve needs the '{HOST_NAME}' host plugin, which is installed but not loaded: {why}"
+            )
+        raise KVPlugError(f"kvplug serve needs the '{HOST_NAME}' host plugin, which is not installed: {INSTALL_HINT}")
     return manager.create("host", HOST_NAME)
 
 
 def run(args: argparse.Namespace) -> int:
     manager = PluginManager()
     options = validate(args, manager)
+    check_port_free(options["host"], options["port"])
     host = find_host(manager)
     return int(host.serve(**options) or 0)

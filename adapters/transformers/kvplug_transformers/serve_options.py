@@ -3,6 +3,7 @@ translation for the native (transformers-only) comparison run."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,10 @@ from kvplug.memory.model_shape import ModelShape
 from kvplug_transformers.planning import CPU_DEFAULT_BUDGET, CPU_DEFAULT_FRACTION, DEFAULT_BATCH_TOKENS, free_memory
 
 NATIVE_MIN_BLOCK_SIZE = 4  # transformers' PagedAttentionCache refuses smaller blocks
+EMBEDDED_MODEL_NAME = "kvplug-default"
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds from SIGTERM to exit, in-flight requests included
+MAX_SHUTDOWN_TIMEOUT = 3600.0
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body; text prompts of ~1 M tokens fit
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,34 @@ class ServeOptions:
     port: int = 8000
     log_level: str = "info"
     stats_interval: float = 10.0
+    served_model_name: str | None = None
+    api_key: str | None = None
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("kvplug", "native"):
             raise InvalidArgumentError(f"kv_backend must be 'kvplug' or 'native', got {self.kv_backend!r}")
+        if not (isinstance(self.shutdown_timeout, (int, float)) and 0 < self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT):
+            raise InvalidArgumentError(
+                f"--shutdown-timeout must be seconds in (0, {MAX_SHUTDOWN_TIMEOUT:g}], got {self.shutdown_timeout!r}"
+            )
+        size = self.max_request_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
+            raise InvalidArgumentError(f"--max-request-bytes must be an int >= 1024, got {self.max_request_bytes!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise InvalidArgumentError("--served-model-name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise InvalidArgumentError("--api-key must not be empty")
+
+    def model_name(self, model_path: str) -> str:
+        """The id clients name the model by: ``--served-model-name``, else the checkpoint folder's
+        name, else (the embedded model) ``kvplug-default``."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return EMBEDDED_MODEL_NAME
+        return os.path.basename(os.path.normpath(model_path)) or model_path
 
     def kvplug_settings(self) -> dict[str, Any]:
         """The ``KVPlugSettings`` fields these options set."""

@@ -1,17 +1,34 @@
 """``kvplug serve``: transformers' OpenAI-compatible server with kvplug installed.
 
 The server is transformers' own (``transformers.cli.serve.Serve`` with continuous batching),
-started in a background thread; this module plans and installs kvplug first, adds
-``GET /kvplug/stats``, logs cache statistics, and turns Ctrl-C / SIGTERM into a clean stop (exit
-code 0). Every failure it can foresee — bad model, unknown component, a KV budget too small for one
-request, a busy port — becomes a ``KVPlugError`` with an explanation instead of a traceback.
+started in a background thread; this module plans and installs kvplug first, then, while
+transformers builds its app, puts kvplug's guards in front of it:
+
+* every request body is checked (4xx naming the field), the model may be named by
+  ``--served-model-name`` or omitted, unsupported parameters (``n > 1`` ...) are refused, and so
+  are sampling parameters other than the server's (continuous batching applies one sampling
+  setting, the model's ``generation_config.json``, to every request);
+* a prompt that cannot fit is refused with a 400 naming the limit, ``max_tokens`` is lowered to the
+  room left (``finish_reason: "length"``), bodies over ``--max-request-bytes`` get 413: no request
+  can stop the batching worker;
+* the worker is watched: if it dies anyway, running requests get a 503, ``/health`` and
+  ``/kvplug/stats`` say so and the process exits with an error;
+* SIGTERM / Ctrl-C: new requests are refused at once, running ones may finish, what still runs
+  at ``--shutdown-timeout`` minus a margin is aborted, and the process exits 0 within the timeout.
+
+Every failure it can foresee at startup (bad model, unknown component, a KV budget too small for one
+request, a busy port, a ``--max-seq-len`` beyond the model's context) is a ``KVPlugError`` with an
+explanation instead of a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -23,12 +40,20 @@ from kvplug.memory.model_shape import parse_dtype
 
 from kvplug_transformers.compat import require_transformers
 from kvplug_transformers.embedded_model import ensure_embedded_model
-from kvplug_transformers.planning import model_context_len, model_shape, plan_pool
+from kvplug_transformers.handler_guards import guard_handlers
+from kvplug_transformers.http_guards import InFlightRequests, wrap_app
+from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
+from kvplug_transformers.request_limits import RequestLimits
 from kvplug_transformers.serve_options import ServeOptions, native_cb_options
-from kvplug_transformers.stats_routes import add_stats_routes
+from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes, served_model
+from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
 STARTUP_TIMEOUT_S = 60.0
+WORKER_DEATH_GRACE_S = 1.0  # time for aborted requests to get their 503 before the process exits
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+IDLE_POOL_THREAD = "AnyIO worker thread"  # Starlette runs sync routes there; idle ones never exit by themselves
+CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs here
 
 
 def serve(adapter: Any, **options: Any) -> int:
@@ -45,75 +70,135 @@ def serve(adapter: Any, **options: Any) -> int:
     model_path = opts.model
     if model_path is None:
         model_path = str(ensure_embedded_model())
-        logger.info("no --model: serving the embedded default model from %s", model_path)
+        logger.info("no MODEL given: serving the embedded default model from %s", model_path)
         logger.warning("the embedded model has random weights: its output text is meaningless")
     device = _resolve_device(opts.device)
     config = _load_config(model_path)
+    logger.debug("model config: %s", json.dumps(config.to_dict(), sort_keys=True, default=str))
+    context_len = model_context_len(config)
+    if opts.max_seq_len is not None and opts.max_seq_len > context_len:
+        raise InvalidArgumentError(
+            f"--max-seq-len (--max-model-len) {opts.max_seq_len:,} exceeds the model's context of "
+            f"{context_len:,} tokens (max_position_embeddings in {model_path}/config.json); "
+            f"give at most {context_len:,}"
+        )
     dtype_name, kv_dtype = _resolve_dtype(opts.dtype, config, device, embedded=opts.model is None)
+    shape = model_shape(config, kv_dtype)
 
     cb_options: dict[str, Any] = {}
     if opts.kv_backend == "kvplug":
         settings = adapter.settings.updated(**opts.kvplug_settings())
-        plan = plan_pool(settings, model_shape(config, kv_dtype), device, context_len=model_context_len(config))
-        logger.info("kvplug KV pool: %s", plan.describe())
+        plan = plan_pool(settings, shape, device, context_len=context_len)
+        logger.info("kvplug KV pool: %s", describe_pool(plan))
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
-        _check_components(settings, model_shape(config, kv_dtype), device)
+        _check_components(settings, shape, device)
+        limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))
         adapter.install(**opts.kvplug_settings())
     else:
-        context_len = opts.max_seq_len or model_context_len(config)
-        cb_options = native_cb_options(opts, model_shape(config, kv_dtype), context_len)
+        max_seq_len = opts.max_seq_len or context_len
+        cb_options = native_cb_options(opts, shape, max_seq_len)
+        pool_tokens = cb_options.get("cb_num_blocks", 0) * opts.page_size or max_seq_len
+        limits = RequestLimits(min(max_seq_len, pool_tokens), _limit_source(opts, context_len))
         logger.info("native transformers paged cache: %s", cb_options or "transformers defaults")
+    served = served_model(opts.model_name(model_path), model_path)
     try:
-        return _run_server(adapter, opts, model_path, device, dtype_name, cb_options)
+        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits)
     finally:
         if opts.kv_backend == "kvplug":
             adapter.uninstall()
+    failure = None if death is None else KVPlugError(f"the batching worker died ({death}); the server stopped")
+    if threads_left:
+        # a non-daemon thread would hold the process: anyio's idle thread-pool workers, or a
+        # transformers thread stuck in a long forward. The bounded stop is the promise: leave
+        # without waiting for them
+        stuck = [name for name in threads_left if not name.startswith(IDLE_POOL_THREAD)]
+        if stuck:
+            logger.warning("kvplug serve: exiting with %s still running", ", ".join(stuck))
+        logging.shutdown()
+        if failure is not None:
+            print(f"kvplug serve: error: {failure}", file=sys.stderr)  # what the CLI prints for an error
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if failure is None else 2)
+    if failure is not None:
+        raise failure
+    return 0
+
+
+def describe_pool(plan: PoolPlan) -> str:
+    """The pool line: tokens, pages, bytes, what sized it, and whether rows x max_seq_len capped it."""
+    text = plan.describe()
+    useful_pages = -(-plan.max_running_reqs * plan.max_seq_len // plan.page_size)
+    if plan.num_pages == useful_pages:
+        text += (
+            f"; capped at max_running_reqs x max_seq_len = {plan.max_running_reqs} x {plan.max_seq_len:,} tokens "
+            "(more could never be used: raise --max-running-reqs for more)"
+        )
+    return text
+
+
+def _limit_source(opts: ServeOptions, context_len: int) -> str:
+    if opts.max_seq_len is not None:
+        return f"--max-seq-len {opts.max_seq_len}"
+    return f"the model's context, max_position_embeddings {context_len}"
 
 
 def _run_server(
-    adapter: Any, opts: ServeOptions, model_path: str, device: torch.device, dtype_name: str, cb_options: dict
-) -> int:
+    adapter: Any, opts: ServeOptions, served: ServedModel, device: torch.device, dtype_name: str, cb_options: dict,
+    limits: RequestLimits,
+) -> tuple[str | None, list[str]]:
+    """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
+    non-daemon threads still alive)."""
     from transformers.cli.serve import Serve
 
     stop = threading.Event()
-    with _stop_on_signals(stop), _stats_routes_added(adapter, opts, model_path):
+    inflight = InFlightRequests()
+    built: dict[str, Any] = {}
+    with _stop_on_signals(stop), _guards_added(adapter, opts, served, limits, inflight, built), _uvicorn_logging(opts):
         try:
             server = Serve(
-                force_model=model_path,
+                force_model=served.path,
                 continuous_batching=True,
                 device=str(device),
                 dtype=dtype_name,
                 host=opts.host,
                 port=opts.port,
-                log_level=opts.log_level,
+                log_level=_transformers_level(opts.log_level),
                 non_blocking=True,
                 **cb_options,
             )
         except KVPlugError:
             raise
         except Exception as error:  # transformers raises many types for a bad checkpoint
-            raise KVPlugError(f"cannot load the model from {model_path}: {type(error).__name__}: {error}") from error
+            raise KVPlugError(f"cannot load the model from {served.path}: {type(error).__name__}: {error}") from error
+        watch: WorkerWatch = built["watch"]
+        death = None
         try:
             _wait_until_started(server, opts, stop)
             logger.info(
-                "kvplug serve: listening on http://%s:%d/v1 (kv backend %s) for model %r; statistics at /kvplug/stats",
-                opts.host, opts.port, opts.kv_backend, model_path,
+                "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
+                "request; statistics at /kvplug/stats",
+                opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
             )
-            _watch(server, adapter, opts, stop)
+            death = _watch(server, adapter, opts, stop, watch)
         finally:
-            logger.info("kvplug serve: shutting down")
-            _shutdown(server)
+            threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
     if opts.kv_backend == "kvplug":
         logger.info("%s", adapter.stats().describe())
-    logger.info("kvplug serve: stopped")
-    return 0
+    if death is None:
+        logger.info("kvplug serve: stopped")
+    return death, threads_left
 
 
 def _check_components(settings: Any, shape: Any, device: torch.device) -> None:
     """Build a two-page backend with the chosen components now: a prefix cache or attention
-    backend that cannot run on this device / dtype fails at startup, not at the first request."""
+    backend that cannot run on this device / dtype fails at startup, not at the first request.
+    Its own log lines (a 2-page pool) would only confuse: they are held back."""
     from kvplug.backend import create_backend
 
+    quiet = logging.getLogger("kvplug.backend")
+    level = quiet.level
+    quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
     try:
         create_backend(
             shape, page_size=settings.page_size, num_pages=2, max_running_reqs=1, max_seq_len=settings.page_size,
@@ -127,6 +212,8 @@ def _check_components(settings: Any, shape: Any, device: torch.device) -> None:
             f"the kvplug components (prefix cache {settings.prefix_cache!r}, attention {settings.attention!r}) "
             f"cannot run on {device} with {shape.dtype}: {type(error).__name__}: {error}"
         ) from error
+    finally:
+        quiet.setLevel(level)
 
 
 def _wait_until_started(server: Any, opts: ServeOptions, stop: threading.Event) -> None:
@@ -141,10 +228,15 @@ def _wait_until_started(server: Any, opts: ServeOptions, stop: threading.Event) 
         time.sleep(0.05)
 
 
-def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event) -> None:
-    """Block until a stop signal, logging cache statistics every ``stats_interval`` s when they change."""
+def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event, watch: WorkerWatch) -> str | None:
+    """Block until a stop signal or the worker's death (returned), logging cache statistics every
+    ``stats_interval`` s when they change."""
     last_logged, last_time = None, time.monotonic()
     while not stop.wait(0.2):
+        death = watch.check()
+        if death is not None:
+            stop.wait(WORKER_DEATH_GRACE_S)
+            return death
         if not server._thread.is_alive():
             raise KVPlugError("the HTTP server thread exited unexpectedly")
         if opts.kv_backend != "kvplug" or opts.stats_interval <= 0:
@@ -154,19 +246,54 @@ def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event)
             if stats != last_logged:
                 logger.info("%s", stats.describe())
                 last_logged = stats
+    return None
 
 
-def _shutdown(server: Any) -> None:
-    server.kill_server()  # stops the continuous-batching thread, unloads the model, asks uvicorn to exit
+def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeout: float) -> list[str]:
+    """Stop within ``timeout`` s: refuse new requests and close the listener at once, let running
+    requests finish until ``timeout - margin``, abort the rest, stop the worker and the HTTP
+    thread. Returns the names of non-daemon threads still alive at the deadline."""
+    start = time.monotonic()
+    deadline = start + timeout
+    margin = min(2.0, timeout / 2)
+    inflight.close("the server is shutting down")
+    uvicorn_server = server.server
+    uvicorn_server.should_exit = True  # uvicorn closes its listening socket at its next tick
+    running = inflight.count()
+    if running:
+        logger.info(
+            "kvplug serve: shutting down; waiting up to %.1f s for %d running request(s)", timeout - margin, running
+        )
+    else:
+        logger.info("kvplug serve: shutting down")
+    while inflight.count() and time.monotonic() < deadline - margin:
+        time.sleep(0.05)
+    aborted = inflight.abort_all("the server is shutting down: request aborted")
+    if aborted:
+        logger.warning("kvplug serve: aborted %d request(s) still running at shutdown", aborted)
+    if not watch.stop_worker(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
+        logger.warning("kvplug serve: the batching worker did not stop in time")
     thread = getattr(server, "_thread", None)
-    if thread is not None and thread.is_alive():
-        server.server.force_exit = True
-        thread.join(timeout=10)
+    if thread is not None:
+        thread.join(timeout=max(deadline - time.monotonic() - margin / 4, 0.1))
+        if thread.is_alive():
+            uvicorn_server.force_exit = True
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+    with contextlib.suppress(Exception):  # the model is being dropped anyway; never fail the stop on it
+        server._model_manager.shutdown()
+    logger.debug("kvplug serve: shutdown took %.2f s", time.monotonic() - start)
+    return [
+        t.name for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
 
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            logger.info("kvplug serve: received %s again; already stopping", signal.Signals(signum).name)
+            return
         logger.info("kvplug serve: received %s", signal.Signals(signum).name)
         stop.set()
 
@@ -179,33 +306,106 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _stats_routes_added(adapter: Any, opts: ServeOptions, model_path: str) -> Iterator[None]:
+def _guards_added(
+    adapter: Any, opts: ServeOptions, served: ServedModel, limits: RequestLimits, inflight: InFlightRequests,
+    built: dict,
+) -> Iterator[None]:
     """transformers builds its FastAPI app inside ``Serve``; wrap its ``build_server`` for the
-    duration so kvplug's routes are on the app before it starts serving."""
+    duration so kvplug's guards and routes are on the app before it starts serving. The
+    ``WorkerWatch`` created for it lands in ``built["watch"]``."""
     import transformers.cli.serving.server as server_module
 
     original = server_module.build_server
 
-    def build_server_with_stats(*args: Any, **kwargs: Any) -> Any:
-        generation_state = kwargs.get("generation_state")
-        app = original(*args, **kwargs)
-        add_stats_routes(app, adapter, opts, model_path, generation_state)
+    def build_server_guarded(model_manager: Any, chat_handler: Any, **kwargs: Any) -> Any:
+        generation_state = kwargs["generation_state"]
+        watch = WorkerWatch(generation_state, limits, inflight)
+        built["watch"] = watch
+        guard_handlers(chat_handler, kwargs.get("completion_handler"), kwargs.get("response_handler"), served)
+        app = original(model_manager, chat_handler, **kwargs)
+        add_kvplug_routes(app, adapter, opts, served, generation_state, watch, inflight)
+        wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         return app
 
-    server_module.build_server = build_server_with_stats
+    server_module.build_server = build_server_guarded
     try:
         yield
     finally:
         server_module.build_server = original
 
 
+@contextlib.contextmanager
+def _uvicorn_logging(opts: ServeOptions) -> Iterator[None]:
+    """transformers builds ``uvicorn.Config(..., log_level="info")``, which installs uvicorn's own
+    log format and level; have it log through the root logger at ``--log-level`` instead."""
+    import uvicorn
+
+    original = uvicorn.Config
+
+    def config(app: Any, **kwargs: Any) -> Any:
+        return original(app, **{**kwargs, "log_config": None, "log_level": opts.log_level})
+
+    uvicorn.Config = config
+    try:
+        yield
+    finally:
+        uvicorn.Config = original
+
+
+# (logger name prefix, message prefix) of lines that repeat what another line says, or say per
+# request what the server logs at debug level: shown only with --log-level debug
+REPEATED_LINES = (
+    ("transformers.cli.serving", "[Request received]"),  # a warning per request
+    ("transformers.cli.serving", "Loading "),  # the model load, already announced
+    ("transformers.tokenization_utils_base", "Token indices sequence length"),  # over-long prompts get a 400
+    ("kvplug_transformers", "kvplug installed into transformers"),  # the settings, in the pool line
+    ("kvplug.backend", "kvplug backend: "),  # the pool, in "kvplug KV pool built"
+    ("kvplug.backend", "attention='auto' on"),  # the attention backend, in "kvplug KV pool built"
+)
+
+
+class _RepeatedLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING:
+            return True
+        for name, prefix in REPEATED_LINES:
+            if record.name.startswith(name) and str(record.msg).startswith(prefix):
+                return False
+        return True
+
+
+def _transformers_level(level_name: str) -> str:
+    """transformers' info lines are its config dumps and internals: shown from warning up."""
+    return "warning" if level_name in ("debug", "info") else level_name
+
+
 def _configure_logging(level_name: str) -> None:
     level = logging.getLevelName(level_name.upper())
     if not isinstance(level, int):
         raise InvalidArgumentError(f"--log-level must be debug, info, warning or error, got {level_name!r}")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("kvplug", "kvplug_transformers"):
+    logging.basicConfig(level=level, format=LOG_FORMAT, force=True)
+    if level > logging.DEBUG:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_RepeatedLines())
+    logging.captureWarnings(True)
+    for name in ("kvplug", "kvplug_transformers", "uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(level)
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # require_transformers reports it next
+        return
+    transformers_logging.disable_default_handler()  # its own "[transformers] ..." format
+    transformers_logging.enable_propagation()
+    transformers_logging.set_verbosity(logging.getLevelName(_transformers_level(level_name).upper()))
+    if level > logging.DEBUG:
+        transformers_logging.disable_progress_bar()
+    import transformers.generation.continuous_batching.requests  # noqa: F401  (creates the logger below)
+
+    batching = logging.getLogger(CB_LOGGER)  # its own handler and format, and per-start info chatter
+    for handler in list(batching.handlers):
+        batching.removeHandler(handler)
+    batching.propagate = True
+    batching.setLevel(level if level == logging.DEBUG else max(level, logging.WARNING))
 
 
 def _resolve_device(device: str) -> torch.device:

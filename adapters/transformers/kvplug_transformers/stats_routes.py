@@ -1,26 +1,119 @@
-"""``GET /kvplug/stats``: the server's KV-cache statistics as JSON.
+"""kvplug's routes on transformers' FastAPI app: ``/kvplug/stats``, ``/health``, ``/v1/models``.
 
-With ``--kv-backend kvplug``: ``HostStats.to_json()`` (hit tokens, evictions, utilisation, ...)
-plus ``"kv_backend": "kvplug"`` and ``"model"`` (the model id requests must name). With
-``native``: what transformers' own cache exposes (``cache_hit_tokens`` from its prefix-sharing
-counter, block counts) once it exists.
+``GET /kvplug/stats``: with ``--kv-backend kvplug``, ``HostStats.to_json()`` (hit tokens,
+evictions, utilisation, ...); with ``native``, what transformers' own cache exposes
+(``cache_hit_tokens`` from its prefix-sharing counter, block counts) once it exists. Both add
+``kv_backend``, ``model`` (the served model name), ``max_context_len``, ``in_flight`` and
+``worker`` (``{"alive": bool, "error": str | None}``); the answer is 503 once the batching worker
+has died. ``/health`` and ``/v1/models`` replace transformers' own: its health check does not see
+a closing server, and its model list scans the Hugging Face hub cache (500 without one) instead of
+naming the model this server serves. transformers' ``/reset``, ``/load_model`` and
+``/v1/audio/transcriptions`` are removed (see ``REMOVED_ROUTES``).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
+from kvplug_transformers.http_guards import InFlightRequests
+from kvplug_transformers.request_limits import RequestRefused
+from kvplug_transformers.worker_watch import WorkerWatch
 
-def add_stats_routes(app: Any, adapter: Any, opts: Any, model: str, generation_state: Any) -> None:
-    """``model`` is the id requests must name (transformers pins the server to it)."""
+REPLACED_ROUTES = frozenset({"/health", "/v1/models"})
+# transformers' model-management routes: POST /reset unloads the one model this server is pinned
+# to (under the running batching worker), POST /load_model fetches any Hub model; and a text model
+# has no audio. Any client could use them to break the server: they are removed.
+REMOVED_ROUTES = frozenset({"/reset", "/load_model", "/v1/audio/transcriptions"})
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """Attributes:
+    name: the id clients use (``--served-model-name``).
+    path: the checkpoint directory (also accepted as a model id).
+    created: Unix time the server started.
+    """
+
+    name: str
+    path: str
+    created: int
+
+    def accepts(self, requested: Any) -> bool:
+        return requested is None or requested in (self.name, self.path, f"{self.path}@main")
+
+    def card(self, max_context_len: int) -> dict:
+        return {
+            "id": self.name, "object": "model", "created": self.created, "owned_by": "kvplug",
+            "root": self.path, "max_model_len": max_context_len,
+        }
+
+
+def add_kvplug_routes(
+    app: Any, adapter: Any, opts: Any, served: ServedModel, generation_state: Any, watch: WorkerWatch,
+    inflight: InFlightRequests,
+) -> None:
     from fastapi.responses import JSONResponse
 
+    app.router.routes[:] = [
+        route for route in app.router.routes if getattr(route, "path", None) not in REPLACED_ROUTES | REMOVED_ROUTES
+    ]
+
+    def worker_state() -> dict:
+        error = watch.worker_error()
+        return {"alive": error is None, "error": error}
+
     def kvplug_stats() -> JSONResponse:
-        if opts.kv_backend == "kvplug":
-            return JSONResponse({"kv_backend": "kvplug", "model": model, **adapter.stats().to_json()})
-        return JSONResponse({"kv_backend": "native", "model": model, **_native_stats(generation_state)})
+        cache = adapter.stats().to_json() if opts.kv_backend == "kvplug" else _native_stats(generation_state)
+        worker = worker_state()
+        body = {
+            "kv_backend": opts.kv_backend, "model": served.name, "max_context_len": watch.limits.max_context_len,
+            **cache, "in_flight": inflight.count(), "worker": worker,
+        }
+        return JSONResponse(body, status_code=200 if worker["alive"] else 503)
+
+    def health() -> JSONResponse:
+        worker = worker_state()
+        if not worker["alive"]:
+            return JSONResponse({"status": "unhealthy", "reason": f"the batching worker died: {worker['error']}"}, 503)
+        if inflight.closed_reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": inflight.closed_reason}, 503)
+        return JSONResponse({"status": "ok"})
+
+    def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [served.card(watch.limits.max_context_len)]})
+
+    def get_model(model_id: str) -> JSONResponse:
+        if model_id != served.name:
+            raise RequestRefused(
+                f"The model '{model_id}' does not exist; this server serves '{served.name}'", status=404, param="model"
+            )
+        return JSONResponse(served.card(watch.limits.max_context_len))
 
     app.add_api_route("/kvplug/stats", kvplug_stats, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+
+    async def refused(_request: Any, error: RequestRefused) -> JSONResponse:
+        return JSONResponse(error.to_json(), status_code=error.status)
+
+    async def worker_dead(_request: Any, error: Exception) -> JSONResponse:
+        refusal = RequestRefused(f"the batching worker died: {error}", status=503)
+        return JSONResponse(refusal.to_json(), status_code=503)
+
+    async def failed(_request: Any, error: Exception) -> JSONResponse:
+        # a generation that failed in the worker (transformers raises RuntimeError) or a bug:
+        # still an OpenAI-shaped error, so clients show its message; the traceback is logged
+        refusal = RequestRefused(f"internal error: {type(error).__name__}: {error}", status=500)
+        return JSONResponse(refusal.to_json(), status_code=500)
+
+    from transformers.cli.serving.utils import CBWorkerDeadError
+
+    app.add_exception_handler(RequestRefused, refused)
+    app.add_exception_handler(CBWorkerDeadError, worker_dead)  # transformers' own answers {"error": str}
+    app.add_exception_handler(Exception, failed)
 
 
 def _native_stats(generation_state: Any) -> dict:
@@ -38,3 +131,7 @@ def _native_stats(generation_state: Any) -> dict:
         "page_size": int(cache.block_size),
         "utilisation": (num_blocks - free) / num_blocks if num_blocks else 0.0,
     }
+
+
+def served_model(name: str, path: str) -> ServedModel:
+    return ServedModel(name=name, path=path, created=int(time.time()))

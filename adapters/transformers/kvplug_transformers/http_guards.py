@@ -1,0 +1,259 @@
+"""ASGI guards in front of transformers' FastAPI app: API key, body size, requests in flight.
+
+``InFlightRequests`` knows every generation request being answered (streaming ones until their
+last byte), so the server can refuse new ones while it stops, wait for the running ones to finish,
+and abort the rest with a clear error: a JSON error before the response has started, a final
+``data: {"error": ...}`` event on a stream already running. Aborting cancels the request's task, so
+transformers' handler cancels the generation in the batching worker as it does for a client that
+disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from kvplug_transformers.request_limits import RequestRefused
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+DISCARD_LIMIT = 64 << 20  # bytes of a refused body read (and dropped) so that its sender sees the 413
+ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
+
+
+async def send_refusal(send: Callable, refusal: RequestRefused, headers: list | None = None) -> None:
+    """Answer with OpenAI's error body at ``refusal.status``."""
+    body = json.dumps(refusal.to_json()).encode()
+    await send({
+        "type": "http.response.start",
+        "status": refusal.status,
+        "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])
+        ],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyCheck:
+    """``--api-key``: every ``/v1`` route needs ``Authorization: Bearer <key>`` (vLLM's rule);
+    ``/health`` and ``/kvplug/stats`` stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                refusal = RequestRefused(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key given to --api-key",
+                    status=401, kind="authentication_error",
+                )
+                return await send_refusal(send, refusal, [(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Refuses a request body over ``limit`` bytes with 413, before anything parses it.
+
+    The body is read here (at most ``limit + 1`` bytes) and replayed to the app, so a body sent
+    without ``Content-Length`` is bounded too."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._discard_body(receive, int(declared))
+            return await send_refusal(send, self._refusal(int(declared)))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                chunks.clear()
+                if message.get("more_body", False):
+                    await self._discard_body(receive, None)
+                return await send_refusal(send, self._refusal(size, at_least=True))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _discard_body(receive: Callable, declared: int | None) -> None:
+        """Read and drop the rest of a refused body, up to ``DISCARD_LIMIT`` bytes: a client
+        still sending when the server answers and closes sees a reset, not the 413."""
+        if declared is not None and declared > DISCARD_LIMIT:
+            return
+        seen = 0
+        while seen <= DISCARD_LIMIT:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    def _refusal(self, size: int, at_least: bool = False) -> RequestRefused:
+        return RequestRefused(
+            f"the request body is {'over ' if at_least else ''}{size:,} bytes; this server accepts at most "
+            f"{self.limit:,} (--max-request-bytes)",
+            status=413,
+        )
+
+
+@dataclass
+class _Running:
+    task: asyncio.Task | None = None
+    started: bool = False
+    streaming: bool = False
+    finished: bool = False
+    abort_reason: str | None = None
+
+
+@dataclass
+class InFlightRequests:
+    """The generation requests being answered, and whether new ones are accepted.
+
+    ``close``, ``abort_all`` and ``count`` may be called from any thread."""
+
+    closed_reason: str | None = None
+    _running: dict[int, _Running] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        async def tracked(scope: dict, receive: Callable, send: Callable) -> None:
+            if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+                return await app(scope, receive, send)
+            if self.closed_reason is not None:
+                return await send_refusal(send, RequestRefused(self.closed_reason, status=503))
+            await self._run(app, scope, receive, send)
+
+        return tracked
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def close(self, reason: str) -> None:
+        """Refuse every generation request from now on with 503 ``reason``."""
+        if self.closed_reason is None:
+            self.closed_reason = reason
+
+    def abort_all(self, reason: str) -> int:
+        """End every running request with ``reason`` (503, or an error event on a stream);
+        returns how many were running."""
+        with self._lock:
+            running = list(self._running.values())
+        loop = self._loop
+        if loop is None or not running:
+            return 0
+        for entry in running:
+            loop.call_soon_threadsafe(self._abort, entry, reason)
+        return len(running)
+
+    @staticmethod
+    def _abort(entry: _Running, reason: str) -> None:
+        if entry.task is not None and not entry.task.done() and entry.abort_reason is None:
+            entry.abort_reason = reason
+            entry.task.cancel()
+
+    async def _run(self, app: ASGIApp, scope: dict, receive: Callable, send: Callable) -> None:
+        self._loop = asyncio.get_running_loop()
+        entry = _Running()
+
+        async def watched_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                entry.started = True
+                content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+                entry.streaming = content_type.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body":
+                if entry.streaming:
+                    message = {**message, "body": openai_stream_error(message.get("body", b""))}
+                if not message.get("more_body", False):
+                    entry.finished = True
+            await send(message)
+
+        entry.task = asyncio.ensure_future(app(scope, receive, watched_send))
+        with self._lock:
+            self._running[id(entry)] = entry
+        try:
+            await entry.task
+        except asyncio.CancelledError:
+            if entry.abort_reason is None:
+                raise  # cancelled from outside (the server is going away): not ours to answer
+            await self._answer_aborted(entry, send)
+        finally:
+            with self._lock:
+                self._running.pop(id(entry), None)
+
+    @staticmethod
+    async def _answer_aborted(entry: _Running, send: Callable) -> None:
+        refusal = RequestRefused(entry.abort_reason or "aborted", status=503)
+        try:
+            if not entry.started:
+                await send_refusal(send, refusal)
+            elif not entry.finished:
+                if entry.streaming:
+                    event = f"data: {json.dumps(refusal.to_json())}\n\n".encode()
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception:  # the client is gone or the connection closed: nothing left to tell it
+            pass
+
+
+_TRANSFORMERS_STREAM_ERROR = re.compile(rb'data: \{"error": "(.*)"\}\n\n\Z', re.DOTALL)
+
+
+def openai_stream_error(body: bytes) -> bytes:
+    """transformers ends a failed stream with ``data: {"error": "<text>"}`` (the text unescaped,
+    so not always JSON); rewrite that last event in OpenAI's error shape, which clients report
+    with its message."""
+    match = _TRANSFORMERS_STREAM_ERROR.search(body)
+    if match is None:
+        return body
+    text = match.group(1).decode("utf-8", errors="replace")
+    refusal = RequestRefused(f"generation failed: {text}", status=500)
+    return body[: match.start()] + f"data: {json.dumps(refusal.to_json())}\n\n".encode()
+
+
+def wrap_app(app: Any, *, api_key: str | None, max_request_bytes: int, inflight: InFlightRequests) -> None:
+    """Put the guards in front of a FastAPI app (before it starts): API key, then body size,
+    then in-flight tracking."""
+    app.add_middleware(_Adapter, wrap=inflight.middleware)
+    app.add_middleware(BodySizeLimit, limit=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+
+
+class _Adapter:
+    """Starlette middleware from a function that wraps an ASGI app."""
+
+    def __init__(self, app: ASGIApp, wrap: Callable[[ASGIApp], ASGIApp]) -> None:
+        self._wrapped = wrap(app)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self._wrapped(scope, receive, send)

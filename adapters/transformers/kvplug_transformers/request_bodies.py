@@ -1,0 +1,267 @@
+"""Checks of OpenAI request bodies before transformers' handlers see them.
+
+transformers' handlers index the body directly (``body["messages"]``, ``int(body["max_tokens"])``),
+so a missing field or a wrong type becomes a 500 with a traceback, and some parameters they cannot
+honour (``n``, ``logprobs`` ...) are dropped with a warning. Here every field the handlers read is
+checked and a bad or unsupported one is refused with a 400 naming the field, what was expected and
+what was given. Checks may normalise the body in place (``max_completion_tokens`` becomes
+``max_tokens``; the Responses API's ``stream`` defaults to false, as OpenAI's does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+from kvplug_transformers.request_limits import RequestRefused
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def check_chat_completion(body: dict) -> None:
+    """``POST /v1/chat/completions``."""
+    _check_common(body, "max_tokens")
+    _refuse_unsupported_chat_parameters(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestRefused(
+            f"'messages' must be a non-empty list of messages, got {_describe(messages)}", param="messages"
+        )
+    for index, message in enumerate(messages):
+        _check_message(message, f"messages[{index}]")
+    _expect(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of objects")
+    _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    _expect(body, "logit_bias", _is_logit_bias, "an object mapping token ids to numbers in [-100, 100]")
+    _expect_number(body, "frequency_penalty", -2.0, 2.0)
+    if body.get("logit_bias"):
+        body["logit_bias"] = {key: float(bias) for key, bias in body["logit_bias"].items()}  # transformers wants floats
+
+
+def check_completion(body: dict) -> None:
+    """``POST /v1/completions`` (a raw text prompt, no chat template)."""
+    _check_common(body, "max_tokens")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestRefused(
+            f"'prompt' must be a non-empty string (lists of prompts or of token ids are not supported), "
+            f"got {_describe(prompt)}",
+            param="prompt",
+        )
+    _expect(body, "suffix", lambda v: isinstance(v, str), "a string")
+    _refuse_if(body, "n", lambda v: v != 1, "n must be 1: this server returns one choice per request")
+    _refuse_if(body, "best_of", lambda v: v != 1, "best_of must be 1: this server returns one choice per request")
+    _refuse_if(body, "logprobs", lambda v: v not in (0, False), "logprobs are not supported by this server")
+    _refuse_if(body, "echo", bool, "echo is not supported by this server")
+    _refuse_if(body, "presence_penalty", lambda v: v != 0, "presence_penalty is not supported (frequency_penalty is)")
+    _expect_number(body, "frequency_penalty", -2.0, 2.0)
+
+
+def check_response(body: dict) -> None:
+    """``POST /v1/responses``."""
+    _check_common(body, "max_output_tokens")
+    body.setdefault("stream", False)  # OpenAI's default; transformers' handler would stream instead
+    _refuse_if(
+        body, "previous_response_id", bool, "previous_response_id is not supported: this server stores no responses"
+    )
+    _refuse_if(body, "background", bool, "background responses are not supported by this server")
+    _refuse_if(body, "top_logprobs", lambda v: v != 0, "top_logprobs are not supported by this server")
+    _expect(body, "instructions", lambda v: isinstance(v, str), "a string")
+    _expect(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of objects")
+    _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    data = body.get("input")
+    if isinstance(data, str):
+        if not data:
+            raise RequestRefused("'input' must not be empty", param="input")
+        return
+    if not isinstance(data, list) or not data:
+        raise RequestRefused(f"'input' must be a non-empty string or list, got {_describe(data)}", param="input")
+    if all(isinstance(item, dict) and "role" not in item and item.get("type") in TEXT_PART_TYPES for item in data):
+        for index, part in enumerate(data):
+            _check_content_part(part, f"input[{index}]")
+        return
+    for index, item in enumerate(data):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise RequestRefused(f"'{where}' must be an object, got {_describe(item)}", param="input")
+        if "role" in item:
+            _check_message(item, where)
+        elif item.get("type") in ("function_call", "function_call_output"):
+            keys = ("call_id", "name", "arguments") if item["type"] == "function_call" else ("call_id", "output")
+            for key in keys:
+                if not isinstance(item.get(key), str):
+                    raise RequestRefused(
+                        f"'{where}.{key}' must be a string, got {_describe(item.get(key))}", param="input"
+                    )
+        elif item.get("type") == "reasoning":
+            continue
+        else:
+            raise RequestRefused(
+                f"'{where}' must be a message, function_call, function_call_output or reasoning item, "
+                f"got type {item.get('type')!r}",
+                param="input",
+            )
+
+
+# ---------------------------------------------------------------------------- shared checks
+def _check_common(body: dict, max_tokens_field: str) -> None:
+    _expect(body, "model", lambda v: isinstance(v, str), "a string")
+    _expect(body, "stream", lambda v: isinstance(v, bool), "true or false")
+    if body.get("max_completion_tokens") is not None and max_tokens_field == "max_tokens":
+        given = body.pop("max_completion_tokens")
+        if body.get("max_tokens") is not None and body["max_tokens"] != given:
+            raise RequestRefused(
+                f"max_tokens={body['max_tokens']!r} and max_completion_tokens={given!r} disagree: give one of them",
+                param="max_completion_tokens",
+            )
+        body["max_tokens"] = given
+    value = body.get(max_tokens_field)
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise RequestRefused(
+            f"'{max_tokens_field}' must be an integer >= 1 (or omitted: as many as fit), got {value!r}",
+            param=max_tokens_field,
+        )
+    _expect_number(body, "temperature", 0.0, 2.0)
+    top_p = body.get("top_p")
+    if top_p is not None and not (_is_number(top_p) and 0.0 < top_p <= 1.0):
+        raise RequestRefused(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
+    _expect(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)")
+    _expect(
+        body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+        "a string or a list of strings",
+    )
+    config = body.get("generation_config")
+    if config is not None:
+        _check_generation_config(config)
+
+
+def _check_generation_config(config: Any) -> None:
+    from transformers import GenerationConfig
+
+    try:
+        parsed = json.loads(config) if isinstance(config, str) else None
+        if not isinstance(parsed, dict):
+            raise ValueError("not a JSON object")
+        GenerationConfig(**parsed).validate()
+    except Exception as error:  # JSON errors, unknown or inconsistent generation options
+        raise RequestRefused(
+            f"'generation_config' must be a JSON object of transformers GenerationConfig fields, given as a string: "
+            f"{type(error).__name__}: {error}",
+            param="generation_config",
+        ) from error
+
+
+def _refuse_unsupported_chat_parameters(body: dict) -> None:
+    _refuse_if(body, "n", lambda v: v != 1, "n must be 1: this server returns one choice per request")
+    _refuse_if(body, "logprobs", bool, "logprobs are not supported by this server")
+    _refuse_if(body, "top_logprobs", lambda v: v != 0, "top_logprobs are not supported by this server")
+    _refuse_if(body, "presence_penalty", lambda v: v != 0, "presence_penalty is not supported (frequency_penalty is)")
+    _refuse_if(
+        body, "response_format", lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
+        "response_format other than {'type': 'text'} is not supported (no structured output)",
+    )
+    _refuse_if(body, "audio", bool, "audio output is not supported by this text model")
+    _refuse_if(body, "modalities", lambda v: v != ["text"], "only the 'text' modality is supported")
+    _refuse_if(body, "prediction", bool, "predicted outputs are not supported by this server")
+    _refuse_if(body, "functions", bool, "'functions' is deprecated and not supported: use 'tools'")
+    _refuse_if(body, "function_call", bool, "'function_call' is deprecated and not supported: use 'tools'")
+    _refuse_if(
+        body, "tool_choice", lambda v: v not in ("auto", "none"),
+        "tool_choice must be 'auto' or 'none' (forcing a tool is not supported)",
+    )
+
+
+def _check_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict):
+        raise RequestRefused(
+            f"'{where}' must be an object with 'role' and 'content', got {_describe(message)}", param=where
+        )
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise RequestRefused(f"'{where}.role' must be one of {list(CHAT_ROLES)}, got {role!r}", param=where)
+    if role == "developer":
+        message["role"] = "system"  # OpenAI's newer name for it; chat templates know 'system'
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise RequestRefused(f"'{where}.tool_calls' must be a list on an assistant message", param=where)
+        for call in tool_calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                function.get("arguments"), (str, dict)
+            ):
+                raise RequestRefused(
+                    f"'{where}.tool_calls' entries must be {{'function': {{'name': str, 'arguments': str}}}}, "
+                    f"got {_describe(call)}",
+                    param=where,
+                )
+        return
+    content = message.get("content")
+    if isinstance(content, str):
+        return
+    if content is None and role == "assistant":
+        return
+    if not isinstance(content, list):
+        raise RequestRefused(
+            f"'{where}.content' must be a string or a list of text parts, got {_describe(content)}", param=where
+        )
+    for index, part in enumerate(content):
+        _check_content_part(part, f"{where}.content[{index}]")
+
+
+def _check_content_part(part: Any, where: str) -> None:
+    if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
+        kind = part.get("type") if isinstance(part, dict) else _describe(part)
+        raise RequestRefused(
+            f"'{where}' must be a text part {{'type': 'text', 'text': ...}}; this server serves a text model, "
+            f"got {kind!r}",
+            param=where,
+        )
+    if not isinstance(part.get("text"), str):
+        raise RequestRefused(f"'{where}.text' must be a string, got {_describe(part.get('text'))}", param=where)
+
+
+def _expect(body: dict, name: str, valid: Callable[[Any], bool], expected: str) -> None:
+    value = body.get(name)
+    if value is not None and not valid(value):
+        raise RequestRefused(f"'{name}' must be {expected}, got {_describe(value)}", param=name)
+
+
+def _expect_number(body: dict, name: str, low: float, high: float) -> None:
+    value = body.get(name)
+    if value is not None and not (_is_number(value) and low <= value <= high):
+        raise RequestRefused(f"'{name}' must be a number in [{low:g}, {high:g}], got {value!r}", param=name)
+
+
+def _refuse_if(body: dict, name: str, unsupported: Callable[[Any], bool], message: str) -> None:
+    value = body.get(name)
+    if value is not None and unsupported(value):
+        raise RequestRefused(f"{message} (got {name}={value!r})", param=name)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_logit_bias(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return False
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit() and _is_number(bias) and -100 <= bias <= 100):
+            return False
+    return True
+
+
+def _describe(value: Any) -> str:
+    """A short description of a bad value: its type, and the value itself when it is small."""
+    text = repr(value)
+    if value is None:
+        return "nothing"
+    if len(text) > 60:
+        return f"a {type(value).__name__} ({text[:40]}...)"
+    return f"{text} ({type(value).__name__})"
