@@ -1,13 +1,16 @@
 """Plots for BENCHMARKS.md (matplotlib, Agg backend; ``pip install matplotlib``).
 
-    python benchmarks/plot.py --e2e e2e_cpu.json [--e2e e2e_h200.json] [--attention ATT.json] [--graphs GRAPHS.json]
-                              [--out-dir benchmarks/plots]
+    python benchmarks/plot.py --e2e e2e_cpu.json [--e2e e2e_h200.json] [--e2e-graphs E2E.json ...]
+                              [--attention ATT.json] [--graphs GRAPHS.json] [--out-dir benchmarks/plots]
 
 Writes:
 
 - ``e2e_throughput_vs_concurrency.png`` (a CPU run) or ``e2e_h200_throughput_vs_concurrency.png``
   (a CUDA run): output tokens/s and TTFT p50 of the shared-prefix workload against concurrency,
   one line per variant, from a ``kvplug bench e2e`` JSON;
+- ``e2e_h200_graphs_vs_eager.png``: output tokens/s of kvplug with its CUDA graphs, kvplug eager,
+  naive and transformers' native cache, per workload and concurrency, from ``kvplug bench e2e``
+  CUDA runs (``--e2e-graphs``, repeatable);
 - ``h200_bandwidth.png``: decode attention bandwidth (KV bytes read per second of device time)
   against the KV tokens a step reads (batch × context), per implementation and page size, next to
   the device-to-device copy bandwidth measured in the same run, plus store_kv's share of it —
@@ -29,7 +32,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-VARIANT_STYLE = {"radix": ("tab:blue", "o"), "naive": ("tab:orange", "s"), "native": ("tab:green", "^")}
+VARIANT_STYLE = {"radix": ("tab:blue", "o"), "naive": ("tab:orange", "s"), "native": ("tab:green", "^"),
+                 "radix:eager": ("tab:cyan", "D")}
+VARIANT_LABEL = {"radix": "kvplug radix, CUDA graphs", "radix:eager": "kvplug radix, eager", "naive": "kvplug naive, CUDA graphs",
+                 "native": "transformers' native cache"}
 RESULTS = Path(__file__).parent / "results"
 DECODE_STYLE = {"flashinfer-direct": ("black", "x", "--"), "flashinfer": ("tab:purple", "o", "-"), "triton": ("tab:blue", "s", "-")}
 
@@ -62,6 +68,39 @@ def plot_e2e(data: dict, path: Path) -> None:
         f"-token system prompts, {sizes['question_tokens']}-token questions, {sizes['output_tokens']} output tokens\n"
         f"{model['shape']} {model['dtype']} on {model['device']} ({env['torch_threads']} torch thread(s)), "
         f"page {model['page_size']}, median of {data['repeats']} run(s)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_e2e_graphs(runs: list[dict], path: Path) -> None:
+    """Output tokens/s per variant (kvplug with CUDA graphs, kvplug eager, naive, native), one
+    group per workload and concurrency, from ``kvplug bench e2e --device cuda`` runs."""
+    groups = [(data, workload, level) for data in runs
+              for workload, level in sorted({(row["workload"], row["concurrency"]) for row in data["results"]})]
+    variants = [name for name in ("radix", "radix:eager", "naive", "native")
+                if any(row["variant"] == name for data in runs for row in data["results"])]
+    figure, axis = plt.subplots(figsize=(11, 4.6))
+    width = 0.8 / len(variants)
+    for index, variant in enumerate(variants):
+        values = []
+        for data, workload, level in groups:
+            row = next((row for row in data["results"] if (row["workload"], row["concurrency"], row["variant"])
+                        == (workload, level, variant)), None)
+            values.append(row["output_tok_per_s"] if row else 0)
+        bars = axis.bar([group + index * width for group in range(len(groups))], values, width,
+                        color=VARIANT_STYLE[variant][0], label=VARIANT_LABEL[variant])
+        axis.bar_label(bars, fmt="%.0f", fontsize=7, rotation=90, padding=2)
+    labels = [f"{workload}\nconcurrency {level}\n{data['sizes']['output_tokens']} output tokens"
+              for data, workload, level in groups]
+    axis.set_xticks([group + width * (len(variants) - 1) / 2 for group in range(len(groups))], labels, fontsize=8)
+    axis.set_ylabel("output tokens / s")
+    axis.set_yscale("log")
+    axis.set_ylim(100, max(row["output_tok_per_s"] for data in runs for row in data["results"]) * 4)
+    axis.legend(fontsize=8, loc="upper left")
+    model = runs[0]["model"]
+    axis.set_title(f"H200, kvplug bench e2e: {model['shape']} {model['dtype']}, attention {model['attention']}, "
+                   f"page {model['page_size']}; one run each after a warm-up per variant", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -123,7 +162,8 @@ def plot_h200_graph_step(data: dict, path: Path) -> None:
             offset += width
     axis.set_xticks([index + (offset - width) / 2 for index in range(len(sizes))], [f"bs {size}" for size in sizes])
     axis.set_ylabel("µs per decode step")
-    axis.set_title("H200, 2026-11-29: 28-layer Qwen3-0.6B-shaped stack, context 1024, eager vs CUDA graph", fontsize=10)
+    axis.set_title("H200, kvplug bench graphs: 28-layer Qwen3-0.6B-shaped stack through KVBackend, context 1024, "
+                   "eager vs CUDA graph", fontsize=10)
     axis.set_ylim(0, max(row["eager_us"] for row in rows) * 1.3)
     axis.legend(fontsize=8, ncol=2, loc="upper left")
     figure.tight_layout()
@@ -137,6 +177,9 @@ def main() -> None:
                         help="a kvplug bench e2e result (repeatable; a CUDA run is drawn as e2e_h200_*.png)")
     parser.add_argument("--attention", default=str(RESULTS / "h200_attention.json"), help="a kvplug bench attention result")
     parser.add_argument("--graphs", default=str(RESULTS / "h200_graphs.json"), help="a kvplug bench graphs result")
+    parser.add_argument("--e2e-graphs", metavar="FILE.json", action="append", default=[],
+                        help="kvplug bench e2e CUDA runs with radix, radix:eager, naive and native variants "
+                             "(repeatable; drawn together as e2e_h200_graphs_vs_eager.png)")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "plots"))
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
@@ -148,6 +191,10 @@ def main() -> None:
             "e2e_throughput_vs_concurrency.png"
         plot_e2e(data, out_dir / name)
         written.append(name)
+    if args.e2e_graphs:
+        plot_e2e_graphs([json.loads(Path(name).read_text()) for name in args.e2e_graphs],
+                        out_dir / "e2e_h200_graphs_vs_eager.png")
+        written.append("e2e_h200_graphs_vs_eager.png")
     plot_h200_bandwidth(json.loads(Path(args.attention).read_text()), out_dir / "h200_bandwidth.png")
     plot_h200_graph_step(json.loads(Path(args.graphs).read_text()), out_dir / "h200_graph_step.png")
     written += ["h200_bandwidth.png", "h200_graph_step.png"]

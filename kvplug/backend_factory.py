@@ -55,7 +55,7 @@ def resolve_attention(name: str, device: torch.device, available: list[str]) -> 
             if candidate in available and importlib.util.find_spec(module) is not None:
                 chosen = candidate
                 break
-    logger.info("attention='auto' on %s resolved to %r", device, chosen)
+    logger.debug("attention='auto' on %s resolved to %r", device, chosen)
     return chosen
 
 
@@ -188,7 +188,7 @@ def build_parts(
             options=attention_options or {},
         )
         backend = manager.create_attention_backend(name, config)
-    logger.info(
+    logger.debug(
         "kvplug backend: %d pages x %d tokens on %s (%s), prefix cache %s, attention %s",
         num_pages, page_size, device, kv_dtype, type(cache).__name__, name,
     )

@@ -145,6 +145,27 @@ def test_graph_decode_path_equals_generate(checkpoint, page_size, replay_counter
     assert stats.cache_hit_tokens > 0
 
 
+def test_a_prompt_past_max_seq_len_fails_alone_and_generation_stops_at_the_limit(checkpoint):
+    """kvplug's length check runs in transformers' per-request error handling: an over-long
+    prompt fails with kvplug's message while the other requests complete; a prompt near the limit
+    gets only the tokens that fit (its sequence is the reference's first ones)."""
+    model, references = checkpoint
+    host = TransformersHost(max_seq_len=48, num_pages=64, page_size=16)
+    prompts = [list(range(1, 60)), [1, *SHARED_PREFIX[:44]], PROMPTS[7], PROMPTS[9]]  # 59, 45, 3, 1 tokens
+    cb_config = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    with host.installed_context():
+        outputs = list(model.generate_batch(prompts, generation_config=_generation_config(),
+                                            continuous_batching_config=cb_config).values())
+    assert "59 prompt tokens" in str(outputs[0].error) and "max_seq_len is 48" in str(outputs[0].error)
+    assert outputs[1].error is None and len(outputs[1].generated_tokens) == 3  # 45 + 3 = 48
+    with torch.no_grad():
+        near = model.generate(torch.tensor([prompts[1]]), generation_config=_generation_config())[0, 45:].tolist()
+    assert outputs[1].generated_tokens == near[:3]
+    assert [outputs[2].generated_tokens, outputs[3].generated_tokens] == [references[7], references[9]]
+    stats = host.stats()
+    assert stats.running_requests == 0 and stats.admitted_requests == stats.finished_requests == 3
+
+
 def test_naive_cache_gives_same_tokens_and_no_hits(checkpoint):
     model, references = checkpoint
     host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
@@ -380,22 +401,23 @@ def test_cuda_bf16_gpu_attention_backends_serve_generate_batch(kind, attention, 
 
 
 def test_install_replaces_and_uninstall_restores_transformers_internals():
-    from transformers.generation.continuous_batching import cache, continuous_api, model_runner
+    from transformers.generation.continuous_batching import cache, continuous_api, model_runner, scheduler
 
     original_cache = continuous_api.PagedAttentionCache
     original_switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
     runner = model_runner.ModelRunner
-    original_runner = (runner.compute_batch, runner.warmup)
+    original_runner = (runner.compute_batch, runner.warmup, scheduler.Scheduler.add_waiting_request)
     assert original_cache is cache.PagedAttentionCache
     host = TransformersHost()
     with host.installed_context(prefix_cache="naive") as installed:
         assert installed.installed and installed.settings.prefix_cache == "naive"
         assert continuous_api.PagedAttentionCache is not original_cache
         assert runner.compute_batch is not original_runner[0] and runner.warmup is not original_runner[1]
+        assert scheduler.Scheduler.add_waiting_request is not original_runner[2]
         assert ATTENTION_NAME in transformers.AttentionInterface()
     assert continuous_api.PagedAttentionCache is original_cache
     assert continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn is original_switch
-    assert (runner.compute_batch, runner.warmup) == original_runner
+    assert (runner.compute_batch, runner.warmup, scheduler.Scheduler.add_waiting_request) == original_runner
     assert host.settings.prefix_cache == "radix"
 
 

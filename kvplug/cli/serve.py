@@ -27,6 +27,7 @@ import re
 import socket
 from typing import Any
 
+from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
 from kvplug.interface import InvalidArgumentError, KVPlugError, UnknownComponentError
 from kvplug.memory.capacity import parse_memory_size
 from kvplug.memory.model_shape import parse_dtype
@@ -41,12 +42,13 @@ DEFAULTS = {
     "kv_backend": "kvplug",
     "prefix_cache": "radix",
     "attention": "auto",
-    "page_size": 16,
+    "page_size": DEFAULT_PAGE_SIZE,
     "max_running_reqs": 64,
     "stats_interval": 10.0,
 }
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
-KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval")
+KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
+                     "disable_cuda_graph")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 COMPONENT_DESCRIPTIONS = {
@@ -161,6 +163,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stats-interval", type=float, help="seconds between cache-statistics log lines (0: off; default 10)"
     )
     parser.add_argument(
+        "--cuda-graph-max-bs", type=int, metavar="N",
+        help="on CUDA, decode steps of up to N requests replay from kvplug's CUDA graphs, captured at start "
+        "at 1, 2, 4, 8, then steps of 8 up to N (SGLang's flag; default --max-running-reqs)",
+    )
+    parser.add_argument(
+        "--disable-cuda-graph", action="store_true", default=None,
+        help="run every decode step eagerly (SGLang's flag; kvplug's CUDA graphs are on by default on CUDA)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
     )
@@ -189,7 +200,7 @@ def parse_kv_memory(text: str | None) -> int | float | None:
 
 def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]:
     """Check every argument that needs no model or transformers; return the host's keyword options."""
-    given = {name for name in DEFAULTS if getattr(args, name, None) is not None}
+    given = {name for name in (*DEFAULTS, *KVPLUG_ONLY_FLAGS) if getattr(args, name, None) is not None}
     for name, value in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -205,6 +216,10 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
     _check_int("--page-size", args.page_size, low=1)
     _check_int("--max-running-reqs", args.max_running_reqs, low=1)
     _check_int("--port", args.port, low=1, high=65535)
+    if args.cuda_graph_max_bs is not None:
+        _check_int("--cuda-graph-max-bs", args.cuda_graph_max_bs, low=1, high=args.max_running_reqs)
+        if args.disable_cuda_graph:
+            raise InvalidArgumentError("--cuda-graph-max-bs has no effect with --disable-cuda-graph; give one of them")
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None:
             _check_int(flag, value, low=2 if flag == "--max-seq-len" else 1)
@@ -258,6 +273,8 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "api_key": args.api_key,
         "shutdown_timeout": args.shutdown_timeout,
         "max_request_bytes": max_request_bytes,
+        "cuda_graphs": False if args.disable_cuda_graph else None,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
     }
 
 

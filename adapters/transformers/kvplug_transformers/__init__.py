@@ -17,14 +17,34 @@ package does not import transformers; ``install()`` does, and checks its version
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvplug_transformers._version import __version__
-from kvplug_transformers.attention import ATTENTION_NAME
-from kvplug_transformers.compat import SUPPORTED_RANGE, UnsupportedTransformersError
-from kvplug_transformers.host import TransformersHost
-from kvplug_transformers.settings import KVPlugSettings
-from kvplug_transformers.stats import HostStats
+
+if TYPE_CHECKING:
+    from kvplug_transformers.host import TransformersHost
+    from kvplug_transformers.stats import HostStats
+
+# imported on first access: the kvplug entry point (kvplug_transformers.plugin) loads this package
+# for every `kvplug` command, which must not import torch for it
+_LAZY_NAMES = {
+    "ATTENTION_NAME": "kvplug_transformers.attention",
+    "SUPPORTED_RANGE": "kvplug_transformers.compat",
+    "UnsupportedTransformersError": "kvplug_transformers.compat",
+    "TransformersHost": "kvplug_transformers.host",
+    "KVPlugSettings": "kvplug_transformers.settings",
+    "HostStats": "kvplug_transformers.stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
 
 _default_host: TransformersHost | None = None
 
@@ -33,6 +53,8 @@ def default_host() -> TransformersHost:
     """The process-wide host behind ``install`` / ``uninstall`` / ``stats``."""
     global _default_host
     if _default_host is None:
+        from kvplug_transformers.host import TransformersHost
+
         _default_host = TransformersHost()
     return _default_host
 

@@ -1,6 +1,7 @@
 """The version gate: every use of transformers internals goes through ``require_transformers()``.
 
-The adapter replaces three things inside transformers' continuous batching, all private:
+The adapter replaces four things inside transformers' continuous batching, all private
+(``Scheduler.add_waiting_request`` is the fourth: kvplug's per-request length check):
 ``continuous_api.PagedAttentionCache`` (the class ``ContinuousBatchingManager`` instantiates),
 ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (which picks the ``paged|...`` attention
 function) and ``ModelRunner.compute_batch`` (one step's forward and sampling; kvplug replays
@@ -30,10 +31,12 @@ _REQUIRED_ATTRIBUTES = {
     "transformers.generation.continuous_batching.cache": ("PagedAttentionCache", "group_layers_by_attn_type"),
     "transformers.modeling_utils": ("AttentionInterface", "ALL_ATTENTION_FUNCTIONS"),
     "transformers.generation.continuous_batching.model_runner": ("ModelRunner",),
+    "transformers.generation.continuous_batching.scheduler": ("Scheduler",),
 }
 # methods of those classes the adapter replaces or calls (CUDA-graph decode)
 _REQUIRED_METHODS = {
     ("transformers.generation.continuous_batching.model_runner", "ModelRunner"): ("compute_batch", "warmup", "_sample"),
+    ("transformers.generation.continuous_batching.scheduler", "Scheduler"): ("add_waiting_request",),
 }
 
 
@@ -50,6 +53,7 @@ class TransformersModules:
     cache: ModuleType
     modeling_utils: ModuleType
     model_runner: ModuleType
+    scheduler: ModuleType
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -124,4 +128,5 @@ def require_transformers() -> TransformersModules:
         cache=modules["cache"],
         modeling_utils=modules["modeling_utils"],
         model_runner=modules["model_runner"],
+        scheduler=modules["scheduler"],
     )

@@ -41,7 +41,7 @@ class TransformersHost:
             self.settings = self.settings.updated(**options)
         install_patches(self._make_cache)
         _set_active_host(self)
-        logger.info("kvplug installed into transformers continuous batching: %s", self.settings)
+        logger.debug("kvplug installed into transformers continuous batching: %s", self.settings)
         return self
 
     def uninstall(self) -> None:

@@ -11,6 +11,11 @@
    original. ``ModelRunner.warmup``, which transformers runs before a manager takes requests,
    then captures those graphs (``KVPlugPagedCache.capture_decode_graphs``), so no request
    waits for the capture.
+4. ``Scheduler.add_waiting_request``, which takes every new request inside transformers'
+   per-request error handling, first lets the kvplug cache refuse a prompt that leaves no room
+   in ``max_seq_len`` and cap ``max_new_tokens`` to the room left
+   (``KVPlugPagedCache.check_waiting_request``): one bad request fails alone instead of stopping
+   the batching worker for every request.
 
 Both are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
@@ -34,6 +39,7 @@ class _Originals:
     switch_attention: Callable
     compute_batch: Callable
     warmup: Callable
+    add_waiting_request: Callable
 
 
 _lock = threading.Lock()
@@ -57,15 +63,22 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         if _installed is None:
             _installed = _Originals(
                 modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
-                runner_class.compute_batch, runner_class.warmup,
+                runner_class.compute_batch, runner_class.warmup, modules.scheduler.Scheduler.add_waiting_request,
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
+        original_add_waiting = _installed.add_waiting_request
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
             run_decode_graph = getattr(runner.cache, "run_decode_graph", None)
             if run_decode_graph is not None and run_decode_graph(runner, model, batch_data):
                 return
             original_compute_batch(runner, model, batch_data)
+
+        def kvplug_add_waiting_request(scheduler: Any, state: Any) -> None:
+            check = getattr(scheduler.cache, "check_waiting_request", None)
+            if check is not None:
+                check(state)
+            original_add_waiting(scheduler, state)
 
         def kvplug_warmup(runner: Any, model: Any) -> None:
             original_warmup(runner, model)
@@ -82,6 +95,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         manager_class.switch_to_cb_friendly_attn = _switch_to_kvplug_attention
         runner_class.compute_batch = kvplug_compute_batch
         runner_class.warmup = kvplug_warmup
+        modules.scheduler.Scheduler.add_waiting_request = kvplug_add_waiting_request
         return modules
 
 
@@ -97,6 +111,7 @@ def uninstall_patches() -> None:
         modules.continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = _installed.switch_attention
         modules.model_runner.ModelRunner.compute_batch = _installed.compute_batch
         modules.model_runner.ModelRunner.warmup = _installed.warmup
+        modules.scheduler.Scheduler.add_waiting_request = _installed.add_waiting_request
         _installed = None
 
 

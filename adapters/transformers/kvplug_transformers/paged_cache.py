@@ -245,6 +245,22 @@ class KVPlugPagedCache:
             q = q * (scaling / backend_scale)  # the backend applies its own scale; fold in the ratio
         return self.backend.forward(q, k, v, layer_id, batch)
 
+    def check_waiting_request(self, state: Any) -> None:
+        """A new request (transformers' ``RequestState``), before it waits for scheduling: refuse
+        a prompt that leaves no room for one generated token in ``max_seq_len`` (the request
+        fails alone, with this error) and cap its new tokens to the room left, so generation
+        stops at the limit (finish reason ``length``) instead of outgrowing the page-table row."""
+        limit, prompt_len = self.backend.max_seq_len, len(state.initial_tokens)
+        if prompt_len >= limit:
+            raise InvalidArgumentError(
+                f"request {state.request_id} has {prompt_len} prompt tokens; kvplug's max_seq_len is {limit} "
+                f"tokens (prompt + completion), so a prompt may have at most {limit - 1}"
+            )
+        room = limit - prompt_len
+        if state._new_tokens_limit > room:
+            state._new_tokens_limit = room
+            state.max_new_tokens = room
+
     def capture_decode_graphs(self, model: Any) -> None:
         """Capture the decode graphs now (transformers' warm-up), when graphs are on; otherwise
         the first decode-only step captures them."""

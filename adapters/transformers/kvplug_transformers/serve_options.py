@@ -44,6 +44,8 @@ class ServeOptions:
     api_key: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    cuda_graphs: bool | None = None
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("kvplug", "native"):
@@ -79,6 +81,8 @@ class ServeOptions:
             "kv_memory": self.kv_memory,
             "max_seq_len": self.max_seq_len,
             "max_batch_tokens": self.max_batch_tokens,
+            "cuda_graphs": self.cuda_graphs,
+            "cuda_graph_max_bs": self.cuda_graph_max_bs,
         }
 
 
