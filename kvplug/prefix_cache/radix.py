@@ -29,13 +29,14 @@ from kvplug.interface import (
     PrefixCacheConfig,
     SizeInfo,
 )
-from kvplug.prefix_cache.radix_arguments import checked_evict_size, checked_host_insert_tokens, checked_host_tokens
+from kvplug.prefix_cache.radix_arguments import checked_host_insert_tokens, checked_host_tokens
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_integrity import check_radix_tree
 from kvplug.prefix_cache.radix_keys import (
     ADDRESS_SPACE,
     ADDRESS_VIEW,
     BYTES_PER_TOKEN,
+    as_int32,
     dense_host_nbytes,
     dense_host_pair_nbytes,
     locations_tensor,
@@ -43,6 +44,12 @@ from kvplug.prefix_cache.radix_keys import (
     tensor_bytes,
 )
 from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
+from kvplug.prefix_cache.validation import (
+    check_location_values,
+    checked_evict_size,
+    reject_foreign_handle,
+    reject_unlock_flag,
+)
 
 _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python-level __new__
 
@@ -50,8 +57,10 @@ _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python
 class RadixPrefixCache(BasePrefixCache):
     """Radix-tree prefix cache (SPEC §4).
 
-    Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang: an
-    unlock is rejected when no lock is left on the handle's prefix, whichever handle took it.
+    Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang, and
+    each node also counts the locks taken on its own handle: an unlock is rejected unless that
+    handle (the node ending at the same length) holds one, so unlocking a never-locked prefix of a
+    locked handle is refused instead of leaving the longer handle's nodes under-counted.
 
     Option ``split_refreshes_tail`` (bool, default False): when a match or insert ends inside an
     edge, also give the edge's unused tail the new recency tick. Off, eviction is strict LRU (the
@@ -87,6 +96,8 @@ class RadixPrefixCache(BasePrefixCache):
         return _new_tuple(MatchResult, (node,))
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        if unlock.__class__ is not bool:
+            reject_unlock_flag(unlock)
         root = self._root
         node = handle
         # Fast path: a live non-root node of this tree (the root and evicted nodes have no parent).
@@ -94,9 +105,20 @@ class RadixPrefixCache(BasePrefixCache):
             node = self._live_node(handle)
             if node is root:
                 return
-        if unlock and node.lock_ref <= 0:
-            raise InvalidArgumentError(f"cannot unlock {handle!r}: it is not locked")
-        step, flips_at = (-1, 1) if unlock else (1, 0)
+        if unlock:
+            if node.own_locks <= 0:
+                # a lock on a longer prefix covers this node too, but it is that handle's to release
+                raise InvalidArgumentError(
+                    f"cannot unlock {handle!r}: it holds no lock of its own "
+                    f"({node.lock_ref - node.own_locks} lock(s) on longer prefixes cover it)"
+                    if node.lock_ref
+                    else f"cannot unlock {handle!r}: it is not locked"
+                )
+            node.own_locks -= 1
+            step, flips_at = -1, 1
+        else:
+            node.own_locks += 1
+            step, flips_at = 1, 0
         moved = 0  # bytes of locations whose node flips between evictable and protected
         walker = node
         while walker is not root:
@@ -118,6 +140,7 @@ class RadixPrefixCache(BasePrefixCache):
         if end >= 0 and not end % self._page_bytes:
             tokens = input_ids
             locations_at = indices.data_ptr()
+            check_location_values(as_int32(ADDRESS_VIEW[locations_at : locations_at + end]))
         else:
             tokens = checked_host_insert_tokens(input_ids, indices, self.device, self.page_size)
             end = tokens.nbytes
@@ -245,7 +268,7 @@ class RadixPrefixCache(BasePrefixCache):
 
     def _live_node(self, handle: BaseCacheHandle) -> RadixNode:
         if not isinstance(handle, RadixNode) or handle.generation.cache is not self:
-            raise InvalidArgumentError(f"expected a handle from this radix cache, got {handle!r}")
+            reject_foreign_handle("radix", handle)
         if handle.generation is not self._generation:
             raise stale_handle_error("was dropped by reset()")
         if handle.parent is None and handle is not self._root:
