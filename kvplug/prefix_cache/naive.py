@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvplug.interface import (
+    AllCleared,
     BaseCacheHandle,
     BasePrefixCache,
     InsertResult,
@@ -39,7 +40,12 @@ class NaiveCacheHandle(BaseCacheHandle):
 
 
 class NaivePrefixCache(BasePrefixCache):
-    """Keeps nothing: ``match_prefix`` always returns length 0, ``insert_prefix`` reports 0 cached."""
+    """Keeps nothing: ``match_prefix`` always returns length 0, ``insert_prefix`` reports 0 cached.
+
+    Its KV events are honest about that: no page is ever stored or removed; ``reset`` reports
+    ``AllCleared``."""
+
+    publishes_kv_events = True
 
     def __init__(self, config: PrefixCacheConfig) -> None:
         if config.options:
@@ -68,7 +74,8 @@ class NaivePrefixCache(BasePrefixCache):
         return self._empty
 
     def reset(self) -> None:
-        pass
+        if self.has_kv_event_listeners:
+            self.emit_kv_event(AllCleared())
 
     @property
     def size_info(self) -> SizeInfo:

@@ -12,6 +12,10 @@ Recency. A logical clock ticks once per ``match_prefix``/``insert_prefix``; ever
 path gets the new tick, so a parent is never older than its children and evicting leaves in
 clock order is LRU at every depth. Locks count handles per node along the path to the root.
 
+KV events (``add_kv_event_listener``): a new leaf is a ``BlockStored`` of its pages, an evicted leaf
+a ``BlockRemoved``, ``reset`` an ``AllCleared``; splits change no page, so they report nothing. The
+page hashes are computed only while someone listens, and kept on the node for its removal.
+
 Eviction candidates (unlocked leaves) are kept incrementally in ``EvictionCandidates``: lock,
 unlock, insert, split, match and evict each update O(1) of them; ``evict`` never scans the tree.
 """
@@ -21,7 +25,10 @@ from __future__ import annotations
 import torch
 
 from kvplug.interface import (
+    AllCleared,
     BaseCacheHandle,
+    BlockRemoved,
+    BlockStored,
     BasePrefixCache,
     InsertResult,
     InvalidArgumentError,
@@ -29,6 +36,7 @@ from kvplug.interface import (
     PrefixCacheConfig,
     SizeInfo,
 )
+from kvplug.prefix_cache.block_hashes import chained_page_hashes
 from kvplug.prefix_cache.radix_arguments import checked_host_insert_tokens, checked_host_tokens
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_integrity import check_radix_tree
@@ -67,6 +75,8 @@ class RadixPrefixCache(BasePrefixCache):
     tail keeps its age); on, the eviction order is SGLang's RadixCache's, which stamps an edge
     before comparing it (the SGLang host turns it on for exact parity).
     """
+
+    publishes_kv_events = True
 
     def __init__(self, config: PrefixCacheConfig) -> None:
         options = dict(config.options)
@@ -161,6 +171,8 @@ class RadixPrefixCache(BasePrefixCache):
             self._evictable += (end - matched_bytes) // BYTES_PER_TOKEN
             self._candidates.add(leaf)
             self._stamp_ancestors(node, self._clock)
+            if self.__dict__.get("_kv_event_listeners"):
+                self._report_stored(leaf)
             return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, leaf))
         self._touch_path(node)
         return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, node))
@@ -174,8 +186,11 @@ class RadixPrefixCache(BasePrefixCache):
         wanted_bytes = size * BYTES_PER_TOKEN
         root = self._root
         page_bytes = self._page_bytes
+        reporting = bool(self.__dict__.get("_kv_event_listeners"))
         while freed_bytes < wanted_bytes:
             leaf = self._candidates.pop_least_recent()
+            if reporting:
+                self.emit_kv_event(BlockRemoved(self._page_hashes(leaf)))
             parent = leaf.parent
             del parent.children[leaf.key[:page_bytes]]
             leaf.parent = None
@@ -193,6 +208,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        if self.__dict__.get("_kv_event_listeners"):
+            self.emit_kv_event(AllCleared())
 
     @property
     def size_info(self) -> SizeInfo:
@@ -246,6 +263,9 @@ class RadixPrefixCache(BasePrefixCache):
         child.value = child.value[at_bytes:]
         child.parent = upper
         upper.children[child.key[:page_bytes]] = child
+        if child.page_hashes is not None:  # a page's hash depends only on its path: split them as is
+            upper_pages = at_bytes // page_bytes
+            upper.page_hashes, child.page_hashes = child.page_hashes[:upper_pages], child.page_hashes[upper_pages:]
         if self._split_refreshes_tail:
             child.last_access = self._clock + 1  # the tick _touch_path gives the path right after
             if child.heap_seq >= 0:
@@ -265,6 +285,27 @@ class RadixPrefixCache(BasePrefixCache):
         while node is not root:
             node.last_access = tick
             node = node.parent
+
+    def _report_stored(self, leaf: RadixNode) -> None:
+        """``BlockStored`` for the pages of a new leaf."""
+        parent = leaf.parent
+        parent_hash = self._page_hashes(parent)[-1] if parent is not self._root else None
+        self.emit_kv_event(
+            BlockStored(
+                self._page_hashes(leaf),
+                parent_hash,
+                tuple(as_int32(leaf.key).tolist()),
+                self.page_size,
+            )
+        )
+
+    def _page_hashes(self, node: RadixNode) -> tuple[int, ...]:
+        """The KV-event hashes of ``node``'s pages (computed on first use, ancestors first)."""
+        if node.page_hashes is None:
+            parent = node.parent
+            parent_hash = self._page_hashes(parent)[-1] if parent is not self._root else None
+            node.page_hashes = chained_page_hashes(node.key, self.page_size, parent_hash)
+        return node.page_hashes
 
     def _live_node(self, handle: BaseCacheHandle) -> RadixNode:
         if not isinstance(handle, RadixNode) or handle.generation.cache is not self:

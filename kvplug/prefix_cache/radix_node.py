@@ -45,6 +45,8 @@ class RadixNode(BaseCacheHandle):
         heap_seq: sequence number of this node's live entry in the eviction candidates, or -1
             when the node is not a candidate (locked, internal, root or evicted).
         generation: the tree this node belongs to.
+        page_hashes: the KV-event hash of each page of the edge (``block_hashes``), computed when
+            events are first reported for the node; ``None`` until then.
     """
 
     __slots__ = (
@@ -58,6 +60,7 @@ class RadixNode(BaseCacheHandle):
         "last_access",
         "heap_seq",
         "generation",
+        "page_hashes",
     )
 
     def __init__(
@@ -79,6 +82,7 @@ class RadixNode(BaseCacheHandle):
         self.last_access = last_access
         self.heap_seq = -1
         self.generation = generation
+        self.page_hashes: tuple[int, ...] | None = None
 
     def get_matched_indices(self) -> torch.Tensor:
         """Token locations of the prefix: shape ``[cached_len]``, int32, on the cache's device.
