@@ -152,3 +152,45 @@ def test_a_cache_plugin_without_events_serves_and_warns(caplog):
     apply(world, ("finish", "a"))
     assert cache.evictable_size() == 4
     assert [type(event) for event in cache.take_events()] == [AllBlocksCleared]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_namespaces_hash_like_sglang(dynamo):
+    """LoRA ``extra_key`` and ``cache_salt`` namespaces (one kvplug cache each) publish SGLang's
+    namespaced hashes, in SGLang's default and Dynamo formats, for the same inserts and evictions."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    worlds = [make_world(kind, page_size=2, enable_kv_cache_events=True, dynamo_kv_event_format=dynamo) for kind in ("sglang", "radix")]
+    from types import SimpleNamespace
+
+    for world in worlds:  # as the scheduler names a LoRA request's namespace for its events
+        world.cache.kv_events.lora_names.register(SimpleNamespace(lora_id="a" * 32, extra_key="x" + "a" * 32), "adapter-a")
+    namespaces = [(None, None), ("x" + "a" * 32, None), (None, "salt"), ("x" + "a" * 32, "salt")]
+    location = 0
+    for round_number in range(2):
+        for extra_key, salt in namespaces:
+            tokens = array_of([1, 2, 3, 4, 5 + round_number, 6])
+            values = torch.arange(location, location + 6, dtype=torch.int64)
+            location += 6
+            for world in worlds:
+                world.cache.insert(InsertParams(key=RadixKey(tokens, extra_key, cache_salt=salt), value=values))
+    expected, got = (world.cache.take_events() for world in worlds)
+    assert comparable(got) == comparable(expected)
+    hashes = {h for event in expected if isinstance(event, BlockStored) for h in event.block_hashes}
+    assert len(hashes) == 4 * 4  # 3 pages + 1 diverging page per namespace: no two namespaces share a hash
+    assert {event.lora_name for event in expected if isinstance(event, BlockStored)} == {None, "adapter-a"}
+    for world in worlds:
+        world.cache.evict(EvictParams(num_tokens=EVICT_ALL))
+    expected, got = (world.cache.take_events() for world in worlds)
+    # one SGLang tree holds every namespace; kvplug evicts namespace by namespace (least recently
+    # used first): the same blocks go, grouped into removal events differently
+    removed = [sorted(h for event in events if isinstance(event, BlockRemoved) for h in event.block_hashes) for events in (expected, got)]
+    assert removed[0] == removed[1] and sorted(hashes) == removed[0]
+
+
+def array_of(values):
+    from array import array
+
+    return array("q", values)
