@@ -178,7 +178,10 @@ class BasePrefixCache(ABC):
         """Protect (or, with ``unlock=True``, release) the entries of ``handle`` from eviction.
 
         Locks nest: an entry is evictable again once every lock on it is released. Only counts
-        change, never the cached content.
+        change, never the cached content. An unlock releases a lock taken on the same handle (or
+        another handle of the same prefix); unlocking one that holds none, such as a never-locked
+        prefix of a locked handle, raises ``InvalidArgumentError`` and changes nothing (the
+        built-in caches do; a cache that accepted it would under-count the longer handle's lock).
         """
 
     @abstractmethod
@@ -187,7 +190,8 @@ class BasePrefixCache(ABC):
 
         Args:
             input_ids: shape ``[n]``, int32, cache device; ``n`` a multiple of the page size.
-            indices: shape ``[n]``, int32, cache device; the locations holding their K/V.
+            indices: shape ``[n]``, int32, cache device; the locations holding their K/V: distinct
+                and non-negative (anything else raises ``InvalidArgumentError``, nothing cached).
 
         Returns how many leading tokens were already cached (their ``indices`` are duplicates the
         caller must free) and a handle covering all ``n`` tokens (not locked).
