@@ -165,7 +165,7 @@ class EventSubscriber:
         self.socket.connect(f"tcp://127.0.0.1:{self.port}")
         time.sleep(1.0)  # ZMQ's slow joiner: let the subscription reach the publisher
 
-    def drain(self, quiet_s: float = 1.5, limit_s: float = 30.0) -> list[Any]:
+    def drain(self, quiet_s: float = 3.0, limit_s: float = 60.0) -> list[Any]:
         """Every event published until ``quiet_s`` pass without one (SGLang's classes)."""
         import msgspec
         import zmq

@@ -10,7 +10,7 @@ KV events. Native SGLang runs the same script first and stops; every kvplug conf
 give the same token ids. Each server ends with SIGTERM, which must stop it and its processes.
 
 Runs in the SGLang test environment (``scripts/test-sglang-host.sh``); skipped elsewhere. About
-three minutes on the 2-core machine, most of it six server starts.
+four minutes on the 2-core machine, most of it six server starts.
 """
 
 from __future__ import annotations
