@@ -3,19 +3,13 @@
 attention world (kvplug's pools in SGLang's classes, SGLang ``ForwardBatch``es over them).
 
 ``import_sglang()`` skips the caller when SGLang or kvplug-sglang is missing or SGLang is not the
-supported version. SGLang's config package imports ``torchvision`` at module level for two vision
-models; CI has no torchvision (PyPI only has CUDA builds, which need torch 2.14), so an import-only
-placeholder is registered first, after transformers has recorded that torchvision is absent. The
-placeholder raises on any use: only the two import lines ever touch it.
+supported version. The environment is SGLang's own pins (``scripts/test-sglang-host.sh``): torch
+2.14.1 with its torchvision 0.29.1, which SGLang's config package imports at module level.
 """
 
 from __future__ import annotations
 
-import enum
-import importlib.machinery
 import importlib.util
-import sys
-import types
 from array import array
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -23,40 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
-
-def _install_torchvision_placeholder() -> None:
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
-        return
-    from transformers.utils import import_utils
-
-    import_utils.is_torchvision_available()  # cached as False before the placeholder exists
-
-    class InterpolationMode(enum.Enum):
-        NEAREST = "nearest"
-        BILINEAR = "bilinear"
-        BICUBIC = "bicubic"
-
-    def module(name: str) -> types.ModuleType:
-        placeholder = types.ModuleType(name, "import-only placeholder: torchvision is not installed")
-        placeholder.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        placeholder.__path__ = []
-        placeholder.__getattr__ = _refuse(name)  # type: ignore[method-assign]
-        sys.modules[name] = placeholder
-        return placeholder
-
-    torchvision, transforms, functional = (
-        module(name) for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
-    )
-    functional.InterpolationMode = transforms.InterpolationMode = InterpolationMode
-    transforms.functional, torchvision.transforms = functional, transforms
-
-
-def _refuse(module_name: str):
-    def missing(attribute: str) -> Any:
-        raise AttributeError(f"{module_name}.{attribute}: torchvision is not installed (test placeholder)")
-
-    return missing
 
 
 def import_sglang() -> str:
@@ -72,7 +32,6 @@ def import_sglang() -> str:
     version = compat.installed_sglang_version()
     if not compat.is_supported(version):
         pytest.skip(f"kvplug-sglang supports SGLang {compat.SUPPORTED_VERSIONS}, found {version}")
-    _install_torchvision_placeholder()
     return version
 
 
@@ -185,15 +144,18 @@ def build_context(params: Any, **flags: Any) -> Any:
     )
 
 
-def make_world(kind: str, *, page_size: int, size: int = 96, max_requests: int = 6, max_context: int = 64) -> World:
-    """``kind`` ``"sglang"``: SGLang's ``RadixCache``; else kvplug prefix cache ``kind`` behind the adapter."""
+def make_world(
+    kind: str, *, page_size: int, size: int = 96, max_requests: int = 6, max_context: int = 64, **params: Any
+) -> World:
+    """``kind`` ``"sglang"``: SGLang's ``RadixCache``; else kvplug prefix cache ``kind`` behind the
+    adapter. ``params``: ``CacheInitParams`` fields (e.g. ``enable_kv_cache_events=True``)."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.registry import get_radix_cache_factory
 
     from kvplug_sglang import names
 
     table, allocator = make_pools(size=size, page_size=page_size, max_requests=max_requests, max_context=max_context)
-    params = cache_params(table, allocator, page_size)
+    params = cache_params(table, allocator, page_size, **params)
     if kind == "sglang":
         cache = RadixCache(params)
     else:  # through the factory SGLang's create_tree_cache calls for --radix-cache-backend kvplug:NAME

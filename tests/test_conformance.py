@@ -201,3 +201,38 @@ def test_the_model_matches_whole_pages_only():
     assert model.insert([1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 9, 9]) == 4
     assert model.locations([1, 1, 2, 2, 3, 3, 4]) == [5, 6, 7, 8, 9, 9]
     assert torch.equal(torch.tensor(model.leaf_keys()), torch.tensor([(1, 1, 2, 2, 3, 3)]))
+
+
+def test_the_kit_is_an_attribute_of_kvplug_as_the_readme_writes_it():
+    code = (
+        "import kvplug; "
+        "kvplug.testing.check_prefix_cache(lambda c: kvplug.create_prefix_cache('radix', page_size=c.page_size), "
+        "page_sizes=(2,)); print('conforms')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "conforms", result.stderr
+    with pytest.raises(AttributeError, match="no attribute 'tesitng'"):
+        kvplug.tesitng  # noqa: B018
+
+
+def test_a_missing_hypothesis_is_one_clear_error_before_any_check(monkeypatch):
+    from kvplug.testing import dependencies
+
+    real_find_spec = dependencies.importlib.util.find_spec
+    monkeypatch.setattr(
+        dependencies.importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real_find_spec(name, *a)
+    )
+    built = []
+
+    def counting_factory(config):
+        built.append(config)
+        return radix_factory(config)
+
+    with pytest.raises(kit.KitDependencyError, match=r"needs hypothesis, which is not installed: pip install 'kvplug\[test\]'"):
+        kit.check_prefix_cache(counting_factory, page_sizes=(1,))
+    assert built == []  # refused up front: no check ran, none "failed"
+    with pytest.raises(kit.KitDependencyError):
+        kit.parametrize_prefix_cache_checks(page_sizes=(1,))
+    kit.check_prefix_cache(counting_factory, page_sizes=(1,), randomised=False)  # the rest runs without it
+    assert built
+    assert "randomised_differential" not in {check.name for check in kit.prefix_cache_checks(randomised=False)}

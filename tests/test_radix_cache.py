@@ -46,7 +46,7 @@ def tree(cache: RadixPrefixCache, node=None) -> dict:
 def snapshot(cache: RadixPrefixCache):
     def walk(node):
         return [
-            (child.key, child.value, child.lock_ref, child.last_access, child.heap_seq, walk(child))
+            (child.key, child.value, child.lock_ref, child.own_locks, child.last_access, child.heap_seq, walk(child))
             for child in node.children.values()
         ]
 
@@ -222,8 +222,19 @@ BAD_CALLS = {
     "evict -1": lambda c: c.evict(-1),
     "evict a float": lambda c: c.evict(1.5),
     "evict True": lambda c: c.evict(True),
+    "insert a negative location": lambda c: c.insert_prefix(ids(7, 8, 9, 9), ids(30, 31, -5, 33)),
+    "insert a location twice": lambda c: c.insert_prefix(ids(7, 8, 9, 9), ids(30, 31, 32, 30)),
+    "insert a negative duplicate location": lambda c: c.insert_prefix(ids(1, 2, 3, 4), ids(-5, 1, -5, -1)),
+    "insert a location twice on the matched part": lambda c: c.insert_prefix(ids(1, 2, 3, 4), ids(40, 40, 41, 42)),
+    "insert a location twice through a view": lambda c: c.insert_prefix(ids(7, 8, 9, 9), ids(30, 0, 31, 0, 30, 0, 32, 0)[::2]),
+    "evict None": lambda c: c.evict(None),
+    "evict a string": lambda c: c.evict("3"),
+    "evict 0.0": lambda c: c.evict(0.0),
     "evict too much": lambda c: c.evict(c.size_info.evictable_size + 1),
     "unlock an unlocked prefix": lambda c: c.lock_handle(c.unlocked_handle, unlock=True),
+    "unlock a never-locked prefix of a locked handle": lambda c: c.lock_handle(c.prefix_of_locked, unlock=True),
+    "unlock flag not a bool": lambda c: c.lock_handle(c.unlocked_handle, unlock=1),
+    "lock None": lambda c: c.lock_handle(None),
     "lock a foreign handle": lambda c: c.lock_handle(radix(2).match_prefix(ids(1, 2)).handle),
     "lock a handle of another kind": lambda c: c.lock_handle(NAIVE.match_prefix(ids()).handle),
 }
@@ -236,11 +247,70 @@ def test_bad_input_raises_and_leaves_the_tree_unchanged(what):
     cache.insert_prefix(ids(1, 2, 5, 6), span(10, 4))
     cache.lock_handle(cache.match_prefix(ids(1, 2, 3, 4)).handle)
     cache.unlocked_handle = cache.match_prefix(ids(1, 2, 5, 6)).handle
+    cache.prefix_of_locked = cache.match_prefix(ids(1, 2)).handle
+    assert cache.prefix_of_locked.lock_ref == 1  # covered by the lock on (1, 2, 3, 4), but not its own
     before = snapshot(cache)
     with pytest.raises(InvalidArgumentError):
         BAD_CALLS[what](cache)
     assert snapshot(cache) == before
     cache.check_integrity()
+
+
+def test_unlocking_a_prefix_of_a_locked_handle_is_refused_and_the_real_unlock_still_works():
+    """A never-locked prefix shares the locked handle's nodes: unlocking it used to be accepted,
+    leaving the longer handle's nodes with more locks than their parent (then evict asserted)."""
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 2, 3, 4, 5, 6), span(0, 6))
+    locked = cache.match_prefix(ids(1, 2, 3, 4, 5, 6)).handle
+    cache.lock_handle(locked)
+    prefix = cache.match_prefix(ids(1, 2)).handle  # splits the edge; the prefix is a new upper node
+    for _ in range(2):
+        with pytest.raises(InvalidArgumentError, match="no lock of its own"):
+            cache.lock_handle(prefix, unlock=True)
+    assert cache.size_info == (0, 6)
+    cache.check_integrity()
+    cache.lock_handle(prefix)  # its own lock, then its own unlock: nested counts
+    cache.lock_handle(prefix, unlock=True)
+    cache.lock_handle(locked, unlock=True)
+    with pytest.raises(InvalidArgumentError, match="not locked"):
+        cache.lock_handle(locked, unlock=True)
+    assert cache.size_info == (6, 0)
+    assert sorted(cache.evict(6).tolist()) == list(range(6))
+    cache.check_integrity()
+
+
+NAIVE_AND_RADIX_BAD_CALLS = {
+    "match None": lambda c: c.match_prefix(None),
+    "match int64": lambda c: c.match_prefix(ids(1, 2).long()),
+    "match 2-D": lambda c: c.match_prefix(ids(1, 2).view(1, 2)),
+    "insert unequal lengths": lambda c: c.insert_prefix(ids(1, 2), span(0, 1)),
+    "insert a partial page": lambda c: c.insert_prefix(ids(1, 2, 3), span(0, 3)),
+    "insert a negative location": lambda c: c.insert_prefix(ids(1, 2), ids(-1, 0)),
+    "insert a location twice": lambda c: c.insert_prefix(ids(1, 2), ids(3, 3)),
+    "insert None": lambda c: c.insert_prefix(None, span(0, 2)),
+    "evict None": lambda c: c.evict(None),
+    "evict a string": lambda c: c.evict("3"),
+    "evict 0.0": lambda c: c.evict(0.0),
+    "evict True": lambda c: c.evict(True),
+    "evict -1": lambda c: c.evict(-1),
+    "evict too much": lambda c: c.evict(2),
+    "lock None": lambda c: c.lock_handle(None),
+    "lock with a non-bool flag": lambda c: c.lock_handle(c.match_prefix(ids(1, 2)).handle, unlock="yes"),
+}
+
+
+@pytest.mark.parametrize("what", list(NAIVE_AND_RADIX_BAD_CALLS))
+def test_naive_and_radix_refuse_bad_arguments_identically(what):
+    """One validation helper for both built-in caches: the same error type and message."""
+    messages = []
+    for name in ("naive", "radix"):
+        cache = kvplug.create_prefix_cache(name, page_size=2)
+        with pytest.raises(InvalidArgumentError) as raised:
+            NAIVE_AND_RADIX_BAD_CALLS[what](cache)
+        messages.append(str(raised.value).replace(name, "CACHE"))
+        assert cache.size_info == (0, 0)
+    if what != "evict too much":  # the sizes in that message are each cache's own
+        assert messages[0] == messages[1]
 
 
 def test_stale_handles_are_rejected():

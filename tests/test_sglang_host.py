@@ -325,7 +325,7 @@ def test_a_split_refreshes_the_unmatched_tail_like_sglang(page_size):
 from kvplug.attention import build_attention_batch  # noqa: E402
 from kvplug.interface import ForwardPhase  # noqa: E402
 from kvplug_sglang.attention_backend import KvplugAttnBackend  # noqa: E402
-from kvplug_sglang.pools import KvplugMHATokenToKVPool, KvplugReqToTokenPool  # noqa: E402
+from kvplug_sglang.pools import KvplugMHATokenToKVPool, KvplugReqToTokenPool, UnsupportedKVPoolError  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
@@ -432,7 +432,8 @@ def test_a_scale_other_than_the_default_gets_its_own_kvplug_backend():
 
 def configurator(attention_backend):
     server_args = SimpleNamespace(attention_backend=attention_backend, prefill_attention_backend=None, decode_attention_backend=None)
-    return SimpleNamespace(server_args=server_args, model_config=SimpleNamespace(context_len=40), device="cpu")
+    model_config = SimpleNamespace(context_len=40, model_path="/models/ds", hf_config=SimpleNamespace(architectures=["DeepseekV3ForCausalLM"]))
+    return SimpleNamespace(server_args=server_args, model_config=model_config, device="cpu")
 
 
 def test_configurator_builds_kvplug_pools_only_for_kvplug_attention():
@@ -442,8 +443,19 @@ def test_configurator_builds_kvplug_pools_only_for_kvplug_attention():
     resolve, build_table = KVCacheConfigurator._resolve_kv_pool_class, KVCacheConfigurator._build_default_req_pool
     assert resolve(configurator("kvplug"), kind="mha", default=MHATokenToKVPool) is KvplugMHATokenToKVPool
     assert resolve(configurator("triton"), kind="mha", default=MHATokenToKVPool) is MHATokenToKVPool
-    with pytest.raises(NotImplementedError, match="'mla' pool"):
-        resolve(configurator("kvplug:torch"), kind="mla", default=MHATokenToKVPool)
+    # SGLang resolves every kind for every model: resolving one the model does not use never fails
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    refused = resolve(configurator("kvplug:torch"), kind="mla", default=MLATokenToKVPool)
+    assert issubclass(refused, MLATokenToKVPool) and refused is not MLATokenToKVPool
+    assert resolve(configurator("triton"), kind="mla", default=MLATokenToKVPool) is MLATokenToKVPool
+    # building it (a model that really needs it) is one clear error naming the model and what kvplug has
+    with pytest.raises(UnsupportedKVPoolError, match=r"model '/models/ds' \(DeepseekV3ForCausalLM\): it needs SGLang's MLATokenToKVPool \('mla' KV pool\), and kvplug provides MHA/GQA"):
+        refused(size=16, page_size=1, dtype=torch.float32, kv_lora_rank=8, qk_rope_head_dim=4, layer_num=1, device="cpu", enable_memory_saver=False)
+    from sglang.srt.mem_cache.memory_pool import PageMajorMHATokenToKVPool
+
+    page_major = resolve(configurator("kvplug"), kind="mha", default=PageMajorMHATokenToKVPool)
+    assert issubclass(page_major, PageMajorMHATokenToKVPool) and page_major is not KvplugMHATokenToKVPool
     table = build_table(configurator("kvplug:torch"), max_num_reqs=3, extra_max_context_len=2)
     assert type(table) is KvplugReqToTokenPool and table.req_to_token.shape == (5, 42)
     assert type(build_table(configurator(None), max_num_reqs=3, extra_max_context_len=2)) is ReqToTokenPool

@@ -12,9 +12,15 @@ from kvplug.interface.errors import (
 )
 from kvplug.interface.kv_pool import SUPPORTED_KV_DTYPES, BaseKVPool, KVPoolConfig
 from kvplug.interface.prefix_cache import (
+    KV_MEDIUM_DEVICE,
+    AllCleared,
     BaseCacheHandle,
     BasePrefixCache,
+    BlockRemoved,
+    BlockStored,
     InsertResult,
+    KVCacheEvent,
+    KVEventListener,
     MatchResult,
     PrefixCacheConfig,
     SizeInfo,
@@ -24,6 +30,12 @@ INTERFACE_VERSION = 1
 
 __all__ = [
     "INTERFACE_VERSION",
+    "KV_MEDIUM_DEVICE",
+    "AllCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheEvent",
+    "KVEventListener",
     "AttentionBatch",
     "AttentionConfig",
     "BaseAttentionBackend",

@@ -12,6 +12,10 @@ Recency. A logical clock ticks once per ``match_prefix``/``insert_prefix``; ever
 path gets the new tick, so a parent is never older than its children and evicting leaves in
 clock order is LRU at every depth. Locks count handles per node along the path to the root.
 
+KV events (``add_kv_event_listener``): a new leaf is a ``BlockStored`` of its pages, an evicted leaf
+a ``BlockRemoved``, ``reset`` an ``AllCleared``; splits change no page, so they report nothing. The
+page hashes are computed only while someone listens, and kept on the node for its removal.
+
 Eviction candidates (unlocked leaves) are kept incrementally in ``EvictionCandidates``: lock,
 unlock, insert, split, match and evict each update O(1) of them; ``evict`` never scans the tree.
 """
@@ -21,7 +25,10 @@ from __future__ import annotations
 import torch
 
 from kvplug.interface import (
+    AllCleared,
     BaseCacheHandle,
+    BlockRemoved,
+    BlockStored,
     BasePrefixCache,
     InsertResult,
     InvalidArgumentError,
@@ -29,13 +36,15 @@ from kvplug.interface import (
     PrefixCacheConfig,
     SizeInfo,
 )
-from kvplug.prefix_cache.radix_arguments import checked_evict_size, checked_host_insert_tokens, checked_host_tokens
+from kvplug.prefix_cache.block_hashes import chained_page_hashes
+from kvplug.prefix_cache.radix_arguments import checked_host_insert_tokens, checked_host_tokens
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_integrity import check_radix_tree
 from kvplug.prefix_cache.radix_keys import (
     ADDRESS_SPACE,
     ADDRESS_VIEW,
     BYTES_PER_TOKEN,
+    as_int32,
     dense_host_nbytes,
     dense_host_pair_nbytes,
     locations_tensor,
@@ -43,6 +52,12 @@ from kvplug.prefix_cache.radix_keys import (
     tensor_bytes,
 )
 from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
+from kvplug.prefix_cache.validation import (
+    check_location_values,
+    checked_evict_size,
+    reject_foreign_handle,
+    reject_unlock_flag,
+)
 
 _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python-level __new__
 
@@ -50,14 +65,18 @@ _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python
 class RadixPrefixCache(BasePrefixCache):
     """Radix-tree prefix cache (SPEC §4).
 
-    Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang: an
-    unlock is rejected when no lock is left on the handle's prefix, whichever handle took it.
+    Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang, and
+    each node also counts the locks taken on its own handle: an unlock is rejected unless that
+    handle (the node ending at the same length) holds one, so unlocking a never-locked prefix of a
+    locked handle is refused instead of leaving the longer handle's nodes under-counted.
 
     Option ``split_refreshes_tail`` (bool, default False): when a match or insert ends inside an
     edge, also give the edge's unused tail the new recency tick. Off, eviction is strict LRU (the
     tail keeps its age); on, the eviction order is SGLang's RadixCache's, which stamps an edge
     before comparing it (the SGLang host turns it on for exact parity).
     """
+
+    publishes_kv_events = True
 
     def __init__(self, config: PrefixCacheConfig) -> None:
         options = dict(config.options)
@@ -87,6 +106,8 @@ class RadixPrefixCache(BasePrefixCache):
         return _new_tuple(MatchResult, (node,))
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        if unlock.__class__ is not bool:
+            reject_unlock_flag(unlock)
         root = self._root
         node = handle
         # Fast path: a live non-root node of this tree (the root and evicted nodes have no parent).
@@ -94,9 +115,20 @@ class RadixPrefixCache(BasePrefixCache):
             node = self._live_node(handle)
             if node is root:
                 return
-        if unlock and node.lock_ref <= 0:
-            raise InvalidArgumentError(f"cannot unlock {handle!r}: it is not locked")
-        step, flips_at = (-1, 1) if unlock else (1, 0)
+        if unlock:
+            if node.own_locks <= 0:
+                # a lock on a longer prefix covers this node too, but it is that handle's to release
+                raise InvalidArgumentError(
+                    f"cannot unlock {handle!r}: it holds no lock of its own "
+                    f"({node.lock_ref - node.own_locks} lock(s) on longer prefixes cover it)"
+                    if node.lock_ref
+                    else f"cannot unlock {handle!r}: it is not locked"
+                )
+            node.own_locks -= 1
+            step, flips_at = -1, 1
+        else:
+            node.own_locks += 1
+            step, flips_at = 1, 0
         moved = 0  # bytes of locations whose node flips between evictable and protected
         walker = node
         while walker is not root:
@@ -118,6 +150,7 @@ class RadixPrefixCache(BasePrefixCache):
         if end >= 0 and not end % self._page_bytes:
             tokens = input_ids
             locations_at = indices.data_ptr()
+            check_location_values(as_int32(ADDRESS_VIEW[locations_at : locations_at + end]))
         else:
             tokens = checked_host_insert_tokens(input_ids, indices, self.device, self.page_size)
             end = tokens.nbytes
@@ -138,6 +171,8 @@ class RadixPrefixCache(BasePrefixCache):
             self._evictable += (end - matched_bytes) // BYTES_PER_TOKEN
             self._candidates.add(leaf)
             self._stamp_ancestors(node, self._clock)
+            if self.__dict__.get("_kv_event_listeners"):
+                self._report_stored(leaf)
             return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, leaf))
         self._touch_path(node)
         return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, node))
@@ -151,8 +186,11 @@ class RadixPrefixCache(BasePrefixCache):
         wanted_bytes = size * BYTES_PER_TOKEN
         root = self._root
         page_bytes = self._page_bytes
+        reporting = bool(self.__dict__.get("_kv_event_listeners"))
         while freed_bytes < wanted_bytes:
             leaf = self._candidates.pop_least_recent()
+            if reporting:
+                self.emit_kv_event(BlockRemoved(self._page_hashes(leaf)))
             parent = leaf.parent
             del parent.children[leaf.key[:page_bytes]]
             leaf.parent = None
@@ -170,6 +208,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        if self.__dict__.get("_kv_event_listeners"):
+            self.emit_kv_event(AllCleared())
 
     @property
     def size_info(self) -> SizeInfo:
@@ -223,6 +263,9 @@ class RadixPrefixCache(BasePrefixCache):
         child.value = child.value[at_bytes:]
         child.parent = upper
         upper.children[child.key[:page_bytes]] = child
+        if child.page_hashes is not None:  # a page's hash depends only on its path: split them as is
+            upper_pages = at_bytes // page_bytes
+            upper.page_hashes, child.page_hashes = child.page_hashes[:upper_pages], child.page_hashes[upper_pages:]
         if self._split_refreshes_tail:
             child.last_access = self._clock + 1  # the tick _touch_path gives the path right after
             if child.heap_seq >= 0:
@@ -243,9 +286,30 @@ class RadixPrefixCache(BasePrefixCache):
             node.last_access = tick
             node = node.parent
 
+    def _report_stored(self, leaf: RadixNode) -> None:
+        """``BlockStored`` for the pages of a new leaf."""
+        parent = leaf.parent
+        parent_hash = self._page_hashes(parent)[-1] if parent is not self._root else None
+        self.emit_kv_event(
+            BlockStored(
+                self._page_hashes(leaf),
+                parent_hash,
+                tuple(as_int32(leaf.key).tolist()),
+                self.page_size,
+            )
+        )
+
+    def _page_hashes(self, node: RadixNode) -> tuple[int, ...]:
+        """The KV-event hashes of ``node``'s pages (computed on first use, ancestors first)."""
+        if node.page_hashes is None:
+            parent = node.parent
+            parent_hash = self._page_hashes(parent)[-1] if parent is not self._root else None
+            node.page_hashes = chained_page_hashes(node.key, self.page_size, parent_hash)
+        return node.page_hashes
+
     def _live_node(self, handle: BaseCacheHandle) -> RadixNode:
         if not isinstance(handle, RadixNode) or handle.generation.cache is not self:
-            raise InvalidArgumentError(f"expected a handle from this radix cache, got {handle!r}")
+            reject_foreign_handle("radix", handle)
         if handle.generation is not self._generation:
             raise stale_handle_error("was dropped by reset()")
         if handle.parent is None and handle is not self._root:

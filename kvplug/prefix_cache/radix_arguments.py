@@ -4,14 +4,13 @@ then bring the token ids to a dense host tensor. Every check runs before the tre
 
 from __future__ import annotations
 
-import operator
 from typing import NoReturn
 
 import torch
 
 from kvplug.interface import InvalidArgumentError
 from kvplug.prefix_cache.radix_keys import dense_host_tokens
-from kvplug.prefix_cache.validation import check_insert_arguments, check_token_ids
+from kvplug.prefix_cache.validation import check_insert_shapes, check_location_values, check_token_ids
 
 
 def is_valid_tensor(tensor: torch.Tensor, device: torch.device, on_cpu: bool) -> bool:
@@ -32,7 +31,7 @@ def reject(
     if indices is None:
         check_token_ids(input_ids, device)
     else:
-        check_insert_arguments(input_ids, indices, device, page_size)
+        check_insert_shapes(input_ids, indices, device, page_size)
     layouts = [tensor.layout for tensor in (input_ids, indices) if tensor is not None]
     raise InvalidArgumentError(f"expected dense (torch.strided) tensors, got layouts {layouts}")
 
@@ -49,27 +48,11 @@ def checked_host_insert_tokens(
     input_ids: torch.Tensor, indices: torch.Tensor, device: torch.device, page_size: int
 ) -> torch.Tensor:
     """``insert_prefix``'s arguments validated (raising); returns the ids as shape ``[n]``, int32,
-    cpu, dense (``indices`` is read later, only the part that gets cached)."""
+    cpu, dense (``indices`` is read later, only the part that gets cached; its values are checked here)."""
     on_cpu = device.type == "cpu"
     valid = is_valid_tensor(input_ids, device, on_cpu) and is_valid_tensor(indices, device, on_cpu)
     length = input_ids.numel() if valid else -1
     if not valid or indices.numel() != length or length % page_size:
         reject(device, page_size, input_ids, indices)
+    check_location_values(indices.detach().cpu().numpy())
     return dense_host_tokens(input_ids, length)
-
-
-def checked_evict_size(size: object, evictable: int, protected: int) -> int:
-    """``size`` as an int in ``[0, evictable]``, else ``InvalidArgumentError``."""
-    try:
-        if isinstance(size, bool):
-            raise TypeError
-        size = operator.index(size)
-    except TypeError:
-        raise InvalidArgumentError(f"evict size must be an int, got {size!r}") from None
-    if size < 0:
-        raise InvalidArgumentError(f"evict size must be >= 0, got {size}")
-    if size > evictable:
-        raise InvalidArgumentError(
-            f"cannot evict {size} tokens: only {evictable} are evictable ({protected} more are locked)"
-        )
-    return size

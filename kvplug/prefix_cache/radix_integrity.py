@@ -21,8 +21,8 @@ def check_radix_tree(cache: RadixPrefixCache) -> None:
 
     Checked: root shape; every edge a non-empty page multiple with as many locations as token
     ids (int32); handle lengths (``cached_len``) and generations; parent/child links and
-    first-page child keys; lock counts (never negative, a parent counts at least the sum of its
-    children); recency (a parent is never older than a child, nothing is newer than the clock);
+    first-page child keys; lock counts (never negative; a node counts its own locks plus its
+    children's); recency (a parent is never older than a child, nothing is newer than the clock);
     no location held twice; evictable/protected sizes; the eviction candidates are exactly the
     unlocked leaves, each ranked by its current recency.
     """
@@ -46,8 +46,10 @@ def check_radix_tree(cache: RadixPrefixCache) -> None:
             stack.append(child)
         if node is root:
             continue
-        assert node.lock_ref >= child_locks, (
-            f"{node!r}: lock_ref {node.lock_ref} < sum of its children's lock counts {child_locks}"
+        assert node.own_locks >= 0, f"{node!r}: negative count of its own locks"
+        assert node.lock_ref == node.own_locks + child_locks, (
+            f"{node!r}: lock_ref {node.lock_ref} != its own locks {node.own_locks} + its children's lock counts "
+            f"{child_locks}"
         )
         locations.append(node.value)
         if node.lock_ref:

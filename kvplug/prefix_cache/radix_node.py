@@ -39,14 +39,28 @@ class RadixNode(BaseCacheHandle):
         key: token ids of this edge, int32 bytes, cpu; a positive whole number of pages.
         value: KV locations of those tokens, int32 bytes, cpu; as long as ``key``.
         lock_ref: number of locked handles whose path runs through this node.
+        own_locks: number of those locks taken on this node itself (its own handle); an unlock is
+            refused when there is none, so a prefix of a locked handle cannot be unlocked in its place.
         last_access: logical clock of the last match/insert whose path ran through this node.
         heap_seq: sequence number of this node's live entry in the eviction candidates, or -1
             when the node is not a candidate (locked, internal, root or evicted).
         generation: the tree this node belongs to.
+        page_hashes: the KV-event hash of each page of the edge (``block_hashes``), computed when
+            events are first reported for the node; ``None`` until then.
     """
 
     __slots__ = (
-        "cached_len", "parent", "children", "key", "value", "lock_ref", "last_access", "heap_seq", "generation"
+        "cached_len",
+        "parent",
+        "children",
+        "key",
+        "value",
+        "lock_ref",
+        "own_locks",
+        "last_access",
+        "heap_seq",
+        "generation",
+        "page_hashes",
     )
 
     def __init__(
@@ -64,9 +78,11 @@ class RadixNode(BaseCacheHandle):
         self.key = key
         self.value = value
         self.lock_ref = 0
+        self.own_locks = 0
         self.last_access = last_access
         self.heap_seq = -1
         self.generation = generation
+        self.page_hashes: tuple[int, ...] | None = None
 
     def get_matched_indices(self) -> torch.Tensor:
         """Token locations of the prefix: shape ``[cached_len]``, int32, on the cache's device.
@@ -82,7 +98,7 @@ class RadixNode(BaseCacheHandle):
     def __repr__(self) -> str:
         return (
             f"RadixNode(cached_len={self.cached_len}, tokens={self.num_tokens}, children={len(self.children)}, "
-            f"lock_ref={self.lock_ref}, last_access={self.last_access})"
+            f"lock_ref={self.lock_ref}, own_locks={self.own_locks}, last_access={self.last_access})"
         )
 
 

@@ -17,6 +17,10 @@ or as one pytest test per check and page size (failures then name the check in t
     def test_my_cache_long_random_run():  # e.g. behind your own "slow" marker
         kit.check_prefix_cache(MyCache, page_sizes=(16,), slow=True)
 
+``import kvplug`` is enough: ``kvplug.testing`` loads on first use. The randomised check needs
+hypothesis (``pip install 'kvplug[test]'``); without it the kit raises ``KitDependencyError``
+before running anything (``randomised=False`` runs the other checks).
+
 Options: ``keeps_entries=False`` for a cache that keeps nothing (like ``naive``); ``lru=False``
 for an eviction policy other than least-recently-used. The contract checked (see
 ``kvplug.testing.model`` for the precise recency rule): exact values back from match; splits keep
@@ -30,6 +34,7 @@ shrunk to a minimal operation list unless ``shrink=False``.
 """
 
 from kvplug.testing.context import CheckContext, PrefixCacheFactory
+from kvplug.testing.dependencies import KitDependencyError
 from kvplug.testing.model import ReferencePrefixCache
 from kvplug.testing.prefix_cache import (
     DEFAULT_PAGE_SIZES,
@@ -42,6 +47,7 @@ from kvplug.testing.prefix_cache import (
 __all__ = [
     "DEFAULT_PAGE_SIZES",
     "CheckContext",
+    "KitDependencyError",
     "PrefixCacheCheck",
     "PrefixCacheFactory",
     "ReferencePrefixCache",

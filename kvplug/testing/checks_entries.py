@@ -117,7 +117,7 @@ def lengths_are_page_multiples(ctx: CheckContext) -> None:
 
 
 def bad_input_is_rejected(ctx: CheckContext) -> None:
-    """Malformed inserts raise an error and change nothing (SPEC §6)."""
+    """Malformed inserts (negative or repeated locations too) and evict sizes raise and change nothing (SPEC §6)."""
     P = ctx.page_size
     cache = ctx.new_cache()
     tokens = ctx.tokens([1, 2])
@@ -130,6 +130,10 @@ def bad_input_is_rejected(ctx: CheckContext) -> None:
         "int64 locations": (ctx.tensor(other), ctx.tensor(range(50, 50 + 2 * P)).long()),
         "2-D token ids": (ctx.tensor(other).view(1, -1), ctx.tensor(range(50, 50 + 2 * P)).view(1, -1)),
     }
+    repeated = list(range(50, 50 + 2 * P))
+    repeated[-1] = repeated[0]
+    bad_inserts["a negative location"] = (ctx.tensor(other), ctx.tensor([-1] + list(range(51, 50 + 2 * P))))
+    bad_inserts["a location given twice"] = (ctx.tensor(other), ctx.tensor(repeated))
     if P > 1:
         bad_inserts["length not a page multiple"] = (ctx.tensor(other[:-1]), ctx.tensor(range(50, 49 + 2 * P)))
     for what, (ids, locations) in bad_inserts.items():
@@ -137,7 +141,9 @@ def bad_input_is_rejected(ctx: CheckContext) -> None:
         check_equal(tuple(cache.size_info), before, f"size_info after a rejected insert ({what})")
         cache.check_integrity()
     expect_rejected(lambda: cache.match_prefix(ctx.tensor(tokens).long()), "match_prefix with int64 token ids")
-    expect_rejected(lambda: cache.evict(-1), "evict(-1)")
+    for size in (-1, None, "3", 0.0, 1.5, True):
+        expect_rejected(lambda: cache.evict(size), f"evict({size!r})")
+        check_equal(tuple(cache.size_info), before, f"size_info after a rejected evict({size!r})")
     if ctx.keeps_entries:
         handle = cache.match_prefix(ctx.tensor(tokens)).handle
         check_equal(handle.cached_len, 2 * P, "the entry cached before the rejected calls: cached_len")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvplug.interface import BaseCacheHandle
+from kvplug.testing.dependencies import require_hypothesis
 from kvplug.testing.context import CheckContext, check_equal, check_location_tensor, check_sizes, expect_rejected
 from kvplug.testing.model import ReferencePrefixCache
 
@@ -138,11 +139,9 @@ class DifferentialRun:
 
 def randomised_differential(ctx: CheckContext) -> None:
     """Random insert/match/lock/unlock/evict/reset sequences agree with a dict-based model."""
-    try:
-        from hypothesis import HealthCheck, Phase, given, settings
-        from hypothesis import strategies as st
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise AssertionError("the randomised check needs hypothesis: pip install kvplug[test]") from error
+    require_hypothesis()  # a missing package is a KitDependencyError, never a failed check
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
 
     symbols = st.integers(min_value=-1, max_value=2)  # -1: page 1 with a different last token
     operation = st.tuples(

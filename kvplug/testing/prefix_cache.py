@@ -8,6 +8,7 @@ import torch
 
 from kvplug.testing import checks_entries, checks_eviction, differential
 from kvplug.testing.context import CheckContext, PrefixCacheFactory
+from kvplug.testing.dependencies import KitDependencyError, require_hypothesis
 
 DEFAULT_PAGE_SIZES = (1, 4, 16)
 
@@ -63,6 +64,8 @@ class PrefixCacheCheck(NamedTuple):
         )
         try:
             self.function(context)
+        except KitDependencyError:
+            raise  # the environment lacks a package: not a verdict on the cache
         except Exception as error:
             notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", ()))
             raise AssertionError(
@@ -74,7 +77,7 @@ class PrefixCacheCheck(NamedTuple):
         return f"PrefixCacheCheck({self.name!r})"
 
 
-def prefix_cache_checks(*, keeps_entries: bool = True, lru: bool = True) -> list[PrefixCacheCheck]:
+def prefix_cache_checks(*, keeps_entries: bool = True, lru: bool = True, randomised: bool = True) -> list[PrefixCacheCheck]:
     """The checks that apply to a cache.
 
     Args:
@@ -83,11 +86,20 @@ def prefix_cache_checks(*, keeps_entries: bool = True, lru: bool = True) -> list
             no-op, evict(n > 0) raises, reset works, bad input is rejected).
         lru: ``False`` for a cache whose eviction policy is not least-recently-used: the LRU
             order is then not checked (everything else, lock safety included, still is).
+        randomised: ``False`` leaves out the randomised differential check (the one that needs
+            hypothesis).
+
+    Raises:
+        KitDependencyError: the randomised check is selected and hypothesis is not installed.
     """
     checks = []
     for function, for_keeping, for_nothing, needs_lru in _CATALOGUE:
         if not (for_keeping if keeps_entries else for_nothing) or (needs_lru and not lru):
             continue
+        if function is differential.randomised_differential:
+            if not randomised:
+                continue
+            require_hypothesis()
         description = (function.__doc__ or "").strip().splitlines()[0]
         checks.append(PrefixCacheCheck(function.__name__, description, function, keeps_entries, lru))
     return checks
@@ -102,8 +114,12 @@ def check_prefix_cache(
     lru: bool = True,
     slow: bool = False,
     shrink: bool = True,
+    randomised: bool = True,
 ) -> None:
     """Run every applicable check at every page size; the first failure raises ``AssertionError``.
+
+    A missing optional dependency (hypothesis, for the randomised check) raises
+    ``KitDependencyError`` before any check runs; ``randomised=False`` runs the others without it.
 
     Args:
         factory: ``factory(config: kvplug.PrefixCacheConfig) -> kvplug.BasePrefixCache``, e.g. the
@@ -115,18 +131,24 @@ def check_prefix_cache(
         shrink: on a randomised failure, search for a minimal failing operation list (can take a
             minute; ``False`` reports the first failing list as found).
     """
+    checks = prefix_cache_checks(keeps_entries=keeps_entries, lru=lru, randomised=randomised)
     for page_size in page_sizes:
-        for check in prefix_cache_checks(keeps_entries=keeps_entries, lru=lru):
+        for check in checks:
             check.run(factory, page_size, device, slow=slow, shrink=shrink)
 
 
 def parametrize_prefix_cache_checks(
-    page_sizes: Iterable[int] = DEFAULT_PAGE_SIZES, *, keeps_entries: bool = True, lru: bool = True
+    page_sizes: Iterable[int] = DEFAULT_PAGE_SIZES,
+    *,
+    keeps_entries: bool = True,
+    lru: bool = True,
+    randomised: bool = True,
 ) -> Any:
-    """A ``pytest.mark.parametrize`` over ``(prefix_cache_check, page_size)``, one test id per pair."""
+    """A ``pytest.mark.parametrize`` over ``(prefix_cache_check, page_size)``, one test id per pair
+    (a missing hypothesis is a ``KitDependencyError`` at collection, see ``check_prefix_cache``)."""
     import pytest  # only test code calls this
 
-    checks = prefix_cache_checks(keeps_entries=keeps_entries, lru=lru)
+    checks = prefix_cache_checks(keeps_entries=keeps_entries, lru=lru, randomised=randomised)
     pairs = [(check, page_size) for page_size in page_sizes for check in checks]
     return pytest.mark.parametrize(
         ("prefix_cache_check", "page_size"),

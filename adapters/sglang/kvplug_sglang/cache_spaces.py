@@ -58,8 +58,12 @@ class CacheNode:
 class CacheSpaces:
     """The namespaces in use, created on demand by ``factory()`` (a fresh kvplug prefix cache)."""
 
-    def __init__(self, factory: Callable[[], BasePrefixCache]) -> None:
+    def __init__(
+        self, factory: Callable[[], BasePrefixCache], on_create: Optional[Callable[[CacheSpace], None]] = None
+    ) -> None:
+        """``on_create(space)`` runs for each new namespace before its cache is used (events)."""
         self._factory = factory
+        self._on_create = on_create
         self._spaces: dict[Hashable, CacheSpace] = {}
         self._clock = 0
         self.get(DEFAULT_NAMESPACE)
@@ -70,6 +74,8 @@ class CacheSpaces:
         space = self._spaces.get(namespace)
         if space is None:
             space = CacheSpace(namespace, self._factory())
+            if self._on_create is not None:
+                self._on_create(space)
             self._spaces[namespace] = space
         if touch:
             self._clock += 1

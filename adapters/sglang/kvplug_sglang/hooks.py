@@ -6,7 +6,9 @@ SGLang's ``load_plugins`` applies them in every process:
 - after ``ServerArgs.add_cli_args(parser)``: add ``--kv-backend``, ``--prefix-cache`` and
   ``--kvplug-attention`` (``cli_args``);
 - around ``KVCacheConfigurator._resolve_kv_pool_class`` (SGLang's seat for the platform's
-  ``get_kv_pool_cls`` hook): the MHA pool class becomes ``KvplugMHATokenToKVPool``;
+  ``get_kv_pool_cls`` hook): the MHA pool class becomes ``KvplugMHATokenToKVPool``; the other
+  kinds (MLA, DSA, a page-major or platform MHA pool) become classes that refuse to be built, so
+  only a model that really uses one fails, at startup, with an error naming it;
 - around ``KVCacheConfigurator._build_default_req_pool``: the table becomes ``KvplugReqToTokenPool``.
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
@@ -38,19 +40,30 @@ def after_add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> N
 
 
 def around_resolve_kv_pool_class(original: Callable[..., type], configurator: Any, *args: Any, **kwargs: Any) -> type:
+    """SGLang resolves the ``mha``, ``mla`` and ``dsa`` pool classes for every model and then builds
+    only the one the model uses: kvplug's class for a plain MHA/GQA pool, and for any other kind a
+    class that refuses to be built (``pools.refusing_pool_class``), so a model that really needs
+    that pool gets one clear error at startup and every other model never notices."""
     pool_class = original(configurator, *args, **kwargs)
-    kind = kwargs.get("kind", args[0] if args else None)
     if not kvplug_pools_selected(configurator.server_args):
         return pool_class
-    from kvplug_sglang.pools import KvplugMHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    from kvplug_sglang.pools import KvplugMHATokenToKVPool, refusing_pool_class
+
+    kind = kwargs.get("kind", args[0] if args else None)
     default = kwargs.get("default", args[1] if len(args) > 1 else None)
-    if kind != "mha" or pool_class is not default:
-        raise NotImplementedError(
-            f"--kv-backend kvplug provides MHA/GQA KV pools only; this model needs a {kind!r} pool "
-            f"({getattr(pool_class, '__name__', pool_class)})"
-        )
-    return KvplugMHATokenToKVPool
+    if kind == "mha" and pool_class is default and default is MHATokenToKVPool:
+        return KvplugMHATokenToKVPool
+    return refusing_pool_class(pool_class, kind, model_description(configurator))
+
+
+def model_description(configurator: Any) -> str:
+    """``'PATH' (ARCHITECTURE)`` of the model SGLang is configuring, for error messages."""
+    model_config = getattr(configurator, "model_config", None)
+    path = getattr(model_config, "model_path", None)
+    architectures = getattr(getattr(model_config, "hf_config", None), "architectures", None) or []
+    return f"{path!r}" + (f" ({', '.join(architectures)})" if architectures else "")
 
 
 def around_build_default_req_pool(original: Callable[..., Any], configurator: Any, *args: Any, **kwargs: Any) -> Any:

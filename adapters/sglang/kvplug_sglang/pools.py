@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvplug.interface import BaseKVPool, KVPoolConfig
+from kvplug.interface import BaseKVPool, KVPlugError, KVPoolConfig
 from kvplug.plugins import PluginManager, default_manager
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
@@ -81,6 +81,30 @@ class KvplugMHATokenToKVPool(MHATokenToKVPool):
             self.head_dim,
             self.store_dtype,
         )
+
+
+class UnsupportedKVPoolError(KVPlugError, NotImplementedError):
+    """The model needs an SGLang KV pool kvplug does not provide (MLA, DSA, page-major, ...)."""
+
+
+def refusing_pool_class(pool_class: type, kind: str, model: str) -> type:
+    """A subclass of ``pool_class`` whose construction raises ``UnsupportedKVPoolError``.
+
+    SGLang's configurator resolves a class for every pool kind before it knows which one the model
+    needs; returning this instead of raising lets models that never build it (every MHA/GQA
+    model) start, while one that does gets the error when SGLang builds the pool, at startup.
+    """
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedKVPoolError(
+            f"--kv-backend kvplug cannot serve model {model}: it needs SGLang's {pool_class.__name__} "
+            f"({kind!r} KV pool), and kvplug provides MHA/GQA KV pools only (kvplug pool {KV_POOL_NAME!r}, "
+            "token-major NHD, bf16/fp16/fp32). Serve it without --kv-backend kvplug, or keep SGLang's own "
+            "pools and attention with --radix-cache-backend kvplug:NAME for a kvplug prefix cache"
+        )
+
+    name = f"KvplugRefused{pool_class.__name__}"
+    return type(name, (pool_class,), {"__init__": refuse, "__doc__": f"{pool_class.__name__}, refused by kvplug."})
 
 
 class KvplugReqToTokenPool(ReqToTokenPool):

@@ -12,7 +12,9 @@ scheduler calls it exactly as it calls its own ``RadixCache``, and it translates
   frees what the tree did not take) -> ``insert_prefix`` of the request's page-aligned tokens and
   row locations, freeing the duplicates another request cached meanwhile and repointing the row at
   the cached copy, then moving the request's lock to the inserted prefix;
-- ``evict(EvictParams)`` -> ``evict(n)``, the freed locations going back to SGLang's allocator.
+- ``evict(EvictParams)`` -> ``evict(n)``, the freed locations going back to SGLang's allocator;
+- ``take_events()`` (``--kv-events-config``): the kvplug caches' KV events, translated to the
+  events and block hashes SGLang's ``RadixCache`` publishes (``kv_events``).
 
 Semantics follow SGLang's ``RadixCache``: page-aligned keys, a request's prompt boundary split off
 so that evicting its output keeps its prompt, best-effort eviction (never more than is evictable).
@@ -22,6 +24,7 @@ back to the allocator's device as int64, as SGLang's own values are.
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from typing import Any, Callable, Optional
@@ -42,9 +45,13 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from kvplug_sglang.cache_spaces import CacheNode, CacheSpace, CacheSpaces
+from kvplug_sglang.kv_events import SGLangEventTranslator
+
+logger = logging.getLogger(__name__)
 
 _NO_TOKENS = torch.empty(0, dtype=torch.int32)
 
@@ -74,6 +81,7 @@ class KvplugPrefixCache(BasePrefixCache):
                 f"--radix-eviction-policy must be 'lru', got {params.eviction_policy!r}"
             )
         self.name = name
+        self._warned_no_events = False
         self.disable = params.disable
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -82,7 +90,15 @@ class KvplugPrefixCache(BasePrefixCache):
         device = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
         self.device = torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
         self._empty_indices = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._spaces = CacheSpaces(factory)
+        # SGLang's scheduler publishes what take_events() returns from this recorder (--kv-events-config)
+        self.kv_events = KVCacheEventRecorder(
+            enabled=params.enable_kv_cache_events and not self.disable,
+            page_size=self.page_size,
+            dynamo_format=params.dynamo_kv_event_format,
+            lora_names=params.kv_event_lora_names,
+        )
+        self._spaces = CacheSpaces(factory, self._listen if self.kv_events.enabled else None)
+        self.kv_events.record_all_cleared()  # as RadixCache does on construction (its first reset)
         if params.enable_metrics:
             self.init_metrics_collector()
 
@@ -99,6 +115,19 @@ class KvplugPrefixCache(BasePrefixCache):
 
     def reset(self) -> None:
         self._spaces.reset()
+        self.kv_events.record_all_cleared()
+
+    def _listen(self, space: CacheSpace) -> None:
+        """Publish ``space``'s kvplug events through SGLang's recorder (events enabled)."""
+        extra_key, cache_salt = space.namespace
+        if not space.cache.add_kv_event_listener(SGLangEventTranslator(self.kv_events, extra_key, cache_salt)):
+            if not self._warned_no_events:
+                logger.warning(
+                    "kvplug prefix cache %r publishes no KV cache events (a plugin written before kvplug's "
+                    "event API): --kv-events-config will carry none of its blocks",
+                    self.name,
+                )
+                self._warned_no_events = True
 
     def supports_prefix_sharing(self) -> bool:
         return not self.disable

@@ -12,13 +12,14 @@ import kvplug
 class PageEntry:
     """One cached page. ``locations``: shape [page_size], int32, cpu."""
 
-    __slots__ = ("entry_id", "parent", "locations", "lock_count", "children", "last_access")
+    __slots__ = ("entry_id", "parent", "locations", "lock_count", "own_locks", "children", "last_access")
 
     def __init__(self, entry_id: int, parent: "PageEntry | None", locations: torch.Tensor, now: int) -> None:
         self.entry_id = entry_id
         self.parent = parent
         self.locations = locations
         self.lock_count = 0
+        self.own_locks = 0
         self.children = 0
         self.last_access = now
 
@@ -77,8 +78,16 @@ class PageHashPrefixCache(kvplug.BasePrefixCache):
         return kvplug.MatchResult(PageHashHandle(chain, self.page_size, self.device))
 
     def lock_handle(self, handle: kvplug.BaseCacheHandle, unlock: bool = False) -> None:
-        if unlock and any(entry.lock_count == 0 for entry in handle.chain):
+        if not isinstance(handle, PageHashHandle) or not isinstance(unlock, bool):
+            raise kvplug.InvalidArgumentError(f"expected a page-hash handle and a bool, got {handle!r}, {unlock!r}")
+        if not handle.chain:
+            return
+        last = handle.chain[-1]
+        # the last page counts the locks taken on handles ending there: a prefix of a locked handle
+        # that was never locked itself has none to release
+        if unlock and last.own_locks == 0:
             raise kvplug.InvalidArgumentError("unlock of a handle that is not locked")
+        last.own_locks += -1 if unlock else 1
         for entry in handle.chain:
             entry.lock_count += -1 if unlock else 1
 
@@ -89,6 +98,8 @@ class PageHashPrefixCache(kvplug.BasePrefixCache):
             raise kvplug.InvalidArgumentError(
                 f"expected equal lengths that are multiples of {self.page_size}, got {len(input_ids)} and {len(indices)}"
             )
+        if len(indices) and (int(indices.min()) < 0 or indices.unique().numel() != len(indices)):
+            raise kvplug.InvalidArgumentError(f"indices must be distinct non-negative locations, got {indices.tolist()}")
         pages = self._pages(input_ids)
         chain = self._walk(pages)
         cached_len = len(chain) * self.page_size
@@ -139,7 +150,7 @@ class PageHashPrefixCache(kvplug.BasePrefixCache):
     def check_integrity(self) -> None:
         children: dict[int, int] = {}
         for entry in self._entries.values():
-            assert entry.lock_count >= 0, "negative lock count"
+            assert entry.lock_count >= entry.own_locks >= 0, "negative lock count, or fewer than its own locks"
             assert entry.locations.numel() == self.page_size, "entry is not one page"
             if entry.parent is not None:
                 children[entry.parent.entry_id] = children.get(entry.parent.entry_id, 0) + 1
