@@ -131,15 +131,6 @@ def create_attention_backend(
     return (manager or default_manager()).create_attention_backend(name, config)
 
 
-def __getattr__(name: str) -> Any:
-    # ``import kvplug; kvplug.testing.check_prefix_cache(...)``: the conformance kit loads on first use
-    if name == "testing":
-        import importlib
-
-        return importlib.import_module("kvplug.testing")
-    raise AttributeError(f"module 'kvplug' has no attribute {name!r}")
-
-
 __all__ = [
     "BackendStats",
     "DecodeGraphs",

@@ -16,7 +16,9 @@ from kvplug.interface import (
     BaseKVPool,
     BasePrefixCache,
     InvalidArgumentError,
+    KVPlugError,
     KVPoolConfig,
+    OutOfMemoryError,
 )
 from kvplug.memory.allocator import PagedAllocator
 from kvplug.memory.capacity import num_pages_for_budget, parse_memory_size
@@ -172,8 +174,17 @@ def build_parts(
         tp_rank=tp_rank,
         options=pool_options,
     )
-    pool = manager.create_kv_pool("mha", pool_config)
-    tables = PageTable(max_running_reqs, max_seq_len, dummy_location=pool.dummy_location, device=pool.device)
+    try:
+        pool = manager.create_kv_pool("mha", pool_config)
+        tables = PageTable(max_running_reqs, max_seq_len, dummy_location=pool.dummy_location, device=pool.device)
+    except (RuntimeError, MemoryError) as error:  # torch's allocation failures (CPU and CUDA)
+        if isinstance(error, KVPlugError):
+            raise
+        raise OutOfMemoryError(
+            f"cannot allocate the KV pool ({num_pages:,} pages x {page_size} tokens, {shape.num_layers} layers) "
+            f"and tables ({max_running_reqs + 1} rows x {max_seq_len} tokens) on {device}: "
+            f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        ) from error
     allocator = PagedAllocator(num_pages, page_size, tables, cache)
 
     backend, name = None, None

@@ -243,3 +243,29 @@ def test_torch_table_steps_stay_exact_under_prefix_hits_and_evictions(manager, p
         backend.check_integrity()
     stats = backend.stats()
     assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
+
+
+def test_a_request_of_another_backend_is_refused_everywhere(manager):
+    """Keys are unique in the process: a request of another backend in the same row, admitted as
+    that backend's first request too, is not live here."""
+    ours = _backend_with_tables(manager, 4, host_views=True)
+    theirs = _backend_with_tables(manager, 4, host_views=True)
+    (mine,) = _ready(ours, [[1, 2, 3]])
+    (foreign,) = _ready(theirs, [[1, 2, 3]])
+    assert mine.row == foreign.row
+    for call in (lambda: ours.allocate([foreign]), lambda: ours.prepare([foreign], "decode"),
+                 lambda: ours.begin_decode([foreign]), lambda: ours.append_tokens([foreign], [1]),
+                 lambda: ours.finish(foreign), lambda: ours.cache_unfinished(foreign)):
+        with pytest.raises(InvalidArgumentError, match="not live|not from this"):
+            call()
+    ours.begin_decode([mine]).commit([4])
+    ours.check_integrity()
+    theirs.check_integrity()
+
+
+def test_a_pool_too_big_to_allocate_is_an_out_of_memory_error(manager):
+    from kvplug.backend import ModelShape, create_backend
+
+    shape = ModelShape(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    with pytest.raises(OutOfMemoryError, match="cannot allocate the KV pool"):
+        create_backend(shape, num_pages=10**13, attention=None, manager=manager)

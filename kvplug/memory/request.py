@@ -24,6 +24,7 @@ order, as the previous one and no request was admitted or finished since: a deco
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -31,6 +32,8 @@ import numpy as np
 from kvplug.interface import BaseCacheHandle, InvalidArgumentError
 
 LENGTH_FIELDS = ("cached_len", "device_len", "allocated_len", "num_tokens")
+# the high bits of every request key in the process (see RequestStates.claim); 2**31 keys a row
+_KEY_SERIALS = itertools.count(1)
 ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
 
@@ -81,9 +84,10 @@ class RequestStates:
         return self._generation
 
     def claim(self, row: int) -> int:
-        """Give ``row`` a fresh key (a new request starts there) and return it."""
+        """Give ``row`` a fresh key (a new request starts there) and return it. Keys come from one
+        counter per process, so a ``Request`` of another backend never matches a key here."""
         self._generation += 1
-        key = self._generation << ROW_BITS | row
+        key = next(_KEY_SERIALS) << ROW_BITS | row
         self.key[row] = key
         return key
 
