@@ -35,6 +35,7 @@ from kvplug.attention.decode_staging import DecodeStager, StagedDecodeBatch
 from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
 from kvplug.backend_factory import BackendParts, create_backend
 from kvplug.backend_stats import BackendStats
+from kvplug.batch_lease import BatchLease, check_lease
 from kvplug.decode_step import DecodeStep
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
 from kvplug.memory.model_shape import ModelShape
@@ -44,7 +45,7 @@ from kvplug.memory.token_ids import as_token_ids
 if TYPE_CHECKING:
     from kvplug.decode_graphs import DecodeGraphs
 
-__all__ = ["BackendStats", "DecodeStep", "KVBackend", "ModelShape", "Request", "create_backend"]
+__all__ = ["BackendStats", "BatchLease", "DecodeStep", "KVBackend", "ModelShape", "Request", "create_backend"]
 
 # ForwardPhase(value) goes through Enum's lookup machinery, about 1 us: a dict for the usual spellings
 _PHASES: dict = {phase.value: phase for phase in ForwardPhase} | {phase: phase for phase in ForwardPhase}
@@ -169,6 +170,7 @@ class KVBackend:
             )
         else:
             batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
+        batch.lease = BatchLease(states, states.generation, tuple(requests))
         if self.attention is not None:
             self.attention.prepare_metadata(batch)
         return batch
@@ -211,12 +213,14 @@ class KVBackend:
             input_ids = torch.from_numpy(self.tables.token_pool.view(-1).numpy()[cells].astype(np.int32))
             append_index = None
         states.device_len[rows] = cached + 1
+        batch.lease = BatchLease(states, states.generation, requests if isinstance(requests, tuple) else tuple(requests))
         if self.attention is not None:
             if graph_size is not None and graphs.uses_cuda_graphs:
                 self.attention.prepare_for_replay(batch)
             else:
                 self.attention.prepare_metadata(batch)
-        return DecodeStep(self, tuple(requests), batch, input_ids, rows, cached, cells, append_index, graph_size, stamp)
+        return DecodeStep(self, batch.lease.requests, batch, input_ids, rows, cached, cells, append_index, graph_size,
+                          stamp)
 
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
         """Token ids of the batch's new tokens, on the device: shape ``[num_tokens]``, int32.
@@ -240,9 +244,15 @@ class KVBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: AttentionBatch
     ) -> torch.Tensor:
-        """Store the new K/V at ``batch.out_loc`` and attend (``BaseAttentionBackend.forward``)."""
+        """Store the new K/V at ``batch.out_loc`` and attend (``BaseAttentionBackend.forward``).
+
+        A batch this backend prepared is refused once one of its requests was finished (one int
+        comparison per call while no request started or ended)."""
         if self.attention is None:
             raise InvalidArgumentError("this backend was created with attention=None; run attention in the host")
+        lease, states = batch.lease, self.allocator.states
+        if lease is not None and (lease.generation != states.generation or lease.states is not states):
+            check_lease(lease, states)
         return self.attention.forward(q, k, v, layer_id, batch)
 
     def append_tokens(self, requests: Sequence[Request], token_ids: torch.Tensor | Sequence[int]) -> None:

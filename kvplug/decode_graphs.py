@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from kvplug.attention.graph_padding import default_batch_sizes, padded_size
+from kvplug.batch_lease import check_lease
 from kvplug.decode_step import DecodeStep
 from kvplug.interface import InvalidArgumentError
 
@@ -176,6 +177,9 @@ class DecodeGraphs:
             )
         if step.committed:
             raise InvalidArgumentError("this decode step is already committed; stage a new one")
+        lease = step.batch.lease
+        if lease.generation != lease.states.generation:
+            check_lease(lease, lease.states)  # a finished request's page may be another's now
         graph = self._graphs.get(size)
         if graph is None:
             return self.forward_fn(step)[: step.num_live]

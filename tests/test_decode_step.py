@@ -269,3 +269,43 @@ def test_a_pool_too_big_to_allocate_is_an_out_of_memory_error(manager):
     shape = ModelShape(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     with pytest.raises(OutOfMemoryError, match="cannot allocate the KV pool"):
         create_backend(shape, num_pages=10**13, attention=None, manager=manager)
+
+
+def test_a_batch_whose_request_was_finished_is_refused_before_it_writes(manager):
+    """forward (and a graph replay) refuse a batch prepared before one of its requests was
+    finished: that request's pages may already be another's. Admissions alone do not matter."""
+    from tests.decode_world import make_world
+
+    backend, model = make_world(attention="torch", page_size=4, device="cpu", manager=manager)
+    a, b = (backend.admit(list(range(1, 9 + i))) for i in range(2))
+    backend.allocate([a, b])
+    batch = backend.prepare([a, b], "prefill")
+    c = backend.admit([5, 6, 7])  # a request started: the batch's own requests are still live
+    model(backend.input_ids(batch), batch)
+    backend.append_tokens([a, b], [1, 2])
+    step = backend.begin_decode([a, b])
+    backend.finish(a, computed=False)
+    d = backend.admit(list(range(20, 40)))  # may take a's pages
+    backend.allocate([d])
+    before = backend.pool.kv_buffer.clone()
+    with pytest.raises(InvalidArgumentError, match="was finished after this batch was prepared"):
+        model.step_forward(step)
+    assert torch.equal(backend.pool.kv_buffer, before)
+    other, other_model = make_world(attention="torch", page_size=4, device="cpu", manager=manager)
+    theirs = other.admit([1, 2, 3])
+    other.allocate([theirs])
+    foreign = other.prepare([theirs], "prefill")
+    with pytest.raises(InvalidArgumentError, match="prepared by another KVBackend"):
+        model(other.input_ids(foreign), foreign)  # this model's layers call backend.forward
+    graphs = backend.decode_graphs(model.step_forward, batch_sizes=[2])
+    e = backend.admit([3, 4, 5])
+    backend.allocate([e])
+    prefill = backend.prepare([e], "prefill")
+    model(backend.input_ids(prefill), prefill)
+    backend.append_tokens([e], [7])
+    staged = backend.begin_decode([b, e])
+    backend.finish(b, computed=False)
+    with pytest.raises(InvalidArgumentError, match="was finished after this batch was prepared"):
+        graphs.run(staged)
+    backend.finish(c)
+    backend.check_integrity()

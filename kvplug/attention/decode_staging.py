@@ -179,7 +179,7 @@ class DecodeStager:
         d_start, h_start = self.extend_starts.get(n)
         return StagedDecodeBatch(
             ForwardPhase.DECODE, views.rows, views.cached, views.device, host.cached_lens, host.device_lens,
-            d_start, h_start, views.cached, views.out_loc, self.page_table, n - live, None, page_lists,
+            d_start, h_start, views.cached, views.out_loc, self.page_table, n - live, None, None, page_lists,
             views.input_ids, views.append_index,
         )
 

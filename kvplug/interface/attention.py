@@ -50,6 +50,9 @@ class AttentionBatch:
             (not a copy), so backends index it themselves.
         num_padded: how many trailing requests are dummy padding (CUDA-graph replay), 0 otherwise.
         metadata: backend-specific state set by ``prepare_metadata``; ``None`` before.
+        lease: set by the ``KVBackend`` that prepared the batch (which requests it covers, so a
+            batch whose request was finished since is refused instead of writing into a freed
+            page); ``None`` for batches built outside a backend. Added in version 1 (optional).
     """
 
     phase: ForwardPhase
@@ -65,6 +68,7 @@ class AttentionBatch:
     page_table: torch.Tensor
     num_padded: int = 0
     metadata: Any = None
+    lease: Any = None
 
     @property
     def batch_size(self) -> int:
