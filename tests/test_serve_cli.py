@@ -44,6 +44,18 @@ def test_model_positional_and_its_aliases(manager, checkpoint):
     assert validate(_parse(), manager)["model"] is None
 
 
+def test_cuda_graph_flags_reach_the_host_settings(manager):
+    """SGLang's --cuda-graph-max-bs / --disable-cuda-graph become the host's graph settings (the
+    default leaves graphs to the device: on for CUDA)."""
+    from kvplug_transformers.serve_options import ServeOptions
+
+    for argv, expected in (((), (None, None)), (("--cuda-graph-max-bs", "32"), (None, 32)),
+                           (("--disable-cuda-graph",), (False, None))):
+        options = validate(_parse(*argv), manager)
+        settings = ServeOptions(**options).kvplug_settings()
+        assert (settings["cuda_graphs"], settings["cuda_graph_max_bs"]) == expected
+
+
 def test_vllm_and_sglang_aliases(manager):
     options = validate(
         _parse("--max-model-len", "512", "--gpu-memory-utilization", "0.3", "--api-key", "k", "--served-model-name",
@@ -75,6 +87,10 @@ def test_vllm_and_sglang_aliases(manager):
         (["--dtype", "int3"], "--dtype must be auto, bfloat16, float16 or float32, got 'int3'"),
         (["--kv-memory", "2.0"], "--kv-memory as a fraction must lie in (0, 1]"),
         (["--max-request-bytes", "lots"], "--max-request-bytes must be a size"),
+        (["--kv-backend", "native", "--disable-cuda-graph"], "--disable-cuda-graph configures kvplug's cache"),
+        (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be an int in [1, 64], got 0"),
+        (["--max-running-reqs", "8", "--cuda-graph-max-bs", "16"], "--cuda-graph-max-bs must be an int in [1, 8]"),
+        (["--cuda-graph-max-bs", "8", "--disable-cuda-graph"], "--cuda-graph-max-bs has no effect with --disable-cuda-graph"),
     ],
 )
 def test_every_bad_combination_names_the_flag_and_the_rule(manager, argv, message):

@@ -460,6 +460,13 @@ def test_settings_are_validated():
         KVPlugSettings(kv_memory=1.5)
     with pytest.raises(InvalidArgumentError, match="unknown kvplug setting"):
         KVPlugSettings().updated(prefix_cach="radix")
+    with pytest.raises(InvalidArgumentError, match="cuda_graphs must be None, True or False"):
+        KVPlugSettings(cuda_graphs="yes")
+    with pytest.raises(InvalidArgumentError, match="cuda_graph_batch_sizes"):
+        KVPlugSettings(cuda_graph_batch_sizes=())
+    with pytest.raises(InvalidArgumentError, match="cuda_graph_max_bs"):
+        KVPlugSettings(cuda_graph_max_bs=0)
+    assert KVPlugSettings(cuda_graph_batch_sizes=[8, 2, 2]).cuda_graph_batch_sizes == (2, 8)
 
 
 def test_version_gate_names_the_supported_range(monkeypatch):
