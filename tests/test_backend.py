@@ -503,23 +503,28 @@ def test_staged_decode_batches_live_until_the_ring_comes_round(manager):
     assert batches[1].cached_lens.data_ptr() != batches[0].cached_lens.data_ptr()
 
 
+@pytest.mark.parametrize("explicit", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manager, page_size):
-    """The torch-table (GPU) decode path with the radix cache in a pool small enough to evict:
-    every decode batch's out_loc is the table's cell for the new token, input_ids and appended
-    ids land where the table says."""
+def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manager, page_size, explicit):
+    """The torch-table (GPU) decode path with the radix cache in a pool small enough to evict,
+    call by call or as explicit steps (``begin_decode`` / ``commit``): every decode batch's
+    out_loc is the table's cell for the new token, input ids are the pool's tokens (the previous
+    step's sampled ids), and integrity holds after every step."""
     rng = np.random.default_rng(page_size)
     backend = _backend_with_tables(manager, page_size, host_views=False, prefix_cache="radix",
                                    num_pages=200 // page_size)
     prefixes = [rng.integers(0, 1000, 24).tolist() for _ in range(3)]
     running: list = []
+    expected_next: dict[int, int] = {}
     for step in range(120):
         if len(running) < 5 and rng.random() < 0.5:
             prompt = prefixes[int(rng.integers(3))] + rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
             request = backend.admit(prompt)  # a row is free: at most 5 of 6 are live
             try:
-                run_prefill(backend, request, int(rng.integers(0, 1000)))
+                first = int(rng.integers(0, 1000))
+                run_prefill(backend, request, first)
                 running.append(request)
+                expected_next[request.row] = first
             except OutOfMemoryError:
                 backend.finish(request)
         if running and (rng.random() < 0.2 or len(running) == 5):
@@ -528,17 +533,26 @@ def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manage
         if not running:
             continue
         try:
-            backend.allocate(running)
+            if explicit:
+                decode_step = backend.begin_decode(running)
+                batch, input_ids = decode_step.batch, decode_step.input_ids
+            else:
+                backend.allocate(running)
+                batch = backend.prepare(running, "decode")
+                input_ids = backend.input_ids(batch)
         except OutOfMemoryError:
             backend.finish(running.pop(0))
             continue
-        batch = backend.prepare(running, "decode")
         rows = torch.tensor([r.row for r in running])
         cached = torch.tensor([r.cached_len for r in running])
         assert torch.equal(batch.out_loc, backend.page_table[rows, cached]), f"step {step}"
-        assert torch.equal(backend.input_ids(batch), backend.token_pool[rows, cached])
+        assert input_ids.tolist() == [expected_next[r.row] for r in running]
         sampled = torch.tensor(rng.integers(0, 1000, len(running)), dtype=torch.int32)
-        backend.append_tokens(running, sampled)
+        if explicit:
+            decode_step.commit(sampled)
+        else:
+            backend.append_tokens(running, sampled)
+        expected_next.update({r.row: int(t) for r, t in zip(running, sampled)})
         assert torch.equal(backend.token_pool[rows, cached + 1], sampled)
         backend.check_integrity()
     stats = backend.stats()

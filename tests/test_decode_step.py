@@ -199,52 +199,6 @@ def test_a_request_reaching_max_seq_len_stores_no_token_and_is_refused_after(man
     backend.check_integrity()
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_torch_table_steps_stay_exact_under_prefix_hits_and_evictions(manager, page_size):
-    """Explicit steps on torch tables with the radix cache in a pool small enough to evict:
-    out_loc is the table's cell for each new token, input ids are the pool's tokens (the
-    previous commit's), and integrity holds after every step."""
-    rng = np.random.default_rng(page_size + 10)
-    backend = _backend_with_tables(manager, page_size, host_views=False, prefix_cache="radix",
-                                   num_pages=200 // page_size)
-    prefixes = [rng.integers(0, 1000, 24).tolist() for _ in range(3)]
-    running: list = []
-    expected_next: dict[int, int] = {}
-    for step_number in range(120):
-        if len(running) < 5 and rng.random() < 0.5:
-            prompt = prefixes[int(rng.integers(3))] + rng.integers(0, 1000, int(rng.integers(1, 12))).tolist()
-            request = backend.admit(prompt)
-            try:
-                backend.allocate([request])
-                backend.prepare([request], "prefill")
-                first = int(rng.integers(0, 1000))
-                backend.append_tokens([request], [first])
-                running.append(request)
-                expected_next[request.row] = first
-            except OutOfMemoryError:
-                backend.finish(request)
-        if running and (rng.random() < 0.2 or len(running) == 5):
-            backend.finish(running.pop(int(rng.integers(len(running)))), computed=False)
-        running = [r for r in running if r.num_tokens < backend.max_seq_len - 1]
-        if not running:
-            continue
-        try:
-            step = backend.begin_decode(running)
-        except OutOfMemoryError:
-            backend.finish(running.pop(0))
-            continue
-        rows = torch.tensor([r.row for r in running])
-        cached = torch.tensor([r.cached_len for r in running])
-        assert torch.equal(step.out_loc, backend.page_table[rows, cached]), f"step {step_number}"
-        assert step.input_ids.tolist() == [expected_next[r.row] for r in running]
-        sampled = rng.integers(0, 1000, len(running))
-        step.commit(torch.tensor(sampled, dtype=torch.int32))
-        expected_next.update({r.row: int(t) for r, t in zip(running, sampled)})
-        backend.check_integrity()
-    stats = backend.stats()
-    assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
-
-
 def test_a_request_of_another_backend_is_refused_everywhere(manager):
     """Keys are unique in the process: a request of another backend in the same row, admitted as
     that backend's first request too, is not live here."""
