@@ -18,8 +18,9 @@ Lengths (all in tokens) of a live request::
 The lengths live in numpy arrays indexed by row (``RequestStates``), so batch operations over
 hundreds of requests are a handful of vector operations plus one pass to collect row keys. That
 pass (about 10 us at 256 requests) is skipped when a call names the same requests, in the same
-order, as the previous one and no request was admitted or finished since: a decode step's
-``allocate``, ``prepare`` and ``append_tokens`` then pay it once per change of the running batch.
+order, as the previous one and no request was admitted or finished since: decode steps over a
+steady batch (``begin_decode`` and its ``commit``, or ``allocate``, ``prepare`` and
+``append_tokens``) then pay it once per change of the running batch.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ The host writes each request's table row, cached and device length (and the step
 a pinned host buffer (``decode_slot``); this kernel reads it in place - pinned memory is
 device-accessible, so no upload call - and writes the batch fields the attention kernels read to
 the slot's device buffer, with what derives from them: the flat cell of the new token
-(``row * row_width + cached``, int32), the cell after it (int64, where ``append_tokens`` puts
+(``row * row_width + cached``, int32), the cell after it (int64, where the step's commit puts
 the sampled id), ``out_loc`` (the new token's pool location, read from the page table) and the
-input ids (the token pool at the new token's cell). Program 0 writes the step's number back to pinned memory (``StepProgress``): every read of
-earlier steps' host buffers precedes this launch on the stream. Bound through
-``FastLauncher.bind``, a step costs one launch of host time.
+input ids (the token pool at the new token's cell). Field offsets come from
+``kvplug.attention.decode_slot`` (``SlotOffsets``). Program 0 writes the step's number back to
+pinned memory (``StepProgress``): every read of earlier steps' host buffers precedes this launch
+on the stream. Bound through ``FastLauncher.bind``, a step costs one launch of host time.
 
 With new pages (``PagedAllocator.take_decode_pages``) the host also writes a page slot per
 request (an index into the free list's tensor, or -1): the kernel first writes that page into
