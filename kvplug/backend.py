@@ -1,4 +1,4 @@
-"""The facade a host engine talks to: ``kvplug.create_backend(...)`` -> ``KVBackend`` (SPEC §4).
+"""The facade a host engine talks to: ``kvplug.create_backend(...)`` -> ``KVBackend`` (docs/design.md, section 4).
 
 One object owns the pool, page table + token pool, request rows, paged allocator, prefix cache
 and attention backend, and exposes the request lifecycle::

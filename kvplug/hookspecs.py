@@ -1,4 +1,4 @@
-"""pluggy hook specifications of the ``kvplug`` project (SPEC §3).
+"""pluggy hook specifications of the ``kvplug`` project (docs/design.md, section 3).
 
 Each hook receives a ``register`` callback. A plugin calls ``register(name, factory)`` once per
 component it provides; ``name`` is a non-empty string unique within its kind across all plugins.

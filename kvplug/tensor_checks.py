@@ -1,5 +1,5 @@
 """The argument check every component shares: a 1-D int32 tensor on the component's device
-(token ids, token locations, table values). One message format everywhere (SPEC §6)."""
+(token ids, token locations, table values). One message format everywhere (docs/design.md, section 8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention backends over the kvplug pool and page table (SPEC §4).
+"""Attention backends over the kvplug pool and page table (docs/design.md, section 4).
 
 Only the torch-only pieces are imported here; the Triton, FlashInfer and FA3 backends live in
 their own modules and import their GPU libraries when built (``kvplug.create_attention_backend``).

@@ -1,7 +1,7 @@
 """Device timing for the CUDA benchmark suites: CUDA-event timing of back-to-back calls, the same
 calls replayed as one CUDA graph (launch cost excluded), interleaved repeats so clock drift weighs
 on every implementation alike, the same-run copy bandwidth every figure is compared to, and the
-SPEC §7 attention bars' verdicts."""
+docs/design.md, section 9 attention bars' verdicts."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 
 def check_bars(store: dict, metadata: list[dict], decode: list[dict]) -> list[dict[str, Any]]:
-    """SPEC §7's attention bars against this run's figures, each with its worst case."""
+    """docs/design.md, section 9's attention bars against this run's figures, each with its worst case."""
     bars: list[dict[str, Any]] = []
 
     def worst(name: str, rows: list[dict], key: str, ok: Callable[[float], bool], lowest: bool = True) -> None:

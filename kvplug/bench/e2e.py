@@ -49,7 +49,7 @@ SCHEMA = 1
 BASELINES = ("naive", NATIVE, "radix:eager")
 MEDIAN_FIELDS = ("serve_s", "wall_s", "req_per_s", "output_tok_per_s", "total_tok_per_s", "ttft_p50_ms",
                  "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms")
-# SPEC §7: radix >= 3x naive's throughput with shared prefixes, and costs < 2 % when nothing hits
+# docs/design.md, section 9: radix >= 3x naive's throughput with shared prefixes, and costs < 2 % when nothing hits
 BARS = {"shared-prefix": ("radix/naive throughput >= 3.0", 3.0), "no-prefix": ("radix/naive throughput >= 0.98", 0.98)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SIZE_FLAGS = ("requests", "system_prompts", "system_tokens", "question_tokens", "output_tokens",

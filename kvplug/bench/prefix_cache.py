@@ -37,7 +37,8 @@ FULL = dict(requests=1000, shared=2048, unique=512, conversations=200, turns=8, 
             groups=100, leaves_per_group=100, group_prefix=128, leaf_tokens=32, evict_tokens=256, evict_calls=50)
 QUICK = dict(requests=50, shared=256, unique=64, conversations=10, turns=4, turn_tokens=64,
              groups=10, leaves_per_group=50, group_prefix=64, leaf_tokens=32, evict_tokens=64, evict_calls=10)
-# SPEC §7 bars for the radix cache on the full-size workloads: (workload, operation) -> p50 bar in us
+# the radix cache's targets (docs/design.md, section 9) on the full-size workloads:
+# (workload, operation) -> p50 bar in us
 BARS_US = {("shared-prefix", "match+lock"): 10.0, ("shared-prefix", "insert"): 15.0, ("evict", "evict"): 100.0}
 MIN_SPEEDUP = 5.0
 
@@ -148,7 +149,7 @@ def _speedups(rows: list[dict]) -> list[dict]:
 
 
 def _bars(rows: list[dict], speedups: list[dict], full_size: bool) -> list[dict]:
-    """SPEC §7 verdicts for ``kvplug-radix`` (meaningful only at full size)."""
+    """docs/design.md, section 9 verdicts for ``kvplug-radix`` (meaningful only at full size)."""
     ratio = {(s["workload"], s["page_size"], s["operation"]): s["p50_speedup"] for s in speedups
              if s["cache"] == "kvplug-radix"}
     verdicts = []

@@ -1,4 +1,5 @@
-"""The attention-backend contract (SPEC §4): kvplug's host-neutral batch description and the ABC.
+"""The attention-backend contract (docs/design.md, section 4): kvplug's host-neutral batch
+description and the ABC.
 
 A backend reads the KV pool and the token-granular page table; it never sees a host's request
 objects. Per step the host builds one ``AttentionBatch``, calls ``prepare_metadata`` once (host

@@ -1,4 +1,5 @@
-"""The KV-pool contract: one preallocated tensor holding every layer's K and V (SPEC §1, §4).
+"""The KV-pool contract: one preallocated tensor holding every layer's K and V (docs/design.md,
+sections 1 and 4).
 
 Layout of the built-in ``mha`` pool: ``[2, num_layers, num_pages + 1, page_size, local_kv_heads,
 head_dim]``. Flattening axes 2 and 3 gives *token locations*: location ``j`` is row ``j`` of the

@@ -1,4 +1,5 @@
-"""The prefix-cache contract (SPEC §3): ``BasePrefixCache``, its handle and result types.
+"""The prefix-cache contract (docs/design.md, section 3): ``BasePrefixCache``, its handle and result
+types.
 
 Method names match mini-sglang's ``BasePrefixCache`` so that code written against one runs against
 the other. A prefix cache maps page-aligned token-id sequences to the KV-pool token locations that

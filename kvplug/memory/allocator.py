@@ -1,6 +1,6 @@
 """The paged allocator: hands out whole pages, records them token by token in the page table.
 
-The free list holds the first token location of every free page (SPEC §1 "Paged allocation").
+The free list holds the first token location of every free page (docs/design.md, section 1 "Paged allocation").
 Growing a request from ``allocated_len`` to ``device_len`` takes pages ``allocated_len / P ..
 ceil(device_len / P)``; a batch's pages are expanded to token locations and written into the page
 table in one scattered write. In decode only requests crossing a page boundary grow, by one page

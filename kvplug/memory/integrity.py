@@ -1,6 +1,6 @@
 """Whole-state checks of the paged allocator (tests and debug runs; reads every live row).
 
-Invariants (SPEC §1):
+Invariants (docs/design.md, section 1):
 
 - the free list holds page starts (multiples of the page size) inside the pool, never the
   dummy page, each at most once;

@@ -1,4 +1,4 @@
-"""``mha``: the KV pool for multi-head / grouped-query attention (SPEC §1, §4).
+"""``mha``: the KV pool for multi-head / grouped-query attention (docs/design.md, sections 1 and 4).
 
 One tensor ``[2, num_layers, num_pages + 1, page_size, local_kv_heads, head_dim]`` allocated once.
 The trailing page is the dummy page: padded CUDA-graph slots write there and nowhere else.

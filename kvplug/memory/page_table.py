@@ -1,4 +1,4 @@
-"""``PageTable``: the two int32 tables of SPEC §1, one row per running request, and every access
+"""``PageTable``: the two int32 tables of docs/design.md (section 1), one row per running request, and every access
 to them.
 
 ``table[r, j]`` is the pool *token location* of request ``r``'s ``j``-th token, whatever the page

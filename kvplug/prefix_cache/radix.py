@@ -63,7 +63,7 @@ _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python
 
 
 class RadixPrefixCache(BasePrefixCache):
-    """Radix-tree prefix cache (SPEC §4).
+    """Radix-tree prefix cache (docs/design.md, section 4).
 
     Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang, and
     each node also counts the locks taken on its own handle: an unlock is rejected unless that

@@ -1,4 +1,5 @@
-"""Argument checks shared by the built-in prefix caches (SPEC §6: clear errors, nothing changed).
+"""Argument checks shared by the built-in prefix caches (docs/design.md, section 8: clear errors,
+nothing changed).
 
 ``naive`` and ``radix`` validate ``match_prefix``, ``insert_prefix``, ``lock_handle`` and ``evict``
 through these functions, so the same bad argument gets the same ``InvalidArgumentError`` (and the

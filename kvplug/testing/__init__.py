@@ -1,4 +1,4 @@
-"""Conformance kit for kvplug components (SPEC §3): the suite the built-in prefix caches pass.
+"""Conformance kit for kvplug components (docs/design.md, section 3): the suite the built-in prefix caches pass.
 
 A plugin author runs it against their own factory, in one call::
 

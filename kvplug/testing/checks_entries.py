@@ -117,7 +117,8 @@ def lengths_are_page_multiples(ctx: CheckContext) -> None:
 
 
 def bad_input_is_rejected(ctx: CheckContext) -> None:
-    """Malformed inserts (negative or repeated locations too) and evict sizes raise and change nothing (SPEC §6)."""
+    """Malformed inserts (negative or repeated locations too) and evict sizes raise and change
+    nothing (docs/design.md, section 8)."""
     P = ctx.page_size
     cache = ctx.new_cache()
     tokens = ctx.tokens([1, 2])
