@@ -263,3 +263,12 @@ def test_a_batch_whose_request_was_finished_is_refused_before_it_writes(manager)
         graphs.run(staged)
     backend.finish(c)
     backend.check_integrity()
+
+
+def test_a_kv_pool_too_big_to_allocate_is_an_out_of_memory_error(manager):
+    from kvplug.interface import KVPoolConfig
+
+    config = KVPoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=10**13, page_size=1,
+                          dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(OutOfMemoryError, match="cannot allocate the KV pool"):
+        kvplug.create_kv_pool("mha", config, manager=manager)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from kvplug.interface import BaseKVPool, InvalidArgumentError, KVPoolConfig
+from kvplug.interface import BaseKVPool, InvalidArgumentError, KVPoolConfig, OutOfMemoryError
 from kvplug.memory.tensor_parallel import local_kv_heads
 from kvplug.tensor_checks import check_int32_vector
 
@@ -62,11 +62,15 @@ class MHAKVPool(BaseKVPool):
         self._store: StoreFunction | None = None
         # zeros, not empty: attention over padded slots multiplies dummy-page V by zero weights,
         # and uninitialised memory may hold NaN, which survives that multiplication
-        self._kv_buffer = torch.zeros(
-            (2, config.num_layers, config.num_pages + 1, config.page_size, self._local_kv_heads, config.head_dim),
-            dtype=config.dtype,
-            device=config.device,
-        )
+        shape = (2, config.num_layers, config.num_pages + 1, config.page_size, self._local_kv_heads, config.head_dim)
+        try:
+            self._kv_buffer = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        except (RuntimeError, MemoryError) as error:  # torch's allocation failures (CPU and CUDA)
+            raise OutOfMemoryError(
+                f"cannot allocate the KV pool {list(shape)} of {config.dtype} on {config.device} "
+                f"({config.num_pages:,} pages x {config.page_size} tokens): {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:200]}"
+            ) from error
         # the buffer's device carries the index ("cuda" -> "cuda:0"), which tensor checks compare to
         self._device = self._kv_buffer.device
         self._num_locations = (config.num_pages + 1) * config.page_size
