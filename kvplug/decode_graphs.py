@@ -178,7 +178,7 @@ class DecodeGraphs:
         if step.committed:
             raise InvalidArgumentError("this decode step is already committed; stage a new one")
         lease = step.batch.lease
-        if lease.generation != lease.states.generation:
+        if lease is not None and lease.generation != lease.states.generation:
             check_lease(lease, lease.states)  # a finished request's page may be another's now
         graph = self._graphs.get(size)
         if graph is None:
