@@ -264,8 +264,9 @@ class KVBackend:
         """
         states = self.allocator.states
         rows, row_starts = states.batch_rows(_request_list(requests))
-        if type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == self.device:
-            ids = token_ids  # the usual case, sampled ids already in kvplug's form (dim checked below)
+        if (type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == self.device
+                and self.device.type != "cpu"):
+            ids = token_ids  # the usual case, sampled ids on the GPU (dim checked below; values not: a sync)
         else:
             ids = as_token_ids(token_ids, self.device, allow_empty=True)
         if ids.dim() != 1 or ids.shape[0] != rows.size:

@@ -107,7 +107,9 @@ class DecodeStep:
         backend = self._backend
         if self.committed:
             raise InvalidArgumentError("this decode step is already committed")
-        if type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == backend.device:
+        if (type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == backend.device
+                and backend.device.type != "cpu"):
+            # sampled ids on the GPU: values are not read here (a sync); CPU ids are range-checked below
             ids = token_ids if token_ids.is_contiguous() else token_ids.contiguous()
         else:
             ids = as_token_ids(token_ids, backend.device, allow_empty=True)

@@ -163,7 +163,7 @@ def test_what_commit_refuses(manager):
     step = backend.begin_decode([a, b])
     lengths = [a.lengths(), b.lengths()]
     for ids, match in (([1], "one token id per request"), ([1, -2], r"\[0, 2147483647\]"),
-                       (torch.tensor([[1, 2]], dtype=torch.int32), "one token id per request"),
+                       (torch.tensor([[1, 2]], dtype=torch.int32), "one token id per request|1-D integer tensor"),
                        ([1.5, 2], "flat list of ints")):
         with pytest.raises(InvalidArgumentError, match=match):
             step.commit(ids)
@@ -272,3 +272,22 @@ def test_a_kv_pool_too_big_to_allocate_is_an_out_of_memory_error(manager):
                           dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(OutOfMemoryError, match="cannot allocate the KV pool"):
         kvplug.create_kv_pool("mha", config, manager=manager)
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+def test_negative_token_ids_are_refused_with_nothing_changed(manager, host_views):
+    backend = _backend_with_tables(manager, 4, host_views=host_views)
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 2147483647\]"):
+        backend.admit(torch.tensor([1, -5, 3], dtype=torch.int32))
+    (request,) = _ready(backend, [[1, 2, 3]])
+    lengths = request.lengths()
+    step = backend.begin_decode([request])
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 2147483647\]"):
+        step.commit(torch.tensor([-1], dtype=torch.int32))
+    step.commit(torch.tensor([4], dtype=torch.int32))
+    backend.allocate([request])
+    backend.prepare([request], "decode")
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 2147483647\]"):
+        backend.append_tokens([request], torch.tensor([-7], dtype=torch.int32))
+    assert request.num_tokens == lengths["num_tokens"] + 1
+    backend.check_integrity()
