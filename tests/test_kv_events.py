@@ -162,31 +162,7 @@ def test_naive_reports_only_its_resets():
 
 
 def test_a_version_1_plugin_without_events_keeps_working():
-    class V1Cache(kvplug.BasePrefixCache):  # written before KV events existed
-        def __init__(self, config):
-            self.inner = kvplug.create_prefix_cache("radix", page_size=config.page_size)
-
-        def match_prefix(self, input_ids):
-            return self.inner.match_prefix(input_ids)
-
-        def lock_handle(self, handle, unlock=False):
-            self.inner.lock_handle(handle, unlock)
-
-        def insert_prefix(self, input_ids, indices):
-            return self.inner.insert_prefix(input_ids, indices)
-
-        def evict(self, size):
-            return self.inner.evict(size)
-
-        def reset(self):
-            self.inner.reset()
-
-        @property
-        def size_info(self):
-            return self.inner.size_info
-
-        def check_integrity(self):
-            self.inner.check_integrity()
+    from tests.version1_cache import Version1Cache as V1Cache  # written before KV events existed
 
     cache = V1Cache(kvplug.PrefixCacheConfig())
     events = []

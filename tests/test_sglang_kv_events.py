@@ -109,37 +109,9 @@ def test_events_off_publish_nothing_and_naive_publishes_no_blocks():
 
 
 def test_a_cache_plugin_without_events_serves_and_warns(caplog):
-    import kvplug
-    from kvplug.interface import BasePrefixCache
-
-    class Silent(BasePrefixCache):  # a v1 plugin: delegates everything, knows nothing of events
-        def __init__(self, config):
-            self.inner = kvplug.create_prefix_cache("radix", page_size=config.page_size)
-
-        def match_prefix(self, input_ids):
-            return self.inner.match_prefix(input_ids)
-
-        def lock_handle(self, handle, unlock=False):
-            self.inner.lock_handle(handle, unlock)
-
-        def insert_prefix(self, input_ids, indices):
-            return self.inner.insert_prefix(input_ids, indices)
-
-        def evict(self, size):
-            return self.inner.evict(size)
-
-        def reset(self):
-            self.inner.reset()
-
-        @property
-        def size_info(self):
-            return self.inner.size_info
-
-        def check_integrity(self):
-            self.inner.check_integrity()
-
     from kvplug.interface import PrefixCacheConfig
     from kvplug_sglang.prefix_cache import KvplugPrefixCache
+    from tests.version1_cache import Version1Cache as Silent  # a v1 plugin: knows nothing of events
     from tests.sglang_helpers import World, cache_params, make_pools
 
     table, allocator = make_pools(size=64, page_size=1, max_requests=4, max_context=32)
