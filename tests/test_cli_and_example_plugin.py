@@ -149,6 +149,26 @@ def test_version_and_plugin_loading_import_no_torch():
     assert result.stdout.splitlines() == [f"kvplug {kvplug.__version__}", "light"]
 
 
+def test_plugins_and_capacity_import_no_torch(tmp_path):
+    """``kvplug plugins`` and ``kvplug capacity`` (a config file or flags) answer without torch."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "torch_dtype": "bfloat16",
+    }))
+    script = (
+        "import sys\n"
+        "from kvplug.cli import main\n"
+        f"assert main(['capacity', {str(tmp_path)!r}, '--memory', '40GiB', '--context-len', '4096']) == 0\n"
+        "assert main(['capacity', '--layers', '2', '--kv-heads', '2', '--head-dim', '8', '--memory', '1MiB']) == 0\n"
+        "assert main(['plugins']) == 0\n"
+        "assert 'torch' not in sys.modules, 'a command imported torch'\n"
+        "print('light')\n"
+    )
+    result = run_kvplug("-c", script)
+    assert result.returncode == 0, result.stderr
+    assert "pages that fit: 23,404 of 16 token(s)" in result.stdout and result.stdout.splitlines()[-1] == "light"
+
+
 def test_every_public_name_and_sub_package_is_importable_from_the_top_level():
     script = (
         "import kvplug\n"

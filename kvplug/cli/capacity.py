@@ -19,7 +19,7 @@ import json
 from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
 from kvplug.interface import InvalidArgumentError
 from kvplug.memory.capacity import CapacityPlan, plan_capacity
-from kvplug.memory.model_shape import ModelShape, parse_dtype
+from kvplug.memory.model_config import KVGeometry, dtype_name, load_config_file, read_hf_config
 from kvplug.memory.tensor_parallel import local_kv_heads
 
 
@@ -46,31 +46,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def model_shape(args: argparse.Namespace) -> ModelShape:
-    """The shape from ``args.model`` and/or the explicit flags."""
-    dtype = parse_dtype(args.dtype) if args.dtype else None
+def model_shape(args: argparse.Namespace) -> KVGeometry:
+    """The geometry from ``args.model`` and/or the explicit flags (no torch: see ``model_config``)."""
+    dtype = dtype_name(args.dtype) if args.dtype else None
     overrides = {"num_layers": args.layers, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim}
     if args.model:
-        base = ModelShape.from_pretrained(args.model, dtype=dtype)
-        fields = {
-            "num_layers": args.layers or base.num_layers,
-            "num_qo_heads": args.q_heads or base.num_qo_heads,
-            "num_kv_heads": args.kv_heads or base.num_kv_heads,
-            "head_dim": args.head_dim or base.head_dim,
-        }
-        return ModelShape(**fields, dtype=base.dtype)
+        base = read_hf_config(load_config_file(args.model), dtype=dtype)
+        return _geometry(
+            args.layers or base.num_layers, args.q_heads or base.num_qo_heads, args.kv_heads or base.num_kv_heads,
+            args.head_dim or base.head_dim, base.dtype,
+        )
     missing = [f"--{name.replace('num_', '').replace('_', '-')}" for name, value in overrides.items() if value is None]
     if missing:
         raise InvalidArgumentError(
             f"give a model config path, or all of --layers, --kv-heads and --head-dim (missing: {', '.join(missing)})"
         )
-    return ModelShape(
-        num_layers=args.layers,
-        num_qo_heads=args.q_heads or args.kv_heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        dtype=dtype or parse_dtype("bf16"),
-    )
+    return _geometry(args.layers, args.q_heads or args.kv_heads, args.kv_heads, args.head_dim, dtype or "bfloat16")
+
+
+def _geometry(layers: int, q_heads: int, kv_heads: int, head_dim: int, dtype: str) -> KVGeometry:
+    """A checked ``KVGeometry`` (the checks ``ModelShape`` makes)."""
+    for flag, value in (("--layers", layers), ("--q-heads", q_heads), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{flag} must be a positive int, got {value!r}")
+    if q_heads % kv_heads:
+        raise InvalidArgumentError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    return KVGeometry(layers, q_heads, kv_heads, head_dim, dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             "num_qo_heads": shape.num_qo_heads,
             "num_kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim,
-            "dtype": str(shape.dtype).removeprefix("torch."),
+            "dtype": shape.dtype,
             "tp_size": args.tp_size,
         }
         print(json.dumps({"model": model, **plan.to_json()}, indent=2))
@@ -93,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(shape: ModelShape, plan: CapacityPlan, tp_size: int) -> str:
-    dtype = str(shape.dtype).removeprefix("torch.")
+def describe(shape: KVGeometry, plan: CapacityPlan, tp_size: int) -> str:
+    dtype = shape.dtype
     lines = [
         f"model: {shape.num_layers} layers, {shape.num_qo_heads} query heads, {shape.num_kv_heads} KV heads, "
         f"head_dim {shape.head_dim}, {dtype}; tp_size {tp_size} -> {local_kv_heads(shape.num_kv_heads, tp_size)} "

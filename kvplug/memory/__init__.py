@@ -1,22 +1,33 @@
 """KV memory: the ``mha`` pool, the page table + token pool, request rows, the paged allocator,
-and capacity planning. Hosts normally reach these through ``kvplug.create_backend``."""
+and capacity planning. Hosts normally reach these through ``kvplug.create_backend``.
 
-from kvplug.memory.allocator import PagedAllocator
-from kvplug.memory.capacity import CapacityPlan, parse_memory_size, plan_capacity
-from kvplug.memory.mha_pool import MHAKVPool
-from kvplug.memory.model_shape import ModelShape
-from kvplug.memory.page_table import PageTable
-from kvplug.memory.request import Request
-from kvplug.memory.row_manager import RowManager
+The names below are imported on first use (a module ``__getattr__``), so importing one torch-free
+module of this package (``capacity``, ``model_config``) does not import torch.
+"""
 
-__all__ = [
-    "CapacityPlan",
-    "MHAKVPool",
-    "ModelShape",
-    "PageTable",
-    "PagedAllocator",
-    "Request",
-    "RowManager",
-    "parse_memory_size",
-    "plan_capacity",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY_NAMES = {
+    "CapacityPlan": "kvplug.memory.capacity",
+    "parse_memory_size": "kvplug.memory.capacity",
+    "plan_capacity": "kvplug.memory.capacity",
+    "MHAKVPool": "kvplug.memory.mha_pool",
+    "ModelShape": "kvplug.memory.model_shape",
+    "PageTable": "kvplug.memory.page_table",
+    "PagedAllocator": "kvplug.memory.allocator",
+    "Request": "kvplug.memory.request",
+    "RowManager": "kvplug.memory.row_manager",
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    globals()[name] = value
+    return value

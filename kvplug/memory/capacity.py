@@ -10,8 +10,13 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from typing import TYPE_CHECKING
+
 from kvplug.interface import InvalidArgumentError
-from kvplug.memory.model_shape import ModelShape
+
+if TYPE_CHECKING:  # torch-free at run time: kvplug capacity answers without importing torch
+    from kvplug.memory.model_config import KVGeometry
+    from kvplug.memory.model_shape import ModelShape
 
 _UNITS = {
     "": 1,
@@ -100,14 +105,15 @@ class CapacityPlan:
 
 
 def plan_capacity(
-    shape: ModelShape,
+    shape: "ModelShape | KVGeometry",
     memory_budget: int | str,
     *,
     page_size: int = 1,
     tp_size: int = 1,
     context_len: int | None = None,
 ) -> CapacityPlan:
-    """Size a KV pool for ``shape`` (its ``dtype`` is the KV dtype) within ``memory_budget`` bytes per rank."""
+    """Size a KV pool for ``shape`` (its ``dtype`` is the KV dtype; a ``ModelShape`` or a torch-free
+    ``KVGeometry``) within ``memory_budget`` bytes per rank."""
     for name, value in (("page_size", page_size), ("tp_size", tp_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")

@@ -1,14 +1,9 @@
-"""``ModelShape``: the few numbers of a model that size its KV cache, read from a HF config.
-
-Accepts a ``config.json`` mapping or an attribute-style object (``transformers.PretrainedConfig``).
-Multimodal configs that nest the language model under ``text_config`` are read from there.
-Missing ``head_dim`` means ``hidden_size / num_attention_heads``; missing ``num_key_value_heads``
-means plain multi-head attention (as many KV heads as query heads).
+"""``ModelShape``: the few numbers of a model that size its KV cache, with its KV dtype as a torch
+dtype; read from a HF config by ``kvplug.memory.model_config`` (which needs no torch).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -16,17 +11,9 @@ from typing import Any, Mapping
 import torch
 
 from kvplug.interface import SUPPORTED_KV_DTYPES, InvalidArgumentError
+from kvplug.memory.model_config import DTYPE_ALIASES, load_config_file, read_hf_config
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
+DTYPE_NAMES: dict[str, torch.dtype] = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -81,66 +68,13 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | Any, dtype: str | torch.dtype | None = None) -> "ModelShape":
         """Read a HF config (mapping or attribute object); ``dtype`` overrides the config's
-        ``torch_dtype`` / ``dtype``, and bf16 is used when neither is given."""
-        fields = _as_mapping(config)
-        if "num_hidden_layers" not in fields and fields.get("text_config") is not None:
-            dtype_fields = {key: fields[key] for key in ("torch_dtype", "dtype") if fields.get(key) is not None}
-            fields = {**dtype_fields, **_as_mapping(fields["text_config"])}
-        num_layers = _require_int(fields, "num_hidden_layers")
-        num_qo_heads = _require_int(fields, "num_attention_heads")
-        num_kv_heads = _optional_int(fields, "num_key_value_heads") or num_qo_heads
-        head_dim = _optional_int(fields, "head_dim")
-        if head_dim is None:
-            hidden_size = _require_int(fields, "hidden_size", why="to derive head_dim, which is absent")
-            if hidden_size % num_qo_heads:
-                raise InvalidArgumentError(
-                    f"config has no head_dim and hidden_size ({hidden_size}) is not a multiple of "
-                    f"num_attention_heads ({num_qo_heads})"
-                )
-            head_dim = hidden_size // num_qo_heads
-        config_dtype = fields.get("torch_dtype") or fields.get("dtype")
-        chosen = dtype if dtype is not None else (config_dtype or torch.bfloat16)
-        return cls(num_layers, num_qo_heads, num_kv_heads, head_dim, parse_dtype(_dtype_text(chosen)))
+        ``torch_dtype`` / ``dtype``, and bf16 is used when neither is given
+        (``kvplug.memory.model_config.read_hf_config``)."""
+        geometry = read_hf_config(config, dtype)
+        return cls(geometry.num_layers, geometry.num_qo_heads, geometry.num_kv_heads, geometry.head_dim,
+                   parse_dtype(geometry.dtype))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> "ModelShape":
         """Read ``config.json`` from a local model directory or a path to the file itself."""
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
-        try:
-            with open(file, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except OSError as error:
-            raise InvalidArgumentError(f"cannot read model config {file!r}: {error.strerror or error}") from None
-        except json.JSONDecodeError as error:
-            raise InvalidArgumentError(f"model config {file!r} is not valid JSON: {error}") from None
-        if not isinstance(data, dict):
-            raise InvalidArgumentError(f"model config {file!r} must hold a JSON object, got {type(data).__name__}")
-        return cls.from_hf_config(data, dtype=dtype)
-
-
-def _as_mapping(config: Mapping[str, Any] | Any) -> dict[str, Any]:
-    if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return dict(config.to_dict())
-    return {name: getattr(config, name) for name in dir(config) if not name.startswith("_")}
-
-
-def _dtype_text(value: Any) -> str | torch.dtype:
-    return value if isinstance(value, (str, torch.dtype)) else str(value)
-
-
-def _optional_int(fields: Mapping[str, Any], name: str) -> int | None:
-    value = fields.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"config field {name} must be a positive int, got {value!r}")
-    return value
-
-
-def _require_int(fields: Mapping[str, Any], name: str, why: str = "") -> int:
-    value = _optional_int(fields, name)
-    if value is None:
-        raise InvalidArgumentError(f"config has no {name}{' ' + why if why else ''}; is this a decoder LLM config?")
-    return value
+        return cls.from_hf_config(load_config_file(path), dtype=dtype)
