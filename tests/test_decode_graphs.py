@@ -4,9 +4,7 @@ same fixed, padded buffers)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 import kvplug
 from kvplug.attention.graph_padding import default_batch_sizes, padded_size
