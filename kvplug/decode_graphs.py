@@ -127,7 +127,7 @@ class DecodeGraphs:
             self.capture_bytes = max(torch.cuda.memory_allocated(backend.device) - before, 0)
         self.capture_seconds = time.perf_counter() - started
         self._active = True
-        logger.info(
+        logger.debug(  # hosts log the capture their way (``capture_seconds``, ``capture_bytes``)
             "captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB",
             len(self.batch_sizes), _describe_sizes(self.batch_sizes), self.capture_seconds, self.capture_bytes / 2**20,
         )
