@@ -57,7 +57,8 @@ class HostDecodeGraphs:
 
     def run_step(self, runner: Any, model: Any, batch_data: dict) -> bool:
         """Run transformers' step from a graph when it is a decode-only step that fits; returns
-        whether it did (``False``: nothing changed, run the step eagerly)."""
+        whether it did. ``False``: run the step eagerly - a decode-only step too big for every
+        graph is already staged then, and the eager forward reads that batch."""
         steps = self.cache.steps
         if not steps.is_decode_only():
             return False
