@@ -174,10 +174,13 @@ def test_naive_cache_gives_same_tokens_and_no_hits(checkpoint):
     assert stats.cache_hit_tokens == 0 and stats.prefix_cache == "naive"
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize(("page_size", "num_pages"), [(16, 8), (1, 128)])
-def test_pool_small_enough_to_evict_gives_same_tokens(checkpoint, page_size, num_pages, monkeypatch):
+def test_pool_small_enough_to_evict_gives_same_tokens(checkpoint, page_size, num_pages, graphs, monkeypatch,
+                                                      replay_counter):
     """One request's worth of pages (max_seq_len=128): cached prefixes are evicted, and
-    transformers soft-resets starved requests, whose re-prefill then hits kvplug's cache."""
+    transformers soft-resets starved requests, whose re-prefill then hits kvplug's cache - also
+    with decode steps on the CUDA-graph path (run eagerly on the CPU over the padded buffers)."""
     from transformers.generation.continuous_batching import continuous_api
 
     soft_resets = []
@@ -188,11 +191,13 @@ def test_pool_small_enough_to_evict_gives_same_tokens(checkpoint, page_size, num
         lambda self: soft_resets.append(original(self)) or soft_resets[-1],
     )
     model, references = checkpoint
-    host = TransformersHost(max_seq_len=128, num_pages=num_pages, page_size=page_size, max_running_reqs=8)
+    host = TransformersHost(max_seq_len=128, num_pages=num_pages, page_size=page_size, max_running_reqs=8,
+                            cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4))
     tokens, stats = _generate_on_kvplug(model, host, max_batch_tokens=48, prefix_cache="radix")
     assert tokens == references
     assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
     assert sum(soft_resets) > 0
+    assert (replay_counter["graph"] > 0) == graphs
 
 
 def test_fewer_rows_than_requests_queues_the_rest(checkpoint):
