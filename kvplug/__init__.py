@@ -12,11 +12,10 @@ every sub-package is reachable as an attribute (``kvplug.testing``, ``kvplug.mem
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from kvplug._version import __version__
+from kvplug.lazy_names import lazy_attributes
 
 if TYPE_CHECKING:
     from kvplug.backend import BackendStats, KVBackend, ModelShape, Request, create_backend
@@ -83,20 +82,7 @@ _LAZY_NAMES: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name, or a sub-package (``kvplug.testing``), on first access."""
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value  # later accesses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=True)
 
 
 def available(kind: str, *, manager: PluginManager | None = None) -> list[str]:

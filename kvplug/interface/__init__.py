@@ -5,9 +5,6 @@ types, whose modules import torch, are imported on first access, so that code th
 plugins or handles kvplug's errors (``kvplug plugins``, a host's CLI) does not import torch.
 """
 
-import importlib
-from typing import Any
-
 from kvplug.interface.errors import (
     DuplicateComponentError,
     InvalidArgumentError,
@@ -17,6 +14,7 @@ from kvplug.interface.errors import (
     PluginRegistrationError,
     UnknownComponentError,
 )
+from kvplug.lazy_names import lazy_attributes
 
 # names whose modules import torch, imported on first access
 _LAZY_NAMES = {
@@ -29,20 +27,7 @@ _LAZY_NAMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a name whose module needs torch (or a submodule) on first access."""
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    elif name in ("attention", "kv_pool", "prefix_cache"):
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=("attention", "kv_pool", "prefix_cache"))
 
 
 INTERFACE_VERSION = 1

@@ -7,8 +7,7 @@ module of this package (``capacity``, ``model_config``) does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvplug.lazy_names import lazy_attributes
 
 _LAZY_NAMES = {
     "CapacityPlan": "kvplug.memory.capacity",
@@ -25,9 +24,4 @@ _LAZY_NAMES = {
 __all__ = sorted(_LAZY_NAMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES)

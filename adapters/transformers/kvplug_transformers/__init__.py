@@ -17,9 +17,9 @@ package does not import transformers; ``install()`` does, and checks its version
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvplug.lazy_names import lazy_attributes
 from kvplug_transformers._version import __version__
 
 if TYPE_CHECKING:
@@ -38,13 +38,7 @@ _LAZY_NAMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES)
 
 _default_host: TransformersHost | None = None
 
