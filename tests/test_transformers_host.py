@@ -119,12 +119,14 @@ def replay_counter(monkeypatch):
     """Counts the decode steps kvplug ran from its graphs (``HostDecodeGraphs.run_step`` True)."""
     from kvplug_transformers.decode_graphs import HostDecodeGraphs
 
-    counts = {"graph": 0, "other": 0}
+    counts = {"graph": 0, "other": 0, "async": 0}
     original = HostDecodeGraphs.run_step
 
-    def counting(self, *args):
-        done = original(self, *args)
+    def counting(self, runner, *args):
+        done = original(self, runner, *args)
         counts["graph" if done else "other"] += 1
+        # transformers' async batching: two IO pairs, step N+1 prepared while N runs
+        counts["async"] += type(runner.inputs_and_outputs).__name__ == "ContinuousBatchingAsyncIOs"
         return done
 
     monkeypatch.setattr(HostDecodeGraphs, "run_step", counting)
@@ -258,9 +260,12 @@ class _State:
         self.position_offset = self.allocated_blocks = 0
 
 
-def _simulate_scheduler(seed: int, page_size: int, num_pages: int, steps: int = 60) -> dict:
+def _simulate_scheduler(seed: int, page_size: int, num_pages: int, steps: int = 60, overlap: bool = False) -> dict:
     """Drive ``StepTracker`` the way transformers' FIFO scheduler does, on a random workload with
-    shared prefixes, checking kvplug's memory invariants and the promise invariant every step."""
+    shared prefixes, checking kvplug's memory invariants, the promise invariant and every running
+    request's token ids in the token pool after every step. ``overlap``: as with transformers'
+    async batching, a request found finished after step N is finished only after step N+1, which
+    already ran it, was launched."""
     import random
 
     from kvplug.backend import create_backend
@@ -275,6 +280,7 @@ def _simulate_scheduler(seed: int, page_size: int, num_pages: int, steps: int = 
     tracker = StepTracker(backend)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(8, 30))] for _ in range(3)]
     waiting, active, counter, finished = [], [], 0, 0
+    finishing: list = []  # found finished after the previous step (overlap: finished after this one)
     for _ in range(steps):
         for _ in range(rng.randrange(0, 3)):
             prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 12))]
@@ -311,25 +317,43 @@ def _simulate_scheduler(seed: int, page_size: int, num_pages: int, steps: int = 
         for state, new in scheduled:
             tracker.add_to_step(marker, state.request_id, state.position_offset, new)
         tracker.current_batch()  # allocates the step's pages: covered by promises, never fails
+        sampled = []
         for state, new in scheduled:
             state.position_offset += new
             if state.position_offset == len(state.initial_tokens) + len(state.generated_tokens):
-                state.generated_tokens.append(rng.randrange(1, 50))
-            tracker.record_commit(state)
+                sampled.append(rng.randrange(1, 50))
+                state.generated_tokens.append(sampled[-1])
+        # the step is committed as soon as it is launched, from the sampler's output buffer
+        tracker.commit_step(torch.tensor(sampled + [0] * 3, dtype=torch.int32))
         for state, _ in scheduled:
+            request = tracker.get(state.request_id).request
+            known = state.initial_tokens + state.generated_tokens
+            assert request.num_tokens == len(known)
+            assert backend.tables.read_tokens(request.row, 0, len(known)).tolist() == known
+        for state in finishing:
+            tracker.finish(state.request_id)
+            active.remove(state)
+            finished += 1
+        done, finishing = set(finishing), []
+        for state, _ in scheduled:
+            if state in done:
+                continue
             total = len(state.initial_tokens) + len(state.generated_tokens)
-            if len(state.generated_tokens) >= 6 or total >= max_seq_len - 1 or rng.random() < 0.1:
-                tracker.flush()
+            if len(state.generated_tokens) >= 6 or total >= max_seq_len - 2 or rng.random() < 0.1:
+                finishing.append(state)
+        if not overlap:
+            for state in finishing:
                 tracker.finish(state.request_id)
                 active.remove(state)
                 finished += 1
-        tracker.flush()
+            finishing = []
         backend.check_integrity()
     return {"finished": finished, **backend.stats().to_json()}
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_promises_keep_every_step_allocatable_under_random_workloads(page_size):
+def test_promises_keep_every_step_allocatable_under_random_workloads(page_size, overlap):
     hypothesis = pytest.importorskip("hypothesis")
     strategies = pytest.importorskip("hypothesis.strategies")
     totals = {"finished": 0, "cache_hit_tokens": 0, "evicted_tokens": 0}
@@ -337,7 +361,7 @@ def test_promises_keep_every_step_allocatable_under_random_workloads(page_size):
     @hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
     @hypothesis.given(seed=strategies.integers(0, 2**31), pool_tokens=strategies.integers(64, 160))
     def run(seed, pool_tokens):
-        outcome = _simulate_scheduler(seed, page_size, pool_tokens // page_size)
+        outcome = _simulate_scheduler(seed, page_size, pool_tokens // page_size, overlap=overlap)
         for name in totals:
             totals[name] += outcome[name]
 
@@ -351,20 +375,27 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("overlap", [None, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cuda_fp32_torch_attention_equals_generate(checkpoint, page_size, replay_counter):
+def test_cuda_fp32_torch_attention_equals_generate(checkpoint, page_size, overlap, replay_counter):
     """The same differential check on the GPU, decode steps replayed from kvplug's CUDA graphs
-    (on by default on CUDA): device placement, compute-stream ordering, padded replays."""
+    (on by default on CUDA): device placement, compute-stream ordering, padded replays; with
+    transformers' async batching (the default on CUDA: step N+1 scheduled and staged while N
+    runs, each step committed on the device) and without."""
     cpu_model, references = checkpoint
     model = cpu_model.to("cuda")
     try:
         host = TransformersHost(max_seq_len=256, num_pages=4096 // page_size, page_size=page_size)
         tokens, stats = _generate_on_kvplug(model, host, max_batch_tokens=256, attention="torch",
-                                            cuda_graph_batch_sizes=(1, 2, 4, 12))
+                                            cuda_graph_batch_sizes=(1, 2, 4, 12), overlap_schedule=overlap)
     finally:
         cpu_model.to("cpu")
     assert tokens == references and stats.cache_hit_tokens > 0
     assert replay_counter["graph"] >= 5
+    if overlap is None:
+        assert replay_counter["async"] == replay_counter["graph"] + replay_counter["other"]
+    else:
+        assert replay_counter["async"] == 0
 
 
 @pytest.mark.gpu

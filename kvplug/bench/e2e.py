@@ -46,7 +46,7 @@ from kvplug.devices import resolve_device
 
 SUITE = "e2e"
 SCHEMA = 1
-BASELINES = ("naive", NATIVE, "radix:eager")
+BASELINES = ("naive", NATIVE, "radix:eager", "radix:sync")
 MEDIAN_FIELDS = ("serve_s", "wall_s", "req_per_s", "output_tok_per_s", "total_tok_per_s", "ttft_p50_ms",
                  "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms")
 # docs/design.md, section 9: radix >= 3x naive's throughput with shared prefixes, and costs < 2 % when nothing hits
@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: qwen3-0.6b on CUDA, qwen3-tiny on CPU")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--variants", default="radix,naive,native",
-                        help="kvplug prefix caches by name (append ':eager' to turn kvplug's CUDA graphs off), "
+                        help="kvplug prefix caches by name (append ':eager' to turn kvplug's CUDA graphs off, "
+                             "':sync' to turn transformers' async batching off), "
                              "and 'native' for transformers' own cache")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {','.join(WORKLOADS)}")
     parser.add_argument("--concurrency", default=None, help="comma-separated requests per step (shared-prefix levels)")

@@ -2,7 +2,8 @@
 
 A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug installed through
 ``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
-CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager), or ``native``
+CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager) or ``:sync``
+(transformers' async batching off: each step waits for the previous one's outputs), or ``native``
 (transformers' own paged cache, with its default block sharing). Every variant gets the same pool size in tokens, page size, requests per
 step and tokens per step, so only the KV cache differs.
 
@@ -27,6 +28,7 @@ from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
 
 NATIVE = "native"
 EAGER_SUFFIX = ":eager"
+SYNC_SUFFIX = ":sync"
 
 
 @dataclass(frozen=True)
@@ -169,11 +171,11 @@ class VariantRunner:
         from kvplug_transformers.host import TransformersHost
 
         config = self.config
-        eager = self.variant.endswith(EAGER_SUFFIX)
-        cache = self.variant.removesuffix(EAGER_SUFFIX)
+        eager, sync = self.variant.endswith(EAGER_SUFFIX), self.variant.endswith(SYNC_SUFFIX)
+        cache = self.variant.removesuffix(EAGER_SUFFIX).removesuffix(SYNC_SUFFIX)
         host = TransformersHost(prefix_cache=cache, attention=config.attention, page_size=config.page_size,
                                 max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
-                                cuda_graphs=False if eager else None)
+                                cuda_graphs=False if eager else None, overlap_schedule=False if sync else None)
         return host, host.installed_context()
 
     def _cb_config(self) -> Any:

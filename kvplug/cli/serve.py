@@ -48,7 +48,7 @@ DEFAULTS = {
 }
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
 KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
-                     "disable_cuda_graph")
+                     "disable_cuda_graph", "disable_overlap_schedule")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 COMPONENT_DESCRIPTIONS = {
@@ -172,6 +172,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every decode step eagerly (SGLang's flag; kvplug's CUDA graphs are on by default on CUDA)",
     )
     parser.add_argument(
+        "--disable-overlap-schedule", action="store_true", default=None,
+        help="wait for each step's outputs before scheduling the next (SGLang's flag; by default on CUDA the "
+        "next step is scheduled while the current one runs: transformers' async batching)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
     )
@@ -275,6 +280,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "max_request_bytes": max_request_bytes,
         "cuda_graphs": False if args.disable_cuda_graph else None,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "overlap_schedule": False if args.disable_overlap_schedule else None,
     }
 
 

@@ -70,7 +70,7 @@ class HostDecodeGraphs:
             if step is None or step.graph_size is None:
                 return False  # too big for every graph: the eager forward reads the staged batch
             logits = self.graphs.run(step)  # [live, vocab]
-            self._process_and_sample(runner, logits, batch_data)
+            self._process_and_sample(runner, logits, step.input_ids[: step.num_live], batch_data)
         self.replayed_steps += 1
         return True
 
@@ -124,16 +124,20 @@ class HostDecodeGraphs:
 
     # ------------------------------------------------------------------ after the replay
     @staticmethod
-    def _process_and_sample(runner: Any, logits: torch.Tensor, batch_data: dict) -> None:
+    def _process_and_sample(runner: Any, logits: torch.Tensor, input_ids: torch.Tensor, batch_data: dict) -> None:
         """What transformers' ``_forward_process_and_sample`` does after the model's forward:
-        its logits processors over the step's rows, then its sampler into ``output_ids``."""
+        its logits processors over the step's rows, then its sampler into ``output_ids``.
+
+        Args:
+            logits: shape ``[live, vocab]``, model dtype, device.
+            input_ids: shape ``[live]``, int32, device; the step's input tokens (kvplug's, read
+                from its token pool: with async batching transformers' own ``input_ids`` still
+                hold placeholders for the ids the previous step sampled).
+        """
         scores = logits.float().unsqueeze(0)  # [1, live, vocab]
         if runner.logit_processor.do_processing:
             vocab = scores.shape[-1]
-            indices = batch_data["logits_indices"]
-            processed = runner.logit_processor(
-                batch_data["input_ids"][0, indices], scores.view(-1, vocab), batch_data["logits_processor_args"]
-            )
+            processed = runner.logit_processor(input_ids, scores.view(-1, vocab), batch_data["logits_processor_args"])
             scores = processed.view(1, -1, vocab)
         output_ids = runner.inputs_and_outputs.get_cb_kwargs()[2]
         runner._sample(scores, output_ids)

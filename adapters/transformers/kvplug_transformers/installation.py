@@ -8,7 +8,8 @@
 3. ``ModelRunner.compute_batch``, which runs one step's forward and sampling, first offers the
    step to the kvplug cache (``KVPlugPagedCache.run_decode_graph``: decode-only steps replayed
    from kvplug's CUDA graphs); every other step, and every step of a non-kvplug cache, runs the
-   original. ``ModelRunner.warmup``, which transformers runs before a manager takes requests,
+   original. Once a kvplug step is enqueued, ``KVPlugPagedCache.step_launched`` commits it on the
+   device from the sampled ids. ``ModelRunner.warmup``, which transformers runs before a manager takes requests,
    then captures those graphs (``KVPlugPagedCache.capture_decode_graphs``), so no request
    waits for the capture.
 4. ``Scheduler.add_waiting_request``, which takes every new request inside transformers'
@@ -69,10 +70,14 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         original_add_waiting = _installed.add_waiting_request
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
-            run_decode_graph = getattr(runner.cache, "run_decode_graph", None)
-            if run_decode_graph is not None and run_decode_graph(runner, model, batch_data):
+            cache = runner.cache
+            run_decode_graph = getattr(cache, "run_decode_graph", None)
+            if run_decode_graph is None:  # not a kvplug cache
+                original_compute_batch(runner, model, batch_data)
                 return
-            original_compute_batch(runner, model, batch_data)
+            if not run_decode_graph(runner, model, batch_data):
+                original_compute_batch(runner, model, batch_data)
+            cache.step_launched(runner)
 
         def kvplug_add_waiting_request(scheduler: Any, state: Any) -> None:
             check = getattr(scheduler.cache, "check_waiting_request", None)

@@ -11,16 +11,23 @@ transformers calls                    kvplug does
 ``extend_read_and_write_indices``     record the request's ``(past, new)`` tokens for this step
 attention, first layer of a step      ``allocate`` to the step's lengths, ``prepare`` the batch
 attention, every layer                ``forward`` (store K/V at ``out_loc``, attend)
-``mark_shareable_blocks_as_complete`` commit the step: ``append_tokens`` / ``cache_unfinished``
+forward + sampler enqueued           commit the step on the device (``StepTracker.commit_step``)
 ``free_blocks(id)``                   ``finish``: computed prefix into the prefix cache, row freed
 ====================================  ==========================================================
 
 transformers' block size is kvplug's page size, its block count kvplug's page count; pages the
 prefix cache could evict count as free. Step and page bookkeeping live in ``StepTracker``.
+
+Streams: transformers runs the forward on its own compute stream. Once the first step ran
+(``attach_runner``), every entry point above works on that stream too, so kvplug's table and
+token-pool writes are ordered with the forwards that read them - which is what lets
+transformers' async batching (``settings.overlap_schedule``) schedule step N+1 while step N
+runs: a row freed by a request that step N still reads is rewritten only after step N.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -96,6 +103,7 @@ class KVPlugPagedCache:
             **dict(settings.backend_options),
         )
         self.settings = settings
+        self._compute_stream: Any = None  # transformers' compute stream, once a step ran (attach_runner)
         self._disable_unsupported_features(cb)
         logger.info(
             "kvplug KV pool built: %s; prefix cache %s, attention %s",
@@ -109,17 +117,15 @@ class KVPlugPagedCache:
     def _disable_unsupported_features(self, cb: Any) -> None:
         """Turn off what would bypass kvplug: the flash decode fast path (its own block table),
         transformers' own CUDA graphs and torch.compile of the step (they would capture kvplug's
-        per-step batch; kvplug captures decode graphs of its own, ``settings.cuda_graphs``), async
-        double buffering (it prepares step N+1 while N runs) and transformers' CPU offload pool."""
-        requested = []
-        if cb.use_async_batching:
-            requested.append("use_async_batching")
+        per-step batch; kvplug captures decode graphs of its own, ``settings.cuda_graphs``) and
+        transformers' CPU offload pool. Async batching (step N+1 prepared while N runs) follows
+        ``settings.overlap_schedule``: on CUDA by default, whatever transformers' own heuristic
+        (which keys on its CUDA graphs) chose."""
         if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
-            requested.append("compile")
-        if requested:
-            logger.warning("kvplug_transformers: turning off %s (not supported with the kvplug cache yet)", requested)
+            logger.warning("kvplug_transformers: turning off torch.compile of the step (not supported with the kvplug cache)")
         cb.use_cuda_graph = (False, False)
-        cb.use_async_batching = False
+        overlap = self.settings.overlap_schedule
+        cb.use_async_batching = self.backend.device.type == "cuda" and overlap is not False
         cb.varlen_compile_config = None
         cb.decode_compile_config = None
         cb.max_blocks_per_request = 0
@@ -158,7 +164,6 @@ class KVPlugPagedCache:
 
     def get_num_free_blocks(self) -> int:
         """Pages not yet promised to a request: free or evictable, minus outstanding reservations."""
-        self.steps.flush()
         return max(self.steps.unpromised_pages(), 0)
 
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
@@ -174,35 +179,34 @@ class KVPlugPagedCache:
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         """The cached prefix of a waiting request, in tokens: a multiple of the page size, at
         most ``len(prompt_ids) - 1``. A hit admits the request (row taken, prefix locked)."""
-        self.steps.flush()
-        return self.steps.match(request_id, prompt_ids)
+        with self._ordered():
+            return self.steps.match(request_id, prompt_ids)
 
     def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
         """Promise the request ``allocated_blocks + n_blocks`` pages in all; ``None`` (nothing
         changed) when the pool cannot supply them even after evicting cached prefixes, or when
         no page-table row is free for a request not admitted yet."""
-        self.steps.flush()
         target = min((allocated_blocks + n_blocks) * self.block_size, self.backend.max_seq_len)
-        return n_blocks if self.steps.reserve(request_id, target) else None
+        with self._ordered():
+            return n_blocks if self.steps.reserve(request_id, target) else None
 
     def free_blocks(self, request_id: str) -> None:
-        self.steps.flush()
-        self.steps.finish(request_id)
+        with self._ordered():
+            self.steps.finish(request_id)
 
     def free_all_requests(self) -> None:
-        self.steps.flush()
-        self.steps.finish_all()
+        with self._ordered():
+            self.steps.finish_all()
 
     def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
-        """Called after every forward for each request it covered: the step's K/V are written."""
-        self.steps.record_commit(state)
+        """transformers' update of a request the step covered: nothing left to do, kvplug
+        committed the step when it was launched (``step_launched``)."""
 
     def extend_read_and_write_indices(
         self, request_id: str, past_length: int, query_length: int, read_index: Any, write_index: list
     ) -> None:
         """Record the request for this step. No index lists are built: ``paged|kvplug`` reads
         kvplug's page table, so transformers' per-token read/write indices stay empty."""
-        self.steps.flush()
         self.steps.add_to_step(write_index, request_id, past_length, query_length)
 
     def get_seqlens_k(self, past_length: int, query_length: int) -> dict[str, int]:
@@ -270,8 +274,28 @@ class KVPlugPagedCache:
     def run_decode_graph(self, runner: Any, model: Any, batch_data: dict) -> bool:
         """transformers' step from kvplug's CUDA graphs when it is a decode-only step that fits
         (``HostDecodeGraphs.run_step``); ``False``: run it eagerly."""
+        self.attach_runner(runner)
         graphs = self.decode_graphs
         return graphs is not None and graphs.run_step(runner, model, batch_data)
+
+    def step_launched(self, runner: Any) -> None:
+        """transformers' step (forward, logits processors, sampler) is enqueued: commit it on
+        the device from the sampled ids in ``runner``'s output buffer (``StepTracker.commit_step``).
+        Called by the patched ``ModelRunner.compute_batch`` after every step."""
+        output_ids = runner.inputs_and_outputs.get_cb_kwargs()[2]  # [1 or 2, max_batch_tokens + 1], int32
+        with self._ordered():
+            self.steps.commit_step(output_ids[0])
+
+    def attach_runner(self, runner: Any) -> None:
+        """Order kvplug's device work on ``runner``'s compute stream from now on (see the module
+        docstring). The first step's scheduling ran on the default stream, which staging waits for."""
+        if self._compute_stream is None:
+            self._compute_stream = runner.inputs_and_outputs.compute_stream
+
+    def _ordered(self) -> Any:
+        """A context running kvplug's device work on transformers' compute stream (when known)."""
+        stream = self._compute_stream
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def stats(self):
         """The backend's ``BackendStats`` now."""

@@ -35,6 +35,11 @@ class KVPlugSettings:
             larger decode steps run eagerly.
         cuda_graph_batch_sizes: the sizes captured (``None``: 1, 2, 4, 8, then steps of 8 up to
             ``cuda_graph_max_bs``).
+        overlap_schedule: transformers' async batching: step N+1 is scheduled and staged on the
+            host while step N runs on the device (kvplug commits each step on the device, so the
+            next one needs no host sync). ``None``: on CUDA (it needs CUDA streams); ``False``:
+            every step waits for the previous one's outputs (SGLang's
+            ``--disable-overlap-schedule``).
     """
 
     prefix_cache: str = "radix"
@@ -49,6 +54,7 @@ class KVPlugSettings:
     cuda_graphs: bool | None = None
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):
@@ -57,8 +63,9 @@ class KVPlugSettings:
                 raise InvalidArgumentError(f"{name} must be a non-empty component name, got {value!r}")
         for name in ("page_size", "max_running_reqs"):
             _check_positive_int(name, getattr(self, name))
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise InvalidArgumentError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "overlap_schedule"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
             if not isinstance(sizes, (tuple, list)) or not sizes:

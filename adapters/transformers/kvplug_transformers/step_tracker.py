@@ -1,6 +1,6 @@
 """``StepTracker``: transformers' request ids and steps, mapped onto kvplug requests and batches.
 
-A continuous-batching step, as transformers drives it (one background thread, synchronous):
+A continuous-batching step, as transformers drives it (one background thread):
 
 1. scheduling: ``match`` (prefix lookup, admission on a hit) and ``reserve`` (capacity, admission
    on a miss) per candidate request;
@@ -9,7 +9,11 @@ A continuous-batching step, as transformers drives it (one background thread, sy
    allocating kvplug pages for exactly the tokens the step computes - or, when kvplug replays
    the step from a CUDA graph, ``stage`` builds it before the replay. A decode-only step is a
    ``KVBackend.begin_decode`` step (pages, batch and input ids in one staging launch);
-4. update: ``record_commit`` per covered request (its K/V are now written), then maybe ``finish``.
+4. right after the forward and the sampler are enqueued: ``commit_step`` with the sampled ids as
+   a device tensor (the step's K/V count as cached, the ids become the next tokens in the token
+   pool, prefill chunks go into the prefix cache) - no host sync, so with transformers' async
+   batching the next step is scheduled and staged while this one runs;
+5. transformers' update (later, once it has the ids on the host): maybe ``finish``.
 
 transformers reserves blocks *ahead* of the tokens it knows, kvplug allocates pages only for known
 tokens. ``reserve`` therefore records a promise: the pages a request may still claim. The
@@ -18,10 +22,10 @@ an admission whose prefix lock would break it is declined (the request keeps wai
 is admitted to kvplug (row, lock, statistics) only once transformers schedules it or a prefix hit
 makes it active, so requests waiting for memory hold nothing.
 
-``flush`` (called first by every other entry point) applies commits in one batch: sampled ids
-go into kvplug's token pool with one write (a decode step's ``commit`` when every request of the
-step has its token, so the next step's launch writes them), finished prefills into the prefix
-cache.
+Because a step is committed when it is launched, kvplug's lengths can run ahead of transformers'
+view by the step in flight: with async batching a request transformers finishes after seeing step
+N's token was already part of step N+1. ``finish`` then caches K/V up to the token step N sampled
+(step N+1 computed them); the id step N+1 sampled lies past the cached length and is dropped.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class StepTracker:
         self._batch: AttentionBatch | None = None
         self._decode_step: DecodeStep | None = None  # the step's, when it is decode-only
         self._available: int | None = None  # available_pages, until the backend changes
-        self._commits: list[Any] = []
+        self._step_committed = False
         self._waiting_prompts: dict[str, list[int]] = {}
         self._declined: set[str] = set()
         self._on_stats = on_stats
@@ -175,6 +179,7 @@ class StepTracker:
         afresh for every step (its write-index list), so a new marker starts a new step."""
         if marker is not self._step_marker:
             self._step_marker, self._step, self._batch, self._decode_step = marker, [], None, None
+            self._step_committed = False
         tracked = self._tracked.get(request_id)
         if tracked is None:
             raise InvalidArgumentError(f"request {request_id} was scheduled without being admitted to kvplug")
@@ -241,49 +246,55 @@ class StepTracker:
             self._batch = saved
 
     # ------------------------------------------------------------------ after the forward
-    def record_commit(self, state: Any) -> None:
-        """``state`` (transformers' RequestState) was covered by the forward that just ran."""
-        self._commits.append(state)
+    def commit_step(self, sampled_ids: torch.Tensor) -> None:
+        """The step's forward and sampler are enqueued: commit the step now, on the device.
 
-    def flush(self) -> None:
-        """Apply recorded commits: append sampled tokens (one write), cache finished prefills."""
-        if not self._commits:
-            return
-        commits, self._commits = self._commits, []
+        Its K/V count as cached; each request whose step covered all its known tokens gets the
+        id sampled for it as its next token (a decode-only step: ``DecodeStep.commit``; else
+        ``append_tokens``), a prefill chunk moves its computed prefix into the prefix cache,
+        and a finished prompt is shared at once. The ids are not read on the host: the writes
+        are ordered after the sampler on the stream, so the next step can be staged before the
+        host has seen them (transformers' async batching prepares step N+1 while N runs).
+
+        Args:
+            sampled_ids: shape ``[>= sampling requests]``, int32, device (transformers'
+                ``output_ids[0]``): the ids sampled for the requests of the step that sample, in
+                step order. Copied before use (transformers reuses the buffer).
+        """
+        if self._batch is None or self._step_committed:
+            raise InvalidArgumentError("no staged, uncommitted kvplug step to commit (was the forward run?)")
+        self._step_committed = True
         self._backend_changed()
-        steps = {tracked.request_id: (tracked, new) for tracked, _, new in self._step}
+        step = self._decode_step
+        if step is not None:
+            step.commit(sampled_ids[: step.num_live].clone())
+            self._report()
+            return
+        limit = self.backend.max_seq_len
         appended: list[Tracked] = []
-        token_ids: list[int] = []
-        unfinished: list[Tracked] = []
-        for state in commits:
-            entry = steps.get(state.request_id)
-            if entry is None or entry[0] is not self._tracked.get(state.request_id):
-                continue  # not part of this step's kvplug batch (already finished and forgotten)
-            tracked, new = entry
-            request = tracked.request
-            prompt_len, position = len(state.initial_tokens), request.num_tokens
-            if prompt_len + len(state.generated_tokens) > position:
+        positions: list[int] = []  # each appended request's index among the sampling ones
+        shared: list[Tracked] = []
+        sampling = 0
+        for tracked, past, new in self._step:
+            num_tokens = tracked.request.num_tokens
+            if past + new < num_tokens:
+                shared.append(tracked)  # a prefill chunk: K/V written, no token sampled
+                continue
+            if num_tokens < limit:
                 appended.append(tracked)
-                if position < prompt_len:
-                    token_ids.append(state.initial_tokens[position])
-                else:
-                    token_ids.append(state.generated_tokens[position - prompt_len])
+                positions.append(sampling)
                 if new > 1:
-                    unfinished.append(tracked)  # a prefill finished: share its prompt right away
-            elif request.device_len < request.num_tokens:
-                unfinished.append(tracked)  # a prefill chunk: K/V written, no token sampled
+                    shared.append(tracked)  # a prompt finished: share it with waiting requests now
             else:
-                tracked.forward_done = True
+                tracked.forward_done = True  # no cell left for a sampled token: finish caches its K/V
+            sampling += 1
         if appended:
-            requests = [tracked.request for tracked in appended]
-            step = self._decode_step
-            if step is not None and not step.committed and len(requests) == step.num_live and all(
-                request is staged for request, staged in zip(requests, step.requests)
-            ):
-                step.commit(token_ids)  # the whole step: the next step's launch writes the ids
+            if positions[-1] == len(positions) - 1:
+                ids = sampled_ids[: len(positions)].clone()
             else:
-                self.backend.append_tokens(requests, token_ids)
-        for tracked in unfinished:
+                ids = sampled_ids[torch.tensor(positions, device=sampled_ids.device)]
+            self.backend.append_tokens([tracked.request for tracked in appended], ids)
+        for tracked in shared:
             self.backend.cache_unfinished(tracked.request)
         self._report()
 
@@ -302,6 +313,7 @@ class StepTracker:
         for tracked in list(self._tracked.values()):
             self._release(tracked)
         self._step_marker, self._step, self._batch, self._decode_step = None, [], None, None
+        self._step_committed = False
         self._report()
 
     def _release(self, tracked: Tracked) -> None:
