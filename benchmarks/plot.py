@@ -33,8 +33,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 VARIANT_STYLE = {"radix": ("tab:blue", "o"), "naive": ("tab:orange", "s"), "native": ("tab:green", "^"),
-                 "radix:eager": ("tab:cyan", "D")}
-VARIANT_LABEL = {"radix": "kvplug radix, CUDA graphs", "radix:eager": "kvplug radix, eager", "naive": "kvplug naive, CUDA graphs",
+                 "radix:eager": ("tab:cyan", "D"), "radix:sync": ("tab:purple", "v")}
+VARIANT_LABEL = {"radix": "kvplug radix, CUDA graphs + overlap", "radix:sync": "kvplug radix, CUDA graphs, no overlap",
+                 "radix:eager": "kvplug radix, eager", "naive": "kvplug naive, CUDA graphs (+ overlap)",
                  "native": "transformers' native cache"}
 RESULTS = Path(__file__).parent / "results"
 DECODE_STYLE = {"flashinfer-direct": ("black", "x", "--"), "flashinfer": ("tab:purple", "o", "-"), "triton": ("tab:blue", "s", "-")}
@@ -73,12 +74,22 @@ def plot_e2e(data: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def _before_overlap_renamed(data: dict) -> dict:
+    """Runs recorded before overlap scheduling existed (no ``:sync`` variant, kvplug 0.1.0.dev0
+    before it) ran ``radix`` with graphs and without overlap: plot them as ``radix:sync``."""
+    if "radix:sync" in data["variants"] or not data.get("before_overlap", False):
+        return data
+    renamed = [dict(row, variant="radix:sync") if row["variant"] == "radix" else row for row in data["results"]]
+    return dict(data, results=renamed)
+
+
 def plot_e2e_graphs(runs: list[dict], path: Path) -> None:
     """Output tokens/s per variant (kvplug with CUDA graphs, kvplug eager, naive, native), one
     group per workload and concurrency, from ``kvplug bench e2e --device cuda`` runs."""
+    runs = [_before_overlap_renamed(data) for data in runs]
     groups = [(data, workload, level) for data in runs
               for workload, level in sorted({(row["workload"], row["concurrency"]) for row in data["results"]})]
-    variants = [name for name in ("radix", "radix:eager", "naive", "native")
+    variants = [name for name in ("radix", "radix:sync", "radix:eager", "naive", "native")
                 if any(row["variant"] == name for data in runs for row in data["results"])]
     figure, axis = plt.subplots(figsize=(11, 4.6))
     width = 0.8 / len(variants)
