@@ -11,7 +11,8 @@ built with SGLang's own code: the decode buffer registry (``build_decode_registr
 policy fills the slots after the live requests: ``req_pool_indices`` 0, ``seq_lens`` the
 backend's fill value), the capture-time ``ForwardBatch`` over those buffers (as
 ``capture_prepare`` builds it, index buffers zeroed) and the replay view
-(``build_replay_fb_view``).
+(``build_replay_fb_view``; on the GPU machine, which cannot import SGLang's graph-runner module,
+``replica_replay_view``, checked against SGLang's on the CPU).
 """
 
 from __future__ import annotations
@@ -176,21 +177,62 @@ class RunnerInputs:
             can_run_decode_cuda_graph=True,
         )
 
-    def replay_view(self, forward_batch: Any, bs: int) -> Any:
-        """What a replay of captured size ``bs`` hands the backend for ``forward_batch``: SGLang's
-        ``fill_from`` into the registry (padding the tail), then ``build_replay_fb_view``."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
-
-        raw_bs = forward_batch.batch_size
-        self.registry.fill_from(forward_batch, raw_bs=raw_bs, padded_bs=bs, raw_num_tokens=raw_bs, padded_num_tokens=bs)
-        buffers = SimpleNamespace(
+    def buffers(self) -> SimpleNamespace:
+        """The registry's buffers under the names ``build_replay_fb_view`` reads (``DecodeInputBuffers``')."""
+        return SimpleNamespace(
             **{name: self.registry.get_slot(name).buffer for name in (
                 "input_ids", "positions", "req_pool_indices", "seq_lens", "seq_lens_cpu")},
             encoder_lens=None, mamba_track_indices=None,
         )
+
+    def replay_view(self, forward_batch: Any, bs: int, *, sglang_builder: bool = True) -> Any:
+        """What a replay of captured size ``bs`` hands the backend for ``forward_batch``: SGLang's
+        ``fill_from`` into the registry (padding the tail), then the replay view.
+
+        Args:
+            sglang_builder: build the view with SGLang's ``build_replay_fb_view``; ``False``: with
+                ``replica_replay_view`` (the GPU machine cannot import SGLang's graph-runner module:
+                its imports reach the ``openai`` client, whose dependencies do not travel there).
+        """
+        raw_bs = forward_batch.batch_size
+        self.registry.fill_from(forward_batch, raw_bs=raw_bs, padded_bs=bs, raw_num_tokens=raw_bs, padded_num_tokens=bs)
+        buffers = self.buffers()
+        if not sglang_builder:
+            return replica_replay_view(forward_batch, buffers, bs, self.fill)
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+
         return build_replay_fb_view(
             forward_batch=forward_batch, buffers=buffers, bs=bs, raw_bs=raw_bs, num_tokens=bs,
             global_num_tokens_cpu=None, seq_len_fill_value=self.fill, capture_forward_mode=ForwardMode.DECODE,
             is_encoder_decoder=False,
         )
+
+
+#: the replay-view fields ``replica_replay_view`` builds, as SGLang 0.5.23's ``build_replay_fb_view``
+REPLICA_FIELDS = (
+    "batch_size", "forward_mode", "actual_forward_mode", "input_ids", "positions", "req_pool_indices", "seq_lens",
+    "seq_lens_sum", "seq_lens_cpu", "num_padding", "out_cache_loc", "spec_info",
+)
+
+
+def replica_replay_view(forward_batch: Any, buffers: Any, bs: int, fill: int) -> SimpleNamespace:
+    """SGLang 0.5.23's ``build_replay_fb_view`` for a plain decode batch, field for field over
+    ``REPLICA_FIELDS`` (``test_sglang_graphs.py`` checks that both build the same view)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    raw_bs = forward_batch.batch_size
+    return SimpleNamespace(
+        batch_size=bs,
+        forward_mode=ForwardMode.DECODE,
+        actual_forward_mode=forward_batch.forward_mode,
+        input_ids=buffers.input_ids[:bs],
+        positions=buffers.positions[:bs],
+        req_pool_indices=buffers.req_pool_indices[:bs],
+        seq_lens=buffers.seq_lens[:bs],
+        seq_lens_sum=None if forward_batch.seq_lens_sum is None else forward_batch.seq_lens_sum + (bs - raw_bs) * fill,
+        seq_lens_cpu=None if forward_batch.seq_lens_cpu is None else buffers.seq_lens_cpu[:bs],
+        num_padding=bs - raw_bs,
+        out_cache_loc=forward_batch.out_cache_loc,
+        spec_info=forward_batch.spec_info,
+    )

@@ -22,7 +22,15 @@ import_sglang()
 
 from kvplug.interface import ForwardPhase  # noqa: E402
 from kvplug_sglang.attention_backend import KvplugAttnBackend  # noqa: E402
-from tests.sglang_graph_world import HEAD_DIM, KV_HEADS, Q_HEADS, GraphWorld, RunnerInputs  # noqa: E402
+from tests.sglang_graph_world import (  # noqa: E402
+    HEAD_DIM,
+    KV_HEADS,
+    Q_HEADS,
+    REPLICA_FIELDS,
+    GraphWorld,
+    RunnerInputs,
+    replica_replay_view,
+)
 
 CAPTURED = [1, 2, 4, 8]  # kvplug's default_batch_sizes(8), which the backend uses outside a server
 # live requests per decode step: sizes between the captured ones (padded), and equal to them
@@ -48,6 +56,15 @@ def assert_same_kv_but_dummy(world: GraphWorld, got: list[torch.Tensor], expecte
     keep[list(world.dummy_locations)] = False
     for layer_got, layer_expected in zip(got, expected):
         assert torch.equal(layer_got[keep], layer_expected[keep])
+
+
+def assert_same_view(replica, view) -> None:
+    for field in REPLICA_FIELDS:
+        ours, sglangs = getattr(replica, field), getattr(view, field)
+        if isinstance(sglangs, torch.Tensor):
+            assert ours.data_ptr() == sglangs.data_ptr() and torch.equal(ours, sglangs), field
+        else:
+            assert ours == sglangs, field
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -92,6 +109,7 @@ def test_decode_graph_hooks_equal_the_eager_path_with_padded_slots_on_the_dummy_
 
         view = inputs.replay_view(step, bs)
         assert view.num_padding == bs - raw_bs and view.req_pool_indices[raw_bs:].eq(0).all()  # SGLang's filler
+        assert_same_view(replica_replay_view(step, inputs.buffers(), bs, inputs.fill), view)  # the GPU test's view
         graphs.init_forward_metadata_out_graph(view)
         graphs.init_forward_metadata_in_graph(view)
         batch = graphs.forward_metadata

@@ -4,7 +4,9 @@
 them, with SGLang's own runner inputs (``tests/sglang_graph_world.py``): ``init_cuda_graph_state``;
 per captured size, largest first, ``init_forward_metadata_out_graph(capture batch,
 in_capture=True)``, two warm-up forwards on a side stream and the forward captured in a real
-``torch.cuda.CUDAGraph`` (one graph memory pool); per step, SGLang's padded replay view,
+``torch.cuda.CUDAGraph`` (one graph memory pool); per step, SGLang's padded replay view (SGLang's
+registry fills it; the view object is ``replica_replay_view``'s, since SGLang's graph-runner
+module does not import on the GPU machine, see ``sglang_graph_world.py``),
 ``init_forward_metadata_out_graph(view)`` and ``graph.replay()``. Every replay is compared with the
 same kvplug attention backend run eagerly (``init_forward_metadata``) on the same pool contents:
 outputs of the live requests equal, the pool bit-identical everywhere but the dummy location,
@@ -143,7 +145,7 @@ def test_captured_decode_replays_equal_eager_and_keep_live_kv(attention, page_si
 
         padding = random_inputs(world, bs - raw_bs)
         padded_inputs = [tuple(torch.cat([a, b]) for a, b in zip(live, pad)) for live, pad in zip(live_inputs, padding)]
-        view = inputs.replay_view(step, bs)
+        view = inputs.replay_view(step, bs, sglang_builder=False)  # SGLang's graph-runner module: no import here
         for _ in range(2):  # a repeated padded replay changes nothing either
             outputs = captured.replay(view, padded_inputs)
             torch.cuda.synchronize()
