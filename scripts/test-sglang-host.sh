@@ -18,8 +18,9 @@
 # missing (pip prints no dependency-resolver error at any step).
 #
 # Then: `launch_server --help` must list kvplug's flags (the plugin loaded), and pytest runs
-# tests/test_sglang_host.py, tests/test_sglang_kv_events.py and tests/test_sglang_server.py (real
-# servers on tiny random models, about four minutes).
+# tests/test_sglang_host.py, tests/test_sglang_graphs.py (the decode CUDA-graph hooks, eagerly;
+# test_sglang_graphs_gpu.py skips here: no CUDA), tests/test_sglang_kv_events.py and
+# tests/test_sglang_server.py (real servers on tiny random models, about four minutes).
 #   usage: bash scripts/test-sglang-host.sh [VENV_DIR]   (default: $TMPDIR/kvplug-sglang-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -130,4 +131,5 @@ phase "environment ready; tests"
 # SGLang's SWIG-built dependency warns at interpreter shutdown ("sys:1: DeprecationWarning"); keep
 # pytest's summary the last line of the run
 PYTHONWARNINGS="ignore::DeprecationWarning:sys" exec "$py" -m pytest -q -p no:cacheprovider \
-  tests/test_sglang_host.py tests/test_sglang_kv_events.py tests/test_sglang_server.py
+  tests/test_sglang_host.py tests/test_sglang_graphs.py tests/test_sglang_graphs_gpu.py tests/test_sglang_kv_events.py \
+  tests/test_sglang_server.py

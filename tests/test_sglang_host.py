@@ -107,7 +107,14 @@ def test_parser_accepts_kv_backend_kvplug_with_prefix_cache_radix():
     args = parse("--kv-backend", "kvplug", "--prefix-cache", "radix")
     assert args.radix_cache_backend == "kvplug:radix"
     assert args.attention_backend == "kvplug"
-    assert args.cuda_graph_backend_decode == "disabled" and args.cuda_graph_backend_prefill == "disabled"
+    # decode graphs stay SGLang's choice (kvplug's graph hooks); prefill graphs are not wired
+    assert args.cuda_graph_backend_decode is None and args.cuda_graph_backend_prefill == "disabled"
+
+
+@pytest.mark.parametrize("decode", ["full", "disabled"])
+def test_parser_accepts_the_decode_graph_backends_kvplug_supports(decode):
+    args = parse("--kv-backend", "kvplug", "--cuda-graph-backend-decode", decode, "--cuda-graph-backend-prefill", "disabled")
+    assert (args.cuda_graph_backend_decode, args.cuda_graph_backend_prefill) == (decode, "disabled")
 
 
 @pytest.mark.parametrize(
@@ -151,7 +158,15 @@ def test_parser_rejects_an_unknown_kvplug_attention_backend(capsys):
         (("--kvplug-attention", "torch"), "add --kv-backend kvplug"),
         (("--kv-backend", "kvplug", "--radix-cache-backend", "other"), "--radix-cache-backend kvplug:radix"),
         (("--kv-backend", "kvplug", "--attention-backend", "triton"), "--attention-backend kvplug"),
-        (("--kv-backend", "kvplug", "--cuda-graph-backend-decode", "full"), "CUDA graphs"),
+        (("--kv-backend", "kvplug", "--cuda-graph-backend-decode", "breakable"),
+         "supports decode graphs captured whole (--cuda-graph-backend-decode full or disabled); got --cuda-graph-backend-decode breakable"),
+        (("--kv-backend", "kvplug", "--cuda-graph-backend-prefill", "breakable"),
+         "supports no prefill graphs (--cuda-graph-backend-prefill disabled); got --cuda-graph-backend-prefill breakable"),
+        (("--kv-backend", "kvplug", "--cuda-graph-backend-prefill", "full"), "got --cuda-graph-backend-prefill full"),
+        (("--kv-backend", "kvplug", "--cuda-graph-config", '{"prefill": {"backend": "full"}}'),
+         "got --cuda-graph-config prefill.backend full"),
+        (("--kv-backend", "kvplug", "--cuda-graph-config", '{"decode": {"backend": "breakable"}}'),
+         "got --cuda-graph-config decode.backend breakable"),
     ],
 )
 def test_parser_rejects_conflicting_flags(flags, complaint, capsys):
@@ -404,8 +419,11 @@ def test_attention_backend_refuses_what_it_cannot_compute():
         backend.forward(q, None, None, world.layers[0], batch, save_kv_cache=False)
     with pytest.raises(NotImplementedError, match="not TARGET_VERIFY"):
         backend.init_forward_metadata(SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY))
-    with pytest.raises(NotImplementedError, match="cuda-graph-backend-decode disabled"):
-        backend.init_cuda_graph_state(8, 8)
+    with pytest.raises(NotImplementedError, match="one token per request; SGLang asked for 16 tokens over 8 requests"):
+        backend.init_cuda_graph_state(8, 16)  # a speculative-verify graph
+    backend.init_cuda_graph_state(8, 8)
+    with pytest.raises(NotImplementedError, match="EXTEND batches eagerly: only decode batches are captured"):
+        backend.init_forward_metadata_out_graph(batch, in_capture=True)
     native_runner = SimpleNamespace(req_to_token_pool=make_pools(size=8, page_size=1, max_requests=2, max_context=8)[0],
                                     token_to_kv_pool=world.kv)
     with pytest.raises(ValueError, match="--kv-backend kvplug"):

@@ -24,8 +24,11 @@ from kvplug_sglang import names
 KV_BACKENDS = ("native", "kvplug")
 # SGLang fields that --kv-backend kvplug sets; the user may set them only to the same value
 _ATTENTION_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
-_CUDA_GRAPH_FIELDS = ("cuda_graph_backend_decode", "cuda_graph_backend_prefill")
-_CUDA_GRAPH_OFF = "disabled"
+# SGLang's graph backends per phase that kvplug attention supports: decode graphs captured whole
+# ("full", SGLang's default on CUDA; kvplug's decode graph hooks) or none; prefill graphs none
+# (SGLang's CUDA default, "breakable", is replaced by "disabled" when the user chose nothing)
+_CUDA_GRAPH_SUPPORTED = {"decode": ("full", "disabled"), "prefill": ("disabled",)}
+_CUDA_GRAPH_UNSET_DEFAULT = {"prefill": "disabled"}
 
 
 def _name_checker(kind: str, manager: Callable[[], PluginManager], extra: tuple[str, ...] = ()) -> Callable[[str], str]:
@@ -113,16 +116,32 @@ def translate_namespace(ns: argparse.Namespace, parser: Optional[argparse.Argume
                 f"--kv-backend kvplug runs kvplug attention ({flag} {attention_backend}); got {flag} {value}. "
                 "Choose the kvplug attention backend with --kvplug-attention NAME"
             )
-    for field in _CUDA_GRAPH_FIELDS:
-        value = getattr(ns, field, None)
-        if value is not None and str(value) != _CUDA_GRAPH_OFF:
-            flag = "--" + field.replace("_", "-")
-            return f"--kv-backend kvplug does not support SGLang CUDA graphs yet; got {flag} {value}"
+    problem = _cuda_graph_problem(ns)
+    if problem:
+        return problem
     ns.radix_cache_backend = radix_backend
     ns.attention_backend = attention_backend
-    for field in _CUDA_GRAPH_FIELDS:
-        if hasattr(ns, field):
-            setattr(ns, field, _parsed_value(parser, field, _CUDA_GRAPH_OFF))
+    for phase, value in _CUDA_GRAPH_UNSET_DEFAULT.items():
+        field = f"cuda_graph_backend_{phase}"
+        if hasattr(ns, field) and getattr(ns, field) is None:
+            setattr(ns, field, _parsed_value(parser, field, value))
+    return ""
+
+
+def _cuda_graph_problem(ns: argparse.Namespace) -> str:
+    """Why ``ns``'s CUDA-graph choices cannot run with kvplug attention, or ``""``."""
+    for phase, supported in _CUDA_GRAPH_SUPPORTED.items():
+        flag = f"--cuda-graph-backend-{phase}"
+        choices = [(flag, getattr(ns, f"cuda_graph_backend_{phase}", None))]
+        config = getattr(ns, "cuda_graph_config", None)
+        if isinstance(config, dict) and isinstance(config.get(phase), dict):  # the JSON form, which wins
+            choices.append((f"--cuda-graph-config {phase}.backend", config[phase].get("backend")))
+        for where, value in choices:
+            if value is not None and str(value) not in supported:
+                what = "decode graphs captured whole" if phase == "decode" else "no prefill graphs"
+                return (
+                    f"--kv-backend kvplug supports {what} ({flag} {' or '.join(supported)}); got {where} {value}"
+                )
     return ""
 
 

@@ -29,10 +29,14 @@ WIRED: Mapping[str, Mapping[str, str]] = {
     "0.5.23": {
         "--kv-backend / --prefix-cache / --kvplug-attention": "yes (ServerArgs.add_cli_args + from_cli_args hooks)",
         "kvplug prefix caches as --radix-cache-backend kvplug:NAME": "yes, full-attention models",
-        "attention backend kvplug[:NAME]": "yes, eager extend/decode/mixed; no CUDA graphs",
+        "attention backend kvplug[:NAME]": "yes, extend/decode/mixed eagerly; decode also in CUDA graphs",
         "KV pool (MHA) storage from kvplug": "yes (KVCacheConfigurator._resolve_kv_pool_class hook)",
         "req-to-token table with kvplug's dummy row": "yes (KVCacheConfigurator._build_default_req_pool hook)",
-        "CUDA-graph capture with kvplug attention": "no: --kv-backend kvplug disables SGLang's CUDA graphs",
+        "decode CUDA graphs with kvplug attention": (
+            "yes, SGLang's 'full' decode graphs (init_cuda_graph_state, get_cuda_graph_seq_len_fill_value, "
+            "init_forward_metadata_out_graph; padded slots are kvplug's dummy request); 'breakable' refused"
+        ),
+        "prefill (extend) CUDA graphs with kvplug attention": "no: --kv-backend kvplug sets them disabled",
         "hybrid SWA / Mamba / MLA / hierarchical cache / EAGLE bigram keys / FP8 KV": "no: refused with an error",
         "--enable-memory-saver": "no: kvplug's pool is allocated outside SGLang's memory-saver region",
     },

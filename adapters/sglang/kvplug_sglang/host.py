@@ -58,6 +58,6 @@ class SGLangHost:
         return {
             "radix_cache_backend": names.radix_cache_backend_name(self.prefix_cache),
             "attention_backend": names.attention_backend_name(self.attention),
-            "cuda_graph_backend_decode": "disabled",
+            # decode graphs stay SGLang's ("full" on CUDA: kvplug's graph hooks); prefill graphs are not wired
             "cuda_graph_backend_prefill": "disabled",
         }

@@ -1,0 +1,1 @@
+"""Test-only import placeholder for IPython (see ../README.md)."""
