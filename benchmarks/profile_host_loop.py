@@ -4,6 +4,8 @@ Runs one decode-heavy round (``kvplug bench e2e``'s no-prefix workload: random p
 request generating the same number of tokens) through ``generate_batch`` on kvplug, once to warm
 up and once timed, and reports per step:
 
+- the median time from one step's start to the next (``prepare_next_batch`` calls): what a decode
+  step costs through the host, whatever overlaps inside it;
 - the wall time of transformers' phases, timed around its own methods in the generation thread
   (``prepare_next_batch``: scheduling and batch tensors; ``compute_batch``: forward and sampler,
   or kvplug's graph replay; ``retrieve_device_outputs``; ``update_batch``);
@@ -24,12 +26,14 @@ import time
 import torch
 
 
-def _timed(owner: type, name: str, totals: dict, counts: dict) -> None:
+def _timed(owner: type, name: str, totals: dict, counts: dict, starts: list | None = None) -> None:
     original = getattr(owner, name)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
+        if starts is not None:
+            starts.append(start)
         try:
             return original(*args, **kwargs)
         finally:
@@ -73,8 +77,9 @@ def main() -> None:
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
     processor = continuous_api.ContinuousBatchProcessor
-    for name in ("prepare_next_batch", "update_batch"):
-        _timed(processor, name, totals, counts)
+    step_starts: list[float] = []
+    _timed(processor, "prepare_next_batch", totals, counts, step_starts)
+    _timed(processor, "update_batch", totals, counts)
     _timed(model_runner.ModelRunner, "compute_batch", totals, counts)
     for io_class in (continuous_api.ContinuousBatchingIOs, continuous_api.ContinuousBatchingAsyncIOs):
         _timed(io_class, "retrieve_device_outputs", totals, counts)
@@ -91,9 +96,11 @@ def main() -> None:
     if profiler is not None:
         profiler.__exit__(None, None, None)
 
-    steps = max(counts["compute_batch"], 1)
-    print(f"{args.variant} c{args.concurrency}: {figures['output_tok_per_s']:.0f} out tok/s, {steps} steps, "
-          f"{wall / steps * 1e3:.2f} ms per step (wall {wall:.2f} s)")
+    steps = max(counts["update_batch"], 1)
+    intervals = sorted(b - a for a, b in zip(step_starts, step_starts[1:]))
+    median = intervals[len(intervals) // 2] * 1e3 if intervals else float("nan")
+    print(f"{args.variant} c{args.concurrency}: {figures['output_tok_per_s']:.0f} out tok/s, {steps} steps; "
+          f"a step every {median:.2f} ms (median interval between step starts; decode steps are the bulk)")
     for name in sorted(totals, key=totals.get, reverse=True):
         print(f"  {name:26s} {totals[name] / steps * 1e3:7.3f} ms/step  ({counts[name]} calls)")
     if profiler is not None:

@@ -147,6 +147,32 @@ def test_graph_decode_path_equals_generate(checkpoint, page_size, replay_counter
     assert stats.cache_hit_tokens > 0
 
 
+def test_compiled_graph_decode_path_equals_generate(checkpoint, replay_counter):
+    """``torch_compile=True``: the model kvplug captures is torch.compiled (dynamic batch size),
+    kvplug's attention stays eager inside it (one graph break per layer); on the CPU the compiled
+    function runs over the same padded buffers. Tokens equal ``generate``'s, and dynamo really
+    compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    model, references = checkpoint
+    host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        tokens, _ = _generate_on_kvplug(model, host, max_batch_tokens=256, cuda_graphs=True, torch_compile=True,
+                                        cuda_graph_batch_sizes=(1, 2, 4, 12))
+        compiled_graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert tokens == references
+    assert replay_counter["graph"] >= 5 and compiled_graphs > 0
+
+
+def test_torch_compile_needs_the_graph_path():
+    with pytest.raises(InvalidArgumentError, match="no effect with cuda_graphs=False"):
+        KVPlugSettings(cuda_graphs=False, torch_compile=True)
+
+
 def test_a_prompt_past_max_seq_len_fails_alone_and_generation_stops_at_the_limit(checkpoint):
     """kvplug's length check runs in transformers' per-request error handling: an over-long
     prompt fails with kvplug's message while the other requests complete; a prompt near the limit
@@ -396,6 +422,25 @@ def test_cuda_fp32_torch_attention_equals_generate(checkpoint, page_size, overla
         assert replay_counter["async"] == replay_counter["graph"] + replay_counter["other"]
     else:
         assert replay_counter["async"] == 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_compiled_graphs_equal_generate(checkpoint, replay_counter):
+    """``torch_compile=True`` on the GPU: the compiled model (fused kernels) captured in kvplug's
+    CUDA graphs, fp32 torch attention, with the overlap: greedy tokens equal ``generate``'s."""
+    cpu_model, references = checkpoint
+    model = cpu_model.to("cuda")
+    torch._dynamo.reset()
+    try:
+        host = TransformersHost(max_seq_len=256, num_pages=256, page_size=16)
+        tokens, _ = _generate_on_kvplug(model, host, max_batch_tokens=256, attention="torch", torch_compile=True,
+                                        cuda_graph_batch_sizes=(1, 2, 4, 12))
+    finally:
+        cpu_model.to("cpu")
+        torch._dynamo.reset()
+    assert tokens == references
+    assert replay_counter["graph"] >= 5
 
 
 @pytest.mark.gpu

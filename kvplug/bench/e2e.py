@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--variants", default="radix,naive,native",
                         help="kvplug prefix caches by name (append ':eager' to turn kvplug's CUDA graphs off, "
-                             "':sync' to turn transformers' async batching off), "
+                             "':sync' to turn transformers' async batching off, ':compile' to torch.compile the model "
+                             "kvplug captures), "
                              "and 'native' for transformers' own cache")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {','.join(WORKLOADS)}")
     parser.add_argument("--concurrency", default=None, help="comma-separated requests per step (shared-prefix levels)")

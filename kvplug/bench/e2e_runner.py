@@ -3,7 +3,8 @@
 A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug installed through
 ``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
 CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager) or ``:sync``
-(transformers' async batching off: each step waits for the previous one's outputs), or ``native``
+(transformers' async batching off: each step waits for the previous one's outputs) or
+``:compile`` (the model torch.compiled before kvplug captures it), or ``native``
 (transformers' own paged cache, with its default block sharing). Every variant gets the same pool size in tokens, page size, requests per
 step and tokens per step, so only the KV cache differs.
 
@@ -27,8 +28,7 @@ import numpy as np
 from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
 
 NATIVE = "native"
-EAGER_SUFFIX = ":eager"
-SYNC_SUFFIX = ":sync"
+VARIANT_OPTIONS = ("eager", "sync", "compile")  # 'radix:eager' and so on (module docstring)
 
 
 @dataclass(frozen=True)
@@ -171,11 +171,14 @@ class VariantRunner:
         from kvplug_transformers.host import TransformersHost
 
         config = self.config
-        eager, sync = self.variant.endswith(EAGER_SUFFIX), self.variant.endswith(SYNC_SUFFIX)
-        cache = self.variant.removesuffix(EAGER_SUFFIX).removesuffix(SYNC_SUFFIX)
+        cache, _, option = self.variant.partition(":")
+        if option and option not in VARIANT_OPTIONS:
+            raise ValueError(f"unknown variant option {option!r} in {self.variant!r}; expected eager, sync or compile")
         host = TransformersHost(prefix_cache=cache, attention=config.attention, page_size=config.page_size,
                                 max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
-                                cuda_graphs=False if eager else None, overlap_schedule=False if sync else None)
+                                cuda_graphs=False if option == "eager" else None,
+                                overlap_schedule=False if option == "sync" else None,
+                                torch_compile=option == "compile")
         return host, host.installed_context()
 
     def _cb_config(self) -> Any:

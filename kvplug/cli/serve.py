@@ -48,7 +48,7 @@ DEFAULTS = {
 }
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
 KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
-                     "disable_cuda_graph", "disable_overlap_schedule")
+                     "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 COMPONENT_DESCRIPTIONS = {
@@ -172,6 +172,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every decode step eagerly (SGLang's flag; kvplug's CUDA graphs are on by default on CUDA)",
     )
     parser.add_argument(
+        "--enable-torch-compile", action="store_true", default=None,
+        help="torch.compile the model before kvplug captures its decode graphs (fused norms, rotary and "
+        "activations in every replay; compiling adds start-up time; SGLang's flag)",
+    )
+    parser.add_argument(
         "--disable-overlap-schedule", action="store_true", default=None,
         help="wait for each step's outputs before scheduling the next (SGLang's flag; by default on CUDA the "
         "next step is scheduled while the current one runs: transformers' async batching)",
@@ -225,6 +230,9 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         _check_int("--cuda-graph-max-bs", args.cuda_graph_max_bs, low=1, high=args.max_running_reqs)
         if args.disable_cuda_graph:
             raise InvalidArgumentError("--cuda-graph-max-bs has no effect with --disable-cuda-graph; give one of them")
+    if args.enable_torch_compile and args.disable_cuda_graph:
+        raise InvalidArgumentError("--enable-torch-compile compiles the model kvplug captures in its CUDA graphs; "
+                                   "it has no effect with --disable-cuda-graph")
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None:
             _check_int(flag, value, low=2 if flag == "--max-seq-len" else 1)
@@ -281,6 +289,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "cuda_graphs": False if args.disable_cuda_graph else None,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "overlap_schedule": False if args.disable_overlap_schedule else None,
+        "torch_compile": bool(args.enable_torch_compile),
     }
 
 

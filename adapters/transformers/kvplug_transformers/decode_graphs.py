@@ -45,12 +45,18 @@ class HostDecodeGraphs:
         cache: the kvplug cache transformers built.
         max_batch_size: largest size captured (``<= max_running_reqs``).
         batch_sizes: the sizes captured, or ``None`` for the default ladder.
+        torch_compile: capture ``torch.compile(model, dynamic=True)`` instead of the eager model
+            (kvplug's attention call stays eager inside it: ``attention._attend``).
     """
 
-    def __init__(self, cache: "KVPlugPagedCache", *, max_batch_size: int, batch_sizes: tuple[int, ...] | None) -> None:
+    def __init__(
+        self, cache: "KVPlugPagedCache", *, max_batch_size: int, batch_sizes: tuple[int, ...] | None,
+        torch_compile: bool = False,
+    ) -> None:
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.batch_sizes = batch_sizes
+        self.torch_compile = torch_compile
         self.graphs = None
         self._model: Any = None
         self.replayed_steps = 0
@@ -102,19 +108,21 @@ class HostDecodeGraphs:
                 bar.close()
         self._model = model
         logger.info(
-            "kvplug captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, using %.1f MiB of device memory",
-            len(self.graphs.batch_sizes), self.graphs.batch_sizes[-1], self.graphs.capture_seconds,
-            self.graphs.capture_bytes / 2**20,
+            "kvplug captured %d decode CUDA graphs (batch sizes up to %d%s) in %.1f s, using %.1f MiB of device memory",
+            len(self.graphs.batch_sizes), self.graphs.batch_sizes[-1], ", torch.compile" if self.torch_compile else "",
+            self.graphs.capture_seconds, self.graphs.capture_bytes / 2**20,
         )
 
     def _forward_fn(self, model: Any):
         cache, steps = self.cache, self.cache.steps
         # every layer is full attention (KVPlugPagedCache refuses other models): no mask to build
         masks = {"full_attention": None}
+        # dynamic: one compilation serves every captured batch size (the token dimension varies)
+        run_model = torch.compile(model, dynamic=True) if self.torch_compile else model
 
         def forward(step: "DecodeStep") -> torch.Tensor:
             with steps.forward_over(step):
-                output = model(
+                output = run_model(
                     input_ids=step.input_ids.view(1, -1), position_ids=step.positions.view(1, -1),
                     attention_mask=masks, cache=cache, use_cache=False,
                 )
@@ -157,7 +165,7 @@ def graphs_for(cache: "KVPlugPagedCache", settings: Any) -> HostDecodeGraphs | N
     sizes = settings.cuda_graph_batch_sizes
     if sizes is not None:
         sizes = tuple(size for size in sizes if size <= limit) or None
-    return HostDecodeGraphs(cache, max_batch_size=max_bs, batch_sizes=sizes)
+    return HostDecodeGraphs(cache, max_batch_size=max_bs, batch_sizes=sizes, torch_compile=settings.torch_compile)
 
 
 def _progress_bar(total: int | None) -> Any:

@@ -47,6 +47,7 @@ class ServeOptions:
     cuda_graphs: bool | None = None
     cuda_graph_max_bs: int | None = None
     overlap_schedule: bool | None = None
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("kvplug", "native"):
@@ -85,6 +86,7 @@ class ServeOptions:
             "cuda_graphs": self.cuda_graphs,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "overlap_schedule": self.overlap_schedule,
+            "torch_compile": self.torch_compile,
         }
 
 

@@ -40,6 +40,11 @@ class KVPlugSettings:
             next one needs no host sync). ``None``: on CUDA (it needs CUDA streams); ``False``:
             every step waits for the previous one's outputs (SGLang's
             ``--disable-overlap-schedule``).
+        torch_compile: compile the model with ``torch.compile`` (dynamic batch size) before
+            kvplug captures its decode graphs, so the graphs replay fused kernels (RMSNorm,
+            rotary, activations) instead of the model's eager ones; kvplug's attention stays
+            outside the compiled graphs. Costs compile time at the first capture. Off by default
+            (SGLang's ``--enable-torch-compile``).
     """
 
     prefix_cache: str = "radix"
@@ -55,6 +60,7 @@ class KVPlugSettings:
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     overlap_schedule: bool | None = None
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):
@@ -66,6 +72,11 @@ class KVPlugSettings:
         for name in ("cuda_graphs", "overlap_schedule"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.torch_compile, bool):
+            raise InvalidArgumentError(f"torch_compile must be True or False, got {self.torch_compile!r}")
+        if self.torch_compile and self.cuda_graphs is False:
+            raise InvalidArgumentError("torch_compile compiles the model kvplug captures in its decode graphs; "
+                                       "it has no effect with cuda_graphs=False")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
             if not isinstance(sizes, (tuple, list)) or not sizes:
