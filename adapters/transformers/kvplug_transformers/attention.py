@@ -17,6 +17,11 @@ from kvplug.interface import InvalidArgumentError
 ATTENTION_NAME = "paged|kvplug"
 
 
+# Kept out of torch.compile (the setting ``torch_compile`` compiles the model around it): it reads
+# the step's batch from host state and launches kvplug's own kernels, so a compiled model breaks
+# its graph here, once per layer, and fuses the rest. Traced, it would also recompile per layer
+# (each layer's module and layer index are guarded constants) until dynamo's cache limit.
+@torch.compiler.disable
 def kvplug_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -57,16 +62,8 @@ def kvplug_paged_attention(
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    out = _attend(cache, layer_id, q, k, v, scaling)
+    out = cache.attention_forward(layer_id, q, k, v, scaling)
     return out.view(1, num_tokens, -1, head_dim), None
-
-
-@torch.compiler.disable
-def _attend(cache: Any, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None):
-    """``cache.attention_forward``, kept out of ``torch.compile`` (the setting ``torch_compile``
-    compiles the model around it): it reads the step's batch from host state and launches kvplug's
-    own kernels, so a compiled model breaks its graph here, once per layer, and fuses the rest."""
-    return cache.attention_forward(layer_id, q, k, v, scaling)
 
 
 def register_attention_function(modeling_utils: Any) -> None:

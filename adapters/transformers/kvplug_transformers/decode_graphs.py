@@ -46,7 +46,7 @@ class HostDecodeGraphs:
         max_batch_size: largest size captured (``<= max_running_reqs``).
         batch_sizes: the sizes captured, or ``None`` for the default ladder.
         torch_compile: capture ``torch.compile(model, dynamic=True)`` instead of the eager model
-            (kvplug's attention call stays eager inside it: ``attention._attend``).
+            (kvplug's attention function stays eager inside it: ``attention.kvplug_paged_attention``).
     """
 
     def __init__(
