@@ -8,7 +8,8 @@
 #   E2E=0         skip the end-to-end benchmark; E2E=decode (default) runs the decode-heavy
 #                 workload (256 requests, 256 output tokens, concurrency 64 and 256: kvplug with
 #                 CUDA graphs, kvplug eager, transformers' native cache), E2E=shared the
-#                 shared-prefix one (64 requests on one 2,048-token prefix)
+#                 shared-prefix one (64 requests on one 2,048-token prefix, concurrency 64: radix,
+#                 naive with and without the overlap, transformers' native cache)
 #
 # Rules this script keeps, learned the hard way (see tests/test_attention_gpu.py warm_up_flashinfer):
 # - never two FlashInfer JIT builds at once: concurrent ninja runs in FlashInfer's shared
@@ -79,6 +80,14 @@ wait $OTHER
 [ "$FLASHINFER" = 1 ] && step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=120 \
     tests/test_attention_gpu.py tests/test_graphs_gpu.py -k flashinfer
 
+# ---------------------------------------------------------------- SGLang graph hooks with FlashInfer
+# SGLang's wheels cannot travel with FlashInfer's (64 MiB per call): a call just before this one,
+# on the same warm machine, installs them into /tmp/sgsite (scripts/device-sglang-graphs.sh)
+if [ "$FLASHINFER" = 1 ] && [ -d /tmp/sgsite/sglang ]; then
+    step sglang_graphs_flashinfer 120 env PYTHONPATH="$PWD/tests/sglang_gpu_support:$PYTHONPATH:$PWD/adapters/sglang:/tmp/sgsite" \
+        "${PYTEST[@]}" tests/test_sglang_graphs_gpu.py
+fi
+
 # ---------------------------------------------------------------- benchmarks
 BACKENDS=triton; [ "$FLASHINFER" = 1 ] && BACKENDS=triton,flashinfer
 [ "$FLASHINFER" = 1 ] && step bench_attention 80 python3 -m kvplug bench attention --repeats 5 --out "$OUT/attention.json"
@@ -108,12 +117,12 @@ if [ "$E2E" = decode ]; then
 elif [ "$E2E" = shared ]; then
     step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads shared-prefix \
         --requests 64 --system-prompts 1 --system-tokens 2048 --question-tokens 128 --output-tokens 32 \
-        --concurrency 16,64 --max-batch-tokens 4096 --attention triton --variants radix,naive,radix:eager,native \
+        --concurrency 64 --max-batch-tokens 4096 --attention triton --variants radix,naive,naive:sync,native \
         --out "$OUT/e2e.json"
 fi
 
 # ---------------------------------------------------------------- summary
-for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do
+for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer sglang_graphs_flashinfer; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/$name.log" | tail -8; }
 done | tee -a "$SUMMARY"
 for name in bench_attention bench_graphs bench_graphs_baseline bench_host_step bench_host_step_baseline bench_e2e; do
