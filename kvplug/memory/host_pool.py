@@ -1,0 +1,195 @@
+"""The host-memory tier's page pool: KV pages copied out of the device KV pool, page-contiguous.
+
+Layout: one tensor ``[num_host_pages, 2, num_layers, page_size, local_kv_heads, head_dim]`` (pinned
+on a CUDA host, so copies are DMA; an ordinary CPU tensor when the KV pool is on the CPU). One host
+page holds a device page's K and V for *every* layer contiguously, so moving a node of ``n`` pages
+is a gather of all its layers into one contiguous device staging buffer and then as many big
+copies as the host pages form contiguous runs (usually one) -- not ``2 * num_layers`` small copies
+per page. Host token location ``h * page_size + i`` is token ``i`` of host page ``h`` (the same
+convention as the device pool's locations), which is what the tiered cache keeps in its nodes.
+
+The free list is a stack of host pages: taking pops the lowest-numbered end, releasing pushes the
+pages back so the next take returns them in the same order, which keeps runs contiguous.
+
+Streams (CUDA): ``write`` (device -> host) runs on the current (compute) stream. Stream order
+makes the gather read the pages before any later kernel can overwrite them, so the caller may
+hand the device pages out again at once; an event records when the host bytes are complete.
+``read`` (host -> device) copies on a side stream, after that event, into a device staging
+buffer, then makes the current stream wait for the copy before scattering the staging buffer
+into the destination pages: the transfer overlaps work already queued on the compute stream, and
+everything queued after ``read`` (the prefill that reads the pages) sees the loaded bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvplug.interface import InvalidArgumentError, OutOfMemoryError, TierCopyError
+
+
+class HostKVPool:
+    """Pages of KV in host memory, each holding all layers of one device page.
+
+    Args:
+        kv_buffer: the device pool, shape ``[2, num_layers, num_pages + 1, page_size, local_kv_heads,
+            head_dim]`` (``MHAKVPool.kv_buffer``); read and written through token locations.
+        num_pages: host pages to allocate (``>= 1``).
+        pin: pin the host memory; default: when ``kv_buffer`` is on CUDA.
+
+    Attributes:
+        buffer: shape ``[num_pages, 2, num_layers, page_size, local_kv_heads, head_dim]``, host.
+        bytes_per_page: bytes of one host page (= one device page, all layers, K and V).
+    """
+
+    def __init__(self, kv_buffer: torch.Tensor, num_pages: int, *, pin: bool | None = None) -> None:
+        if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.dim() != 6 or kv_buffer.shape[0] != 2:
+            raise InvalidArgumentError(
+                "the host tier needs the KV pool's buffer of shape [2, num_layers, num_pages + 1, page_size, "
+                f"local_kv_heads, head_dim], got {getattr(kv_buffer, 'shape', kv_buffer)!r}"
+            )
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise InvalidArgumentError(f"the host pool needs at least one page, got num_pages={num_pages!r}")
+        _, num_layers, device_pages, page_size, heads, head_dim = kv_buffer.shape
+        self.num_pages = num_pages
+        self.page_size = int(page_size)
+        self.device = kv_buffer.device
+        self._is_cuda = self.device.type == "cuda"
+        self._page_shape = (2, num_layers, page_size, heads, head_dim)
+        # the device pool by token location: [2, L, (num_pages + 1) * page_size, H, D]
+        self._device_tokens = kv_buffer.view(2, num_layers, device_pages * page_size, heads, head_dim)
+        pin = self._is_cuda if pin is None else pin
+        try:
+            self.buffer = torch.empty((num_pages, *self._page_shape), dtype=kv_buffer.dtype, pin_memory=pin)
+        except (RuntimeError, MemoryError) as error:
+            raise OutOfMemoryError(
+                f"cannot allocate the host KV tier: {num_pages:,} pages of "
+                f"{self._page_bytes(kv_buffer):,} bytes{' (pinned)' if pin else ''}: "
+                f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            ) from error
+        self.bytes_per_page = self._page_bytes(kv_buffer)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is the lowest page
+        self._load_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._written: torch.cuda.Event | None = None  # completion of the latest device -> host copy
+        self.write_seconds = 0.0
+        self.read_seconds = 0.0
+
+    def _page_bytes(self, kv_buffer: torch.Tensor) -> int:
+        return int(np.prod(self._page_shape)) * kv_buffer.element_size()
+
+    # ------------------------------------------------------------------ pages
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> np.ndarray:
+        """Remove ``count`` free pages: shape ``[count]``, int64, host. ``OutOfMemoryError`` (nothing
+        taken) when fewer are free."""
+        if count > len(self._free):
+            raise OutOfMemoryError(f"the host KV tier has {len(self._free)} free pages, {count} were asked")
+        if count == 0:
+            return np.empty(0, dtype=np.int64)
+        taken = self._free[-count:]
+        del self._free[-count:]
+        return np.array(taken[::-1], dtype=np.int64)
+
+    def release(self, pages: Sequence[int] | np.ndarray) -> None:
+        """Give pages back (host page numbers); the next ``take`` returns them in this order."""
+        self._free.extend(int(page) for page in reversed(list(pages)))
+
+    def reset(self) -> None:
+        """Every page free again (the cache forgot everything)."""
+        self._free = list(range(self.num_pages - 1, -1, -1))
+
+    def free_pages(self) -> np.ndarray:
+        """The free pages (for integrity checks): shape ``[f]``, int64, host."""
+        return np.array(self._free, dtype=np.int64)
+
+    # ------------------------------------------------------------------ copies
+    def write(self, device_locations: torch.Tensor, host_pages: np.ndarray) -> None:
+        """Copy device KV to host pages: token ``j`` of ``device_locations`` goes to token
+        ``j % page_size`` of host page ``host_pages[j // page_size]``, for every layer, K and V.
+
+        Args:
+            device_locations: shape ``[len(host_pages) * page_size]``, int32, any device; token
+                locations of the device pool.
+            host_pages: shape ``[m]``, int64, host.
+
+        Raises ``TierCopyError`` when a copy fails (the host pages' contents are then undefined).
+        """
+        started = time.perf_counter()
+        try:
+            self._write(device_locations, host_pages)
+        except Exception as error:
+            raise TierCopyError(f"device -> host copy of {len(host_pages)} pages failed: {error}") from error
+        finally:
+            self.write_seconds += time.perf_counter() - started
+
+    def read(self, host_pages: np.ndarray, device_locations: torch.Tensor) -> None:
+        """Copy host pages back into the device pool at ``device_locations`` (the layout of ``write``).
+
+        Raises ``TierCopyError`` when a copy fails (the destination locations are then undefined;
+        the host pages are unchanged).
+        """
+        started = time.perf_counter()
+        try:
+            self._read(host_pages, device_locations)
+        except Exception as error:
+            raise TierCopyError(f"host -> device copy of {len(host_pages)} pages failed: {error}") from error
+        finally:
+            self.read_seconds += time.perf_counter() - started
+
+    def _write(self, device_locations: torch.Tensor, host_pages: np.ndarray) -> None:
+        count = len(host_pages)
+        if count == 0:
+            return
+        locations = device_locations.to(self.device, non_blocking=True).long()
+        two, layers, page_size, heads, head_dim = self._page_shape
+        # one gather of every layer's rows, then one permute into page-contiguous staging
+        gathered = self._device_tokens.index_select(2, locations)  # [2, L, m * P, H, D]
+        staging = gathered.view(two, layers, count, page_size, heads, head_dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+        offset = 0
+        for first, length in _runs(host_pages):
+            self.buffer[first : first + length].copy_(staging[offset : offset + length], non_blocking=self._is_cuda)
+            offset += length
+        if self._is_cuda:
+            self._written = torch.cuda.Event()
+            self._written.record()
+
+    def _read(self, host_pages: np.ndarray, device_locations: torch.Tensor) -> None:
+        count = len(host_pages)
+        if count == 0:
+            return
+        two, layers, page_size, heads, head_dim = self._page_shape
+        if self._is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            side = self._load_stream
+            if self._written is not None:
+                side.wait_event(self._written)  # the host bytes of a recent write-back are complete
+            with torch.cuda.stream(side):
+                staging = torch.empty((count, *self._page_shape), dtype=self.buffer.dtype, device=self.device)
+                offset = 0
+                for first, length in _runs(host_pages):
+                    staging[offset : offset + length].copy_(self.buffer[first : first + length], non_blocking=True)
+                    offset += length
+                loaded = torch.cuda.Event()
+                loaded.record(side)
+            compute.wait_event(loaded)
+            staging.record_stream(compute)
+        else:
+            staging = self.buffer[torch.from_numpy(np.ascontiguousarray(host_pages))]
+        rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, count * page_size, heads, head_dim)
+        locations = device_locations.to(self.device, non_blocking=True).long()
+        self._device_tokens.index_copy_(2, locations, rows)
+
+
+def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """``pages`` as runs of consecutive page numbers, in order: ``[(first, length), ...]``."""
+    pages = np.asarray(pages, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [pages.size]))
+    return [(int(pages[start]), int(end - start)) for start, end in zip(starts, ends)]
