@@ -35,6 +35,9 @@ class KVPlugSettings:
             larger decode steps run eagerly.
         cuda_graph_batch_sizes: the sizes captured (``None``: 1, 2, 4, 8, then steps of 8 up to
             ``cuda_graph_max_bs``).
+        host_memory: a host-memory tier under the ``radix`` prefix cache: bytes or a size string
+            (``"32GiB"``) of pinned host memory that keeps evicted prefixes and loads them back on
+            a hit (``None``: no tier). Passed to the prefix cache as its ``host_memory`` option.
     """
 
     prefix_cache: str = "radix"
@@ -49,6 +52,7 @@ class KVPlugSettings:
     cuda_graphs: bool | None = None
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    host_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):
@@ -77,6 +81,10 @@ class KVPlugSettings:
                 raise InvalidArgumentError(f"kv_memory as a fraction must lie in (0, 1], got {memory!r}")
             if isinstance(memory, int) and memory < 1:
                 raise InvalidArgumentError(f"kv_memory in bytes must be positive, got {memory!r}")
+        if self.host_memory is not None:
+            from kvplug.memory.capacity import parse_memory_size
+
+            parse_memory_size(self.host_memory)  # raises InvalidArgumentError naming the accepted forms
         if not isinstance(self.backend_options, Mapping):
             raise InvalidArgumentError(f"backend_options must be a mapping, got {self.backend_options!r}")
 
