@@ -46,6 +46,7 @@ class ServeOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     cuda_graphs: bool | None = None
     cuda_graph_max_bs: int | None = None
+    host_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("kvplug", "native"):
@@ -83,6 +84,7 @@ class ServeOptions:
             "max_batch_tokens": self.max_batch_tokens,
             "cuda_graphs": self.cuda_graphs,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "host_memory": self.host_memory,
         }
 
 
