@@ -272,3 +272,29 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
     assert torch.equal(kv[:, :, 16:24], original)  # the current stream waited for the side stream
     cache.lock_handle(match.host_handle, unlock=True)
     cache.check_integrity()
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+def test_capacity_counts_host_tokens_as_the_tier_sizes_them(capsys):
+    import json
+
+    from kvplug.cli import main
+    from kvplug.memory.capacity import plan_capacity
+
+    plan = plan_capacity(SHAPE, "1MiB", page_size=4, host_memory="3MiB")
+    page_bytes = SHAPE.kv_bytes_per_token() * 4
+    assert plan.host_pages == (3 << 20) // page_bytes and plan.host_tokens == plan.host_pages * 4
+    assert plan.cached_tokens == plan.num_tokens + plan.host_tokens
+    assert plan_capacity(SHAPE, "1MiB", page_size=4).host_tokens == 0
+    # the tier built for the same budget has exactly that many pages
+    backend = kvplug.create_backend(SHAPE, page_size=4, memory_budget="1MiB", attention=None,
+                                    prefix_cache_options={"host_memory": "3MiB"})
+    assert backend.prefix_cache.host_pool.num_pages == plan.host_pages
+    assert backend.num_pages == plan.num_pages
+    assert main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--dtype", "fp32",
+                 "--page-size", "4", "--memory", "1MiB", "--host-memory", "3MiB", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["host_tokens"] == plan.host_tokens and printed["cached_tokens"] == plan.cached_tokens
+    assert main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--dtype", "fp32",
+                 "--memory", "1MiB", "--host-memory", "3MiB"]) == 0
+    assert "host-memory tier" in capsys.readouterr().out
