@@ -3,8 +3,10 @@
 A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug installed through
 ``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
 CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager), or ``native``
-(transformers' own paged cache, with its default block sharing). Every variant gets the same pool size in tokens, page size, requests per
-step and tokens per step, so only the KV cache differs.
+(transformers' own paged cache, with its default block sharing). ``+host`` after a kvplug cache
+(``radix+host``) adds the host-memory tier of ``RunConfig.host_memory`` bytes. Every variant gets
+the same pool size in tokens, page size, requests per step and tokens per step, so only the KV
+cache differs.
 
 Timing comes from transformers' per-request records (``record_timestamps=True``): a request's
 ``created_time`` (submission), the time of each generated token, and its finish time. TTFT is the
@@ -27,6 +29,7 @@ from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
 
 NATIVE = "native"
 EAGER_SUFFIX = ":eager"
+HOST_TIER_SUFFIX = "+host"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class RunConfig:
         max_batch_tokens: tokens per forward step.
         output_tokens: tokens generated per request; EOS is disabled so every request makes exactly this many.
         attention: kvplug attention backend name (``auto``: torch on CPU, best GPU backend on CUDA).
+        host_memory: bytes of the host-memory tier of ``+host`` variants (``None``: none may run).
     """
 
     concurrency: int
@@ -51,6 +55,7 @@ class RunConfig:
     max_batch_tokens: int
     output_tokens: int
     attention: str = "auto"
+    host_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,11 @@ class VariantRunner:
         else:
             stats = host.stats()
             figures.update(hit_rate=round(stats.hit_rate, 4), cache_hit_tokens=stats.cache_hit_tokens,
-                           evicted_tokens=stats.evicted_tokens, attention=stats.attention)
+                           evicted_tokens=stats.evicted_tokens, attention=stats.attention,
+                           device_hit_rate=round(stats.device_hit_rate, 4), host_hit_rate=round(stats.host_hit_rate, 4),
+                           host_hit_tokens=stats.host_hit_tokens, host_loads=stats.host_loads,
+                           host_loaded_bytes=stats.host_loaded_bytes, host_write_backs=stats.host_write_backs,
+                           host_written_bytes=stats.host_written_bytes, host_dropped_tokens=stats.host_dropped_tokens)
         return figures
 
     def _installed(self) -> tuple[Any, contextlib.AbstractContextManager]:
@@ -171,9 +180,15 @@ class VariantRunner:
         config = self.config
         eager = self.variant.endswith(EAGER_SUFFIX)
         cache = self.variant.removesuffix(EAGER_SUFFIX)
+        host_memory = None
+        if cache.endswith(HOST_TIER_SUFFIX):
+            cache = cache.removesuffix(HOST_TIER_SUFFIX)
+            host_memory = config.host_memory
+            if host_memory is None:
+                raise ValueError(f"variant {self.variant!r} needs a host-memory size (RunConfig.host_memory)")
         host = TransformersHost(prefix_cache=cache, attention=config.attention, page_size=config.page_size,
                                 max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
-                                cuda_graphs=False if eager else None)
+                                cuda_graphs=False if eager else None, host_memory=host_memory)
         return host, host.installed_context()
 
     def _cb_config(self) -> Any:
