@@ -255,7 +255,7 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
         prefix_cache_options={"host_memory": "64MiB"},
     )
     cache = backend.prefix_cache
-    assert cache.host_pool.buffer.is_pinned()
+    assert cache.host_pool.pinned
     kv = backend.pool.kv_buffer
     kv.copy_(torch.randn_like(kv))
     tokens = torch.arange(1, 8 * page_size + 1, dtype=torch.int32, device="cuda")
