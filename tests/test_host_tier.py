@@ -298,3 +298,15 @@ def test_capacity_counts_host_tokens_as_the_tier_sizes_them(capsys):
     assert main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--dtype", "fp32",
                  "--memory", "1MiB", "--host-memory", "3MiB"]) == 0
     assert "host-memory tier" in capsys.readouterr().out
+
+
+def test_copies_larger_than_the_staging_buffer_go_in_chunks(monkeypatch):
+    """Write-backs and loads bigger than ``STAGING_BYTES`` are split into chunks and stay exact."""
+    import kvplug.memory.host_pool as host_pool
+    from kvplug.testing.tiered import randomised_tiered_run, round_trip_is_bit_identical
+
+    kit = TieredKit(create_radix, 4, host_pages=8)
+    monkeypatch.setattr(host_pool, "STAGING_BYTES", kit.cache.host_pool.bytes_per_page * 3)
+    assert len(kit.cache.host_pool._chunks(8)) == 3
+    round_trip_is_bit_identical(kit)
+    randomised_tiered_run(TieredKit(create_radix, 4, host_pages=5), seed=3)

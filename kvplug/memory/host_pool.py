@@ -30,6 +30,10 @@ import torch
 
 from kvplug.interface import InvalidArgumentError, OutOfMemoryError, TierCopyError
 
+#: Largest device staging buffer of one copy: big copies run at full DMA speed from a few MiB on,
+#: and the pool usually leaves the device little spare memory.
+STAGING_BYTES = 64 << 20
+
 
 class HostKVPool:
     """Pages of KV in host memory, each holding all layers of one device page.
@@ -167,11 +171,22 @@ class HostKVPool:
         finally:
             self.read_seconds += time.perf_counter() - started
 
+    def _chunks(self, count: int) -> list[tuple[int, int]]:
+        """``[begin, end)`` page ranges of at most ``STAGING_BYTES`` each."""
+        step = max(1, STAGING_BYTES // self.bytes_per_page)
+        return [(begin, min(begin + step, count)) for begin in range(0, count, step)]
+
     def _write(self, device_locations: torch.Tensor, host_pages: np.ndarray) -> None:
-        count = len(host_pages)
-        if count == 0:
-            return
         locations = device_locations.to(self.device, non_blocking=True).long()
+        size = self.page_size
+        for begin, end in self._chunks(len(host_pages)):
+            self._write_chunk(locations[begin * size : end * size], host_pages[begin:end])
+        if self._is_cuda and len(host_pages):
+            self._written = torch.cuda.Event()
+            self._written.record()
+
+    def _write_chunk(self, locations: torch.Tensor, host_pages: np.ndarray) -> None:
+        count = len(host_pages)
         two, layers, page_size, heads, head_dim = self._page_shape
         # one gather of every layer's rows, then one permute into page-contiguous staging
         gathered = self._device_tokens.index_select(2, locations)  # [2, L, m * P, H, D]
@@ -180,14 +195,15 @@ class HostKVPool:
         for first, length in _runs(host_pages):
             self.buffer[first : first + length].copy_(staging[offset : offset + length], non_blocking=self._is_cuda)
             offset += length
-        if self._is_cuda:
-            self._written = torch.cuda.Event()
-            self._written.record()
 
     def _read(self, host_pages: np.ndarray, device_locations: torch.Tensor) -> None:
+        locations = device_locations.to(self.device, non_blocking=True).long()
+        size = self.page_size
+        for begin, end in self._chunks(len(host_pages)):
+            self._read_chunk(host_pages[begin:end], locations[begin * size : end * size])
+
+    def _read_chunk(self, host_pages: np.ndarray, locations: torch.Tensor) -> None:
         count = len(host_pages)
-        if count == 0:
-            return
         two, layers, page_size, heads, head_dim = self._page_shape
         if self._is_cuda:
             compute = torch.cuda.current_stream(self.device)
@@ -207,7 +223,6 @@ class HostKVPool:
         else:
             staging = self.buffer[torch.from_numpy(np.ascontiguousarray(host_pages))]
         rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, count * page_size, heads, head_dim)
-        locations = device_locations.to(self.device, non_blocking=True).long()
         self._device_tokens.index_copy_(2, locations, rows)
 
 
