@@ -62,7 +62,7 @@ def test_copy_bandwidth_measures_both_directions_against_plain_copies():
         assert figures[name] > 0
 
 
-def test_quick_tier_run_hits_host_memory_and_generates_the_same_tokens(tmp_path):
+def test_quick_tier_run_hits_host_memory_and_generates_the_same_tokens_at_each_ratio(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("kvplug_transformers")
     from kvplug.cli import main
@@ -71,15 +71,31 @@ def test_quick_tier_run_hits_host_memory_and_generates_the_same_tokens(tmp_path)
     previous_threads = torch.get_num_threads()
     try:
         code = main(["bench", "e2e", "--quick", "--threads", "1", "--workloads", "long-context-chat",
-                     "--variants", "radix,radix+host", "--conversations", "6", "--turns", "3", "--out", str(out)])
+                     "--variants", "radix,radix+host", "--conversations", "6", "--turns", "3",
+                     "--working-set-ratio", "4,2", "--out", str(out)])
     finally:
         torch.set_num_threads(previous_threads)
     assert code == 0
     data = json.loads(out.read_text())
-    rows = {row["variant"]: row for row in data["results"]}
-    assert rows["radix"]["host_hit_rate"] == 0 and rows["radix"]["host_write_backs"] == 0
-    assert rows["radix+host"]["host_hit_rate"] > 0 and rows["radix+host"]["host_loads"] > 0
-    assert rows["radix+host"]["hit_rate"] > rows["radix"]["hit_rate"]
-    assert rows["radix"]["tokens_digest"] == rows["radix+host"]["tokens_digest"]  # fp32: the same tokens
-    assert [row["ratio"] for row in data["ratios"]] == ["radix+host/radix"]
-    assert data["copy_bandwidth"]["bytes"] > 0 and len(data["bars"]) == 2
+    assert {row["workload"] for row in data["results"]} == {"long-context-chat@4x", "long-context-chat@2x"}
+    for ratio in (4, 2):
+        rows = {row["variant"]: row for row in data["results"] if row["working_set_ratio"] == ratio}
+        assert rows["radix"]["host_hit_rate"] == 0 and rows["radix"]["host_write_backs"] == 0
+        assert rows["radix+host"]["host_loads"] > 0
+        assert rows["radix+host"]["hit_rate"] > rows["radix"]["hit_rate"]
+        assert rows["radix"]["tokens_digest"] == rows["radix+host"]["tokens_digest"]  # fp32: the same tokens
+    pools = {row["working_set_ratio"]: row["pool_tokens"] for row in data["results"]}
+    assert pools[2] > pools[4]
+    assert [row["ratio"] for row in data["ratios"]] == ["radix+host/radix"] * 2
+    assert data["copy_bandwidth"]["bytes"] > 0
+    assert [verdict["workload"] for verdict in data["bars"]] == ["long-context-chat@4x"] * 2  # the bar is at ~4x
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plot.py"
+    spec = importlib.util.spec_from_file_location("kvplug_benchmarks_plot_tier", path)
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    plot.plot_host_tier([data], tmp_path / "host_tier.png")
+    assert (tmp_path / "host_tier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -310,3 +310,26 @@ def test_copies_larger_than_the_staging_buffer_go_in_chunks(monkeypatch):
     assert len(kit.cache.host_pool._chunks(8)) == 3
     round_trip_is_bit_identical(kit)
     randomised_tiered_run(TieredKit(create_radix, 4, host_pages=5), seed=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_long_random_workloads_with_faults(page_size, monkeypatch):
+    """Many seeds, longer runs, with and without simulated copy faults (``--run-slow``)."""
+    original_write, original_read = HostKVPool._write, HostKVPool._read
+    for seed in range(12):
+        fault_rng = random.Random(seed)
+        faulty = seed % 2 == 1
+
+        def flaky(original):
+            def copy(self, *args):
+                if faulty and fault_rng.random() < 0.2:
+                    raise RuntimeError("simulated DMA fault")
+                return original(self, *args)
+            return copy
+
+        monkeypatch.setattr(HostKVPool, "_write", flaky(original_write))
+        monkeypatch.setattr(HostKVPool, "_read", flaky(original_read))
+        TieredWorld(page_size, num_pages=40, host_pages=20 + seed, seed=100 + seed).run(400)
+    monkeypatch.undo()
+    check_tiered_prefix_cache(create_radix, page_sizes=(page_size,), seeds=40, shrink=False)

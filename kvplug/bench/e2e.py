@@ -85,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and 'native' for transformers' own cache")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"some of {','.join([*WORKLOADS, *TIER_WORKLOADS])} (default: {','.join(WORKLOADS)})")
-    parser.add_argument("--working-set-ratio", type=float, default=4.0,
-                        help="long-context-chat: the workload's working set over the pool (default 4)")
+    parser.add_argument("--working-set-ratio", default="4",
+                        help="long-context-chat: the workload's working set over the pool; comma-separated for "
+                             "one run per ratio (rows named long-context-chat@<ratio>x) (default 4)")
     parser.add_argument("--host-memory", default=None,
                         help="host-memory tier of '+host' variants, e.g. 32GiB (default: 1.25x the working set's KV)")
     parser.add_argument("--concurrency", default=None, help="comma-separated requests per step (shared-prefix levels)")
@@ -134,9 +135,22 @@ def run_config(sizes: E2ESizes, workload: Workload, concurrency: int, page_size:
     pages_per_request = -(-sizes.longest_request // page_size)
     prefix_pages = sizes.system_prompts * -(-sizes.system_tokens // page_size)
     rows = min(concurrency, len(workload.first_round))
+    if host_memory is None and kv_bytes_per_token is not None:  # '+host' variants here measure the tier's overhead
+        host_memory = int(1.25 * max(working_set_tokens(workload.name, sizes), page_size)) * kv_bytes_per_token
     return RunConfig(concurrency=rows, page_size=page_size, num_pages=rows * pages_per_request + prefix_pages + 1,
                      max_seq_len=pages_per_request * page_size, max_batch_tokens=sizes.max_batch_tokens,
                      output_tokens=sizes.output_tokens, attention=attention, host_memory=host_memory)
+
+
+def parse_ratios(text: str | float) -> list[float]:
+    """``--working-set-ratio``: one positive number or a comma-separated list."""
+    try:
+        values = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(f"--working-set-ratio must be numbers like 4 or 1,2,4,8, got {text!r}") from error
+    if not values or min(values) <= 0:
+        raise ValueError(f"--working-set-ratio must be positive numbers, got {text!r}")
+    return values
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,7 +198,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def bars(ratio_rows: list[dict[str, Any]], at_issue_sizes: bool) -> list[dict[str, Any]]:
     verdicts = []
     for row in ratio_rows:
-        if row["ratio"] == "radix+host/radix":
+        if row["ratio"] == "radix+host/radix" and row["workload"] in ("long-context-chat", "long-context-chat@4x"):
             for field, text, met in TIER_BARS:
                 verdicts.append({"workload": row["workload"], "concurrency": row["concurrency"], "bar": text,
                                  "measured": row[field], "met": met(row[field]), "at_issue_sizes": at_issue_sizes})
@@ -226,20 +240,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(shape, device, dtype)
     vocab = model.config.vocab_size
     workloads = [build_workload(name, sizes, vocab, args.seed) for name in workload_names]
-    plan = [(workload, level) for workload in workloads
-            for level in (sizes.concurrency if workload.name not in ("multi-turn", *TIER_WORKLOADS)
-                          else sizes.concurrency[-1:])]
+    working_set_ratios = parse_ratios(args.working_set_ratio)
+    # (workload, concurrency level, working-set ratio or None, the name its rows carry)
+    plan = []
+    for workload in workloads:
+        if workload.name in TIER_WORKLOADS:
+            multiple = len(working_set_ratios) > 1
+            plan += [(workload, sizes.concurrency[-1], ratio, f"{workload.name}@{ratio:g}x" if multiple else workload.name)
+                     for ratio in working_set_ratios]
+        else:
+            levels = sizes.concurrency if workload.name != "multi-turn" else sizes.concurrency[-1:]
+            plan += [(workload, level, None, workload.name) for level in levels]
     kv_bytes_per_token = ModelShape.from_hf_config(model.config, dtype).kv_bytes_per_token()
     host_memory = parse_memory_size(args.host_memory) if args.host_memory else None
-    tier_options = dict(working_set_ratio=args.working_set_ratio, host_memory=host_memory,
+    tier_options = dict(working_set_ratio=working_set_ratios[0], host_memory=host_memory,
                         kv_bytes_per_token=kv_bytes_per_token)
     _warm_up(model, variants, sizes, args, tier_options, with_tier_workload=any(w.name in TIER_WORKLOADS for w in workloads))
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     total, done = len(plan) * repeats * len(variants), 0
-    for workload, level in plan:
-        config = run_config(sizes, workload, level, args.page_size, args.attention, **tier_options)
-        if workload.name in TIER_WORKLOADS:
-            _progress(f"{workload.name}: working set {working_set_tokens(workload.name, sizes):,} tokens, pool "
+    for workload, level, ratio, row_name in plan:
+        config = run_config(sizes, workload, level, args.page_size, args.attention,
+                            **{**tier_options, "working_set_ratio": ratio or working_set_ratios[0]})
+        if ratio is not None:
+            _progress(f"{row_name}: working set {working_set_tokens(workload.name, sizes):,} tokens, pool "
                       f"{config.num_pages * config.page_size:,} tokens, {config.concurrency} rows, host tier "
                       f"{(config.host_memory or 0) / 2**30:.2f} GiB")
         for repeat in range(repeats):
@@ -249,10 +272,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 figures = VariantRunner(model, variant, config).run(workload)
                 _release_pool(device)
                 done += 1
-                _progress(f"[{done}/{total}] {workload.name} concurrency {config.concurrency} {variant} "
+                _progress(f"[{done}/{total}] {row_name} concurrency {config.concurrency} {variant} "
                           f"repeat {repeat + 1}: {figures['serve_s']:.2f} s, {figures['output_tok_per_s']:.1f} out tok/s")
-                row = {"workload": workload.name, "concurrency": config.concurrency, "variant": variant, **figures}
-                runs.setdefault((workload.name, config.concurrency, variant), []).append(row)
+                row = {"workload": row_name, "concurrency": config.concurrency, "variant": variant, **figures}
+                if ratio is not None:
+                    row.update(working_set_ratio=ratio, pool_tokens=config.num_pages * config.page_size)
+                runs.setdefault((row_name, config.concurrency, variant), []).append(row)
     rows = [_median_row(group) for group in runs.values()]
     ratio_rows = ratios(rows)
     issue = PRESETS["gpu"]
@@ -290,7 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": round(time.perf_counter() - started, 1),
         "results": rows, "runs": [run for group in runs.values() for run in group],
         "ratios": ratio_rows, "bars": verdicts, "copy_bandwidth": copy_bandwidth,
-        "tier": {"working_set_ratio": args.working_set_ratio, "host_memory": host_memory},
+        "tier": {"working_set_ratios": working_set_ratios, "host_memory": host_memory},
     }
 
 
