@@ -11,13 +11,19 @@ convention as the device pool's locations), which is what the tiered cache keeps
 The free list is a stack of host pages: taking pops the lowest-numbered end, releasing pushes the
 pages back so the next take returns them in the same order, which keeps runs contiguous.
 
-Streams (CUDA): ``write`` (device -> host) runs on the current (compute) stream. Stream order
-makes the gather read the pages before any later kernel can overwrite them, so the caller may
-hand the device pages out again at once; an event records when the host bytes are complete.
-``read`` (host -> device) copies on a side stream, after that event, into a device staging
-buffer, then makes the current stream wait for the copy before scattering the staging buffer
-into the destination pages: the transfer overlaps work already queued on the compute stream, and
-everything queued after ``read`` (the prefill that reads the pages) sees the loaded bytes.
+Streams (CUDA). Every transfer over PCIe/NVLink-C2C runs on one side stream, the *copy stream*;
+the gathers and scatters that touch the KV pool run on the current (compute) stream.
+
+- ``write`` (device -> host): the gather into staging is queued on the compute stream, so stream
+  order makes it read the pages before any later kernel can overwrite them and the caller may
+  hand the device pages out again at once; the copy stream waits for the gather, then copies
+  staging to host memory while the compute stream goes on with other work.
+- ``read`` (host -> device): the copy stream copies host pages into a device staging buffer, the
+  compute stream waits for that copy and scatters staging into the destination pages: the
+  transfer overlaps work already queued on the compute stream, and everything queued after
+  ``read`` (the prefill that reads the pages) sees the loaded bytes.
+- Host pages are only ever touched by the copy stream, in the order the calls were made, so a
+  host page released by one copy and taken by the next is never read and written out of order.
 """
 
 from __future__ import annotations
@@ -79,8 +85,7 @@ class HostKVPool:
             ) from error
         self.bytes_per_page = self._page_bytes(kv_buffer)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is the lowest page
-        self._load_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
-        self._written: torch.cuda.Event | None = None  # completion of the latest device -> host copy
+        self._copy_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
         self.write_seconds = 0.0
         self.read_seconds = 0.0
 
@@ -101,6 +106,7 @@ class HostKVPool:
     def __del__(self) -> None:
         if getattr(self, "_registered", False):
             try:
+                self._copy_stream.synchronize()  # no copy may still be using the pages
                 torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             except Exception:  # interpreter shutdown: CUDA may already be gone
                 pass
@@ -181,9 +187,6 @@ class HostKVPool:
         size = self.page_size
         for begin, end in self._chunks(len(host_pages)):
             self._write_chunk(locations[begin * size : end * size], host_pages[begin:end])
-        if self._is_cuda and len(host_pages):
-            self._written = torch.cuda.Event()
-            self._written.record()
 
     def _write_chunk(self, locations: torch.Tensor, host_pages: np.ndarray) -> None:
         count = len(host_pages)
@@ -191,9 +194,24 @@ class HostKVPool:
         # one gather of every layer's rows, then one permute into page-contiguous staging
         gathered = self._device_tokens.index_select(2, locations)  # [2, L, m * P, H, D]
         staging = gathered.view(two, layers, count, page_size, heads, head_dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+        if not self._is_cuda:
+            self._copy_runs(host_pages, staging, to_host=True)
+            return
+        copy_stream = self._copy_stream
+        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather is done first
+        with torch.cuda.stream(copy_stream):
+            self._copy_runs(host_pages, staging, to_host=True)
+        staging.record_stream(copy_stream)  # not reused until the copy has read it
+
+    def _copy_runs(self, host_pages: np.ndarray, staging: torch.Tensor, *, to_host: bool) -> None:
+        """Copy between ``staging`` (``[m, 2, L, P, H, D]``, device) and the host pages, one copy
+        per run of consecutive pages, on the current stream."""
         offset = 0
         for first, length in _runs(host_pages):
-            self.buffer[first : first + length].copy_(staging[offset : offset + length], non_blocking=self._is_cuda)
+            if to_host:
+                self.buffer[first : first + length].copy_(staging[offset : offset + length], non_blocking=self._is_cuda)
+            else:
+                staging[offset : offset + length].copy_(self.buffer[first : first + length], non_blocking=True)
             offset += length
 
     def _read(self, host_pages: np.ndarray, device_locations: torch.Tensor) -> None:
@@ -207,17 +225,12 @@ class HostKVPool:
         two, layers, page_size, heads, head_dim = self._page_shape
         if self._is_cuda:
             compute = torch.cuda.current_stream(self.device)
-            side = self._load_stream
-            if self._written is not None:
-                side.wait_event(self._written)  # the host bytes of a recent write-back are complete
-            with torch.cuda.stream(side):
+            copy_stream = self._copy_stream
+            with torch.cuda.stream(copy_stream):  # after every earlier copy of host pages
                 staging = torch.empty((count, *self._page_shape), dtype=self.buffer.dtype, device=self.device)
-                offset = 0
-                for first, length in _runs(host_pages):
-                    staging[offset : offset + length].copy_(self.buffer[first : first + length], non_blocking=True)
-                    offset += length
+                self._copy_runs(host_pages, staging, to_host=False)
                 loaded = torch.cuda.Event()
-                loaded.record(side)
+                loaded.record(copy_stream)
             compute.wait_event(loaded)
             staging.record_stream(compute)
         else:
