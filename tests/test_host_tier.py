@@ -110,12 +110,14 @@ def _fingerprint_rows(tokens: list[int], begin: int, end: int) -> torch.Tensor:
 class TieredWorld:
     """A memory-only backend (no attention) with the tier, and a model forward that writes fingerprints."""
 
-    def __init__(self, page_size: int, num_pages: int, host_pages: int, seed: int) -> None:
+    def __init__(self, page_size: int, num_pages: int, host_pages: int, seed: int, device: str = "cpu") -> None:
         page_bytes = SHAPE.kv_bytes_per_token() * page_size
         self.backend = kvplug.create_backend(
             SHAPE, page_size=page_size, num_pages=num_pages, max_running_reqs=6, max_seq_len=16 * page_size,
             attention=None, prefix_cache="radix", prefix_cache_options={"host_memory": host_pages * page_bytes},
+            device=device,
         )
+        self.device = torch.device(device)
         self.rows = self.backend.pool.kv_buffer.view(2, LAYERS, -1, KV_HEADS, HEAD_DIM)
         self.rng = random.Random(seed)
         self.page_size = page_size
@@ -138,7 +140,7 @@ class TieredWorld:
             return False
         matched = request.matched_len
         locations = self.backend.page_table[request.row, :matched].long()
-        assert torch.equal(self.rows[:, :, locations], _fingerprint_rows(tokens, 0, matched)), (
+        assert torch.equal(self.rows[:, :, locations], _fingerprint_rows(tokens, 0, matched).to(self.device)), (
             f"an admission matched {matched} tokens whose K/V is stale or foreign"
         )
         try:
@@ -148,7 +150,7 @@ class TieredWorld:
             return False
         cached, length = request.cached_len, request.device_len
         out = self.backend.page_table[request.row, cached:length].long()
-        self.rows[:, :, out] = _fingerprint_rows(tokens, cached, length)  # the "forward"
+        self.rows[:, :, out] = _fingerprint_rows(tokens, cached, length).to(self.device)  # the "forward"
         self.prompts[request] = tokens
         return True
 
@@ -272,6 +274,20 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
     assert torch.equal(kv[:, :, 16:24], original)  # the current stream waited for the side stream
     cache.lock_handle(match.host_handle, unlock=True)
     cache.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_random_workloads_serve_exact_kv_across_both_tiers(page_size):
+    """The randomised two-pool run on CUDA: write-backs on the copy stream, loads scattered on the
+    compute stream, freed pages rewritten at once by the next "forward"."""
+    for seed in range(3):
+        world = TieredWorld(page_size, num_pages=40, host_pages=30, seed=seed, device="cuda")
+        assert world.backend.prefix_cache.host_pool.pinned
+        world.run(200)
+        stats = world.backend.stats()
+        assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0
 
 
 # ---------------------------------------------------------------------------------------------- capacity
