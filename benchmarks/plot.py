@@ -17,7 +17,7 @@ Writes:
   from a ``kvplug bench attention`` JSON (default: the H200 run in benchmarks/results/);
 - ``h200_graph_step.png``: eager vs CUDA-graph decode step of the 28-layer stack, from a
   ``kvplug bench graphs`` JSON (default: the H200 run in benchmarks/results/);
-- ``host_tier.png`` (``--host-tier FILE.json``, repeatable): hit rate per tier and TTFT p50 of
+- ``host_tier_cpu.png`` / ``host_tier_h200.png`` (``--host-tier FILE.json``, repeatable): hit rate per tier and TTFT p50 of
   ``radix`` and ``radix+host`` against the working-set / pool ratio, from ``kvplug bench e2e
   --workloads long-context-chat --variants radix,radix+host --working-set-ratio 1,2,4,8`` runs.
 
@@ -235,8 +235,10 @@ def main() -> None:
                         out_dir / "e2e_h200_graphs_vs_eager.png")
         written.append("e2e_h200_graphs_vs_eager.png")
     if args.host_tier:
-        plot_host_tier([json.loads(Path(name).read_text()) for name in args.host_tier], out_dir / "host_tier.png")
-        written.append("host_tier.png")
+        runs = [json.loads(Path(name).read_text()) for name in args.host_tier]
+        name = "host_tier_h200.png" if runs[0]["model"]["device"].startswith("cuda") else "host_tier_cpu.png"
+        plot_host_tier(runs, out_dir / name)
+        written.append(name)
     plot_h200_bandwidth(json.loads(Path(args.attention).read_text()), out_dir / "h200_bandwidth.png")
     plot_h200_graph_step(json.loads(Path(args.graphs).read_text()), out_dir / "h200_graph_step.png")
     written += ["h200_bandwidth.png", "h200_graph_step.png"]
