@@ -57,3 +57,14 @@ def test_tier_on_and_off_give_the_same_tokens_and_the_tier_is_used(checkpoint, p
     assert on_stats.evicted_tokens > 0 and on_stats.host_write_backs > 0 and on_stats.host_written_bytes > 0
     assert on_stats.host_hit_tokens > 0 and on_stats.host_loads > 0  # prefixes came back from host memory
     assert on_stats.cache_hit_tokens > off_stats.cache_hit_tokens
+
+
+def test_host_memory_setting_is_validated():
+    from kvplug.interface import InvalidArgumentError
+    from kvplug_transformers.settings import KVPlugSettings
+
+    assert KVPlugSettings(host_memory="2GiB").host_memory == "2GiB"
+    assert KVPlugSettings().host_memory is None
+    for bad in ("lots", 0, -1, True):
+        with pytest.raises(InvalidArgumentError):
+            KVPlugSettings(host_memory=bad)
