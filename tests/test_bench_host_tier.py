@@ -53,6 +53,9 @@ def test_tier_ratio_and_bars():
     verdicts = bars(ratio_rows, at_issue_sizes=False)
     assert [(verdict["bar"], verdict["met"]) for verdict in verdicts] == [
         ("radix+host/radix throughput >= 2.0", True), ("radix+host/radix TTFT p50 <= 0.5", True)]
+    overhead = bars(ratio_rows, at_issue_sizes=False, tier_reuse=False)
+    assert [(verdict["bar"], verdict["met"]) for verdict in overhead] == [
+        ("radix+host/radix throughput >= 0.98 at 0 % hits", True)]
 
 
 def test_copy_bandwidth_measures_both_directions_against_plain_copies():
