@@ -30,6 +30,15 @@ def test_radix_with_host_memory_passes_the_tiered_conformance_kit(page_size):
     check_tiered_prefix_cache(create_radix, page_sizes=(page_size,), seeds=6, shrink=False)
 
 
+def test_split_refreshes_tail_with_a_tier_passes_the_kit():
+    """The SGLang host's recency rule (``split_refreshes_tail``) holds across tiers too."""
+    def factory(config):
+        return create_radix(config.__class__(config.device, config.page_size,
+                                             {**config.options, "split_refreshes_tail": True}))
+
+    check_tiered_prefix_cache(factory, page_sizes=(4,), seeds=4, shrink=False)
+
+
 def test_host_memory_option_selects_the_tier_and_is_validated():
     assert isinstance(kvplug.create_prefix_cache("radix", host_memory="1MiB"), BaseTieredPrefixCache)
     assert not isinstance(kvplug.create_prefix_cache("radix", host_memory=None), BaseTieredPrefixCache)
