@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,12 @@ def test_host_pool_copies_whole_pages_in_runs_and_refuses_overdraw():
     assert torch.equal(pool.kv_buffer[:, :, 6:9], expected)
     host.release(pages)
     assert host.take(3).tolist() == [0, 1, 2]  # released pages come back in order: copies stay one run
+    # whole pages given as a host array take the page-granular path: the same bytes
+    by_page = HostKVPool(pool.kv_buffer, 4)
+    by_page.write(source.numpy(), by_page.take(3))
+    assert torch.equal(by_page.buffer[:3], host.buffer[:3])
+    by_page.read(np.array([2, 0]), np.arange(4, 12, dtype=np.int32))  # device pages 1, 2 <- host 2, 0
+    assert torch.equal(pool.kv_buffer[:, :, 1], host.buffer[2]) and torch.equal(pool.kv_buffer[:, :, 2], host.buffer[0])
 
 
 # ---------------------------------------------------------------------------------------------- backend level

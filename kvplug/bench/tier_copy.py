@@ -45,8 +45,8 @@ def measure_copy_bandwidth(
     host = HostKVPool(kv_buffer, pages)
     host_pages = host.take(pages)
     # every other device page: a realistic scattered set, not one contiguous block
-    locations = (torch.arange(0, 2 * pages, 2, device=device).repeat_interleave(page_size) * page_size
-                 + torch.arange(page_size, device=device).repeat(pages)).to(torch.int32)
+    # as the tiered cache passes them: host locations of whole pages
+    locations = (np.arange(0, 2 * pages, 2)[:, None] * page_size + np.arange(page_size)).reshape(-1).astype(np.int32)
     nbytes = pages * host.bytes_per_page
     plain_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     plain_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")

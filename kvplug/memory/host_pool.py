@@ -69,6 +69,8 @@ class HostKVPool:
         self.device = kv_buffer.device
         self._is_cuda = self.device.type == "cuda"
         self._page_shape = (2, num_layers, page_size, heads, head_dim)
+        # the device pool by page, page first (a view): [num_pages + 1, 2, L, P, H, D]
+        self._by_page = kv_buffer.permute(2, 0, 1, 3, 4, 5)
         # the device pool by token location: [2, L, (num_pages + 1) * page_size, H, D]
         self._device_tokens = kv_buffer.view(2, num_layers, device_pages * page_size, heads, head_dim)
         pin = self._is_cuda if pin is None else pin
@@ -144,13 +146,14 @@ class HostKVPool:
         return np.array(self._free, dtype=np.int64)
 
     # ------------------------------------------------------------------ copies
-    def write(self, device_locations: torch.Tensor, host_pages: np.ndarray) -> None:
+    def write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
         """Copy device KV to host pages: token ``j`` of ``device_locations`` goes to token
         ``j % page_size`` of host page ``host_pages[j // page_size]``, for every layer, K and V.
 
         Args:
-            device_locations: shape ``[len(host_pages) * page_size]``, int32, any device; token
-                locations of the device pool.
+            device_locations: shape ``[len(host_pages) * page_size]``, integers; token locations of
+                the device pool. A host array of whole pages (what a page-granular cache holds) is
+                gathered page by page; anything else (a device tensor, partial pages) token by token.
             host_pages: shape ``[m]``, int64, host.
 
         Raises ``TierCopyError`` when a copy fails (the host pages' contents are then undefined).
@@ -163,8 +166,9 @@ class HostKVPool:
         finally:
             self.write_seconds += time.perf_counter() - started
 
-    def read(self, host_pages: np.ndarray, device_locations: torch.Tensor) -> None:
-        """Copy host pages back into the device pool at ``device_locations`` (the layout of ``write``).
+    def read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> None:
+        """Copy host pages back into the device pool at ``device_locations`` (the layout and the
+        argument forms of ``write``).
 
         Raises ``TierCopyError`` when a copy fails (the destination locations are then undefined;
         the host pages are unchanged).
@@ -182,18 +186,39 @@ class HostKVPool:
         step = max(1, STAGING_BYTES // self.bytes_per_page)
         return [(begin, min(begin + step, count)) for begin in range(0, count, step)]
 
-    def _write(self, device_locations: torch.Tensor, host_pages: np.ndarray) -> None:
-        locations = device_locations.to(self.device, non_blocking=True).long()
+    def _device_index(self, locations: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``locations`` as an index of the device pool: ``(device page numbers [m], 1)`` for a host
+        array of whole pages, else ``(token locations [m * P], page_size)``; int64, on the device."""
         size = self.page_size
-        for begin, end in self._chunks(len(host_pages)):
-            self._write_chunk(locations[begin * size : end * size], host_pages[begin:end])
+        if isinstance(locations, np.ndarray):
+            locations = locations.astype(np.int64, copy=False)
+            pages = locations[::size] // size
+            if size == 1 or np.array_equal(locations, (pages[:, None] * size + np.arange(size)).reshape(-1)):
+                return torch.from_numpy(pages).to(self.device, non_blocking=True), 1
+            return torch.from_numpy(locations).to(self.device, non_blocking=True), size
+        return locations.to(self.device, non_blocking=True).long(), size
 
-    def _write_chunk(self, locations: torch.Tensor, host_pages: np.ndarray) -> None:
+    def _write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
+        index, per_page = self._device_index(device_locations)
+        for begin, end in self._chunks(len(host_pages)):
+            self._write_chunk(index[begin * per_page : end * per_page], per_page == 1, host_pages[begin:end])
+
+    def _write_chunk(self, index: torch.Tensor, by_page: bool, host_pages: np.ndarray) -> None:
         count = len(host_pages)
         two, layers, page_size, heads, head_dim = self._page_shape
-        # one gather of every layer's rows, then one permute into page-contiguous staging
-        gathered = self._device_tokens.index_select(2, locations)  # [2, L, m * P, H, D]
-        staging = gathered.view(two, layers, count, page_size, heads, head_dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+        if by_page and not self._is_cuda:  # gather each run of pages straight into the host pages
+            offset = 0
+            for first, length in _runs(host_pages):
+                torch.index_select(self._by_page, 0, index[offset : offset + length],
+                                   out=self.buffer[first : first + length])
+                offset += length
+            return
+        # one gather of every layer's pages (or rows) into page-contiguous staging [m, 2, L, P, H, D]
+        if by_page:
+            staging = torch.index_select(self._by_page, 0, index)
+        else:
+            gathered = self._device_tokens.index_select(2, index).view(two, layers, count, page_size, heads, head_dim)
+            staging = gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
         if not self._is_cuda:
             self._copy_runs(host_pages, staging, to_host=True)
             return
@@ -214,15 +239,20 @@ class HostKVPool:
                 staging[offset : offset + length].copy_(self.buffer[first : first + length], non_blocking=True)
             offset += length
 
-    def _read(self, host_pages: np.ndarray, device_locations: torch.Tensor) -> None:
-        locations = device_locations.to(self.device, non_blocking=True).long()
-        size = self.page_size
+    def _read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> None:
+        index, per_page = self._device_index(device_locations)
         for begin, end in self._chunks(len(host_pages)):
-            self._read_chunk(host_pages[begin:end], locations[begin * size : end * size])
+            self._read_chunk(host_pages[begin:end], index[begin * per_page : end * per_page], per_page == 1)
 
-    def _read_chunk(self, host_pages: np.ndarray, locations: torch.Tensor) -> None:
+    def _read_chunk(self, host_pages: np.ndarray, index: torch.Tensor, by_page: bool) -> None:
         count = len(host_pages)
         two, layers, page_size, heads, head_dim = self._page_shape
+        if by_page and not self._is_cuda:  # scatter each run of host pages straight into the pool
+            offset = 0
+            for first, length in _runs(host_pages):
+                self._by_page.index_copy_(0, index[offset : offset + length], self.buffer[first : first + length])
+                offset += length
+            return
         if self._is_cuda:
             compute = torch.cuda.current_stream(self.device)
             copy_stream = self._copy_stream
@@ -235,8 +265,11 @@ class HostKVPool:
             staging.record_stream(compute)
         else:
             staging = self.buffer[torch.from_numpy(np.ascontiguousarray(host_pages))]
-        rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, count * page_size, heads, head_dim)
-        self._device_tokens.index_copy_(2, locations, rows)
+        if by_page:
+            self._by_page.index_copy_(0, index, staging)
+        else:
+            rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, count * page_size, heads, head_dim)
+            self._device_tokens.index_copy_(2, index, rows)
 
 
 def _runs(pages: np.ndarray) -> list[tuple[int, int]]:

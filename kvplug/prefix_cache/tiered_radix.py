@@ -279,7 +279,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         check_location_values(as_int32(device_bytes))
         host_locations = as_int32(b"".join(_path_values(node, head)))
         host_pages = host_locations[:: self.page_size].astype(np.int64) // self.page_size
-        self._host_pool.read(host_pages, device_indices)  # TierCopyError: nothing changed
+        self._host_pool.read(host_pages, as_int32(device_bytes))  # TierCopyError: nothing changed
         self._make_device_resident(node, head, device_bytes)
         counters = self._counters
         counters["loads"] += 1
@@ -357,7 +357,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         if not pending:
             return
         nodes = list(pending)
-        device_locations = torch.from_numpy(as_int32(b"".join(value for value, _ in pending.values())).copy())
+        device_locations = as_int32(b"".join(value for value, _ in pending.values()))  # host: whole pages
         host_pages = np.concatenate([pages for _, pages in pending.values()])
         pending.clear()
         try:
