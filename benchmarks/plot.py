@@ -16,7 +16,10 @@ Writes:
   the device-to-device copy bandwidth measured in the same run, plus store_kv's share of it —
   from a ``kvplug bench attention`` JSON (default: the H200 run in benchmarks/results/);
 - ``h200_graph_step.png``: eager vs CUDA-graph decode step of the 28-layer stack, from a
-  ``kvplug bench graphs`` JSON (default: the H200 run in benchmarks/results/).
+  ``kvplug bench graphs`` JSON (default: the H200 run in benchmarks/results/);
+- ``host_tier_cpu.png`` / ``host_tier_h200.png`` (``--host-tier FILE.json``, repeatable): hit rate per tier and TTFT p50 of
+  ``radix`` and ``radix+host`` against the working-set / pool ratio, from ``kvplug bench e2e
+  --workloads long-context-chat --variants radix,radix+host --working-set-ratio 1,2,4,8`` runs.
 
 Every point is a measured one from those files; nothing is interpolated.
 """
@@ -182,6 +185,40 @@ def plot_h200_graph_step(data: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def plot_host_tier(runs: list[dict], path: Path) -> None:
+    """Hit rate (device and host tier) and TTFT p50 against the working-set / pool ratio."""
+    rows = [row for data in runs for row in data["results"] if "working_set_ratio" in row]
+    figure, (hit_axis, ttft_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for variant, color in (("radix", "tab:blue"), ("radix+host", "tab:red")):
+        points = sorted((row["working_set_ratio"], row["device_hit_rate"], row["host_hit_rate"], row["ttft_p50_ms"])
+                        for row in rows if row["variant"] == variant)
+        if not points:
+            continue
+        ratios = [point[0] for point in points]
+        hit_axis.plot(ratios, [point[1] for point in points], marker="o", color=color, label=f"{variant}: device tier")
+        if variant == "radix+host":
+            hit_axis.plot(ratios, [point[1] + point[2] for point in points], marker="^", linestyle="--", color=color,
+                          label=f"{variant}: device + host tier")
+        ttft_axis.plot(ratios, [point[3] for point in points], marker="o", color=color, label=variant)
+    for axis, label in ((hit_axis, "prompt tokens hit (fraction)"), (ttft_axis, "TTFT p50 (ms, from submission)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("working set / KV pool")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    hit_axis.set_ylim(0, 1)
+    ttft_axis.set_ylim(bottom=0)
+    data = runs[0]
+    model, sizes = data["model"], data["sizes"]
+    figure.suptitle(
+        f"kvplug host-memory tier, long-context-chat: {sizes['conversations']} chats x {sizes['turns']} turns over "
+        f"{sizes['system_tokens']}-token contexts\n{model['shape']} {model['dtype']} on {model['device']}, "
+        f"page {model['page_size']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--e2e", metavar="FILE.json", action="append", default=[],
@@ -191,6 +228,8 @@ def main() -> None:
     parser.add_argument("--e2e-graphs", metavar="FILE.json", action="append", default=[],
                         help="kvplug bench e2e CUDA runs with radix, radix:eager, naive and native variants "
                              "(repeatable; drawn together as e2e_h200_graphs_vs_eager.png)")
+    parser.add_argument("--host-tier", metavar="FILE.json", action="append", default=[],
+                        help="kvplug bench e2e long-context-chat runs of radix and radix+host (repeatable)")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "plots"))
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
@@ -206,6 +245,11 @@ def main() -> None:
         plot_e2e_graphs([json.loads(Path(name).read_text()) for name in args.e2e_graphs],
                         out_dir / "e2e_h200_graphs_vs_eager.png")
         written.append("e2e_h200_graphs_vs_eager.png")
+    if args.host_tier:
+        runs = [json.loads(Path(name).read_text()) for name in args.host_tier]
+        name = "host_tier_h200.png" if runs[0]["model"]["device"].startswith("cuda") else "host_tier_cpu.png"
+        plot_host_tier(runs, out_dir / name)
+        written.append(name)
     plot_h200_bandwidth(json.loads(Path(args.attention).read_text()), out_dir / "h200_bandwidth.png")
     plot_h200_graph_step(json.loads(Path(args.graphs).read_text()), out_dir / "h200_graph_step.png")
     written += ["h200_bandwidth.png", "h200_graph_step.png"]

@@ -357,6 +357,8 @@ class KVBackend:
             cached_pages=allocator.num_cached_pages,
             evictable_pages=allocator.num_evictable_pages,
             used_pages=self.num_pages - free,
+            host_hit_tokens=allocator.host_hit_tokens,
+            tier=self.prefix_cache.tier_stats().as_dict() if allocator.tiered else None,
         )
 
     def check_integrity(self) -> None:

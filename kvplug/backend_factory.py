@@ -15,6 +15,7 @@ from kvplug.interface import (
     BaseAttentionBackend,
     BaseKVPool,
     BasePrefixCache,
+    BaseTieredPrefixCache,
     InvalidArgumentError,
     KVPlugError,
     KVPoolConfig,
@@ -78,6 +79,7 @@ def create_backend(
     manager: Any = None,
     validate: bool | None = None,
     attention_options: Mapping[str, Any] | None = None,
+    prefix_cache_options: Mapping[str, Any] | None = None,
 ) -> "KVBackend":
     """Build a ``KVBackend``.
 
@@ -100,6 +102,9 @@ def create_backend(
         validate: let the pool check every ``out_loc`` range (a device sync per store). ``None``:
             on for CPU, off for CUDA.
         attention_options: passed to the attention backend as ``AttentionConfig.options``.
+        prefix_cache_options: options of the prefix cache built by name (``PrefixCacheConfig.options``),
+            e.g. ``{"host_memory": "32GiB"}`` for ``radix`` with a host-memory tier, whose page pool
+            is then allocated next to the KV pool.
     """
     from kvplug.backend import KVBackend
 
@@ -119,6 +124,7 @@ def create_backend(
         manager=manager,
         validate=validate,
         attention_options=attention_options,
+        prefix_cache_options=prefix_cache_options,
     )
     return KVBackend(parts)
 
@@ -140,6 +146,7 @@ def build_parts(
     manager: Any,
     validate: bool | None,
     attention_options: Mapping[str, Any] | None,
+    prefix_cache_options: Mapping[str, Any] | None = None,
 ) -> BackendParts:
     from kvplug.plugins import default_manager
 
@@ -159,7 +166,7 @@ def build_parts(
     num_pages = _num_pages(shape, kv_dtype, page_size, tp_size, num_pages, memory_budget)
     if attention is not None and not isinstance(attention, str):
         raise InvalidArgumentError(f"attention must be a backend name or None, got {attention!r}")
-    cache = _prefix_cache(prefix_cache, manager, device, page_size)
+    cache = _prefix_cache(prefix_cache, manager, device, page_size, prefix_cache_options or {})
 
     pool_options = {"validate": device.type != "cuda" if validate is None else bool(validate)}
     pool_config = KVPoolConfig(
@@ -185,6 +192,8 @@ def build_parts(
             f"and tables ({max_running_reqs + 1} rows x {max_seq_len} tokens) on {device}: "
             f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         ) from error
+    if isinstance(cache, BaseTieredPrefixCache) and getattr(cache, "host_pool", None) is None:
+        cache.attach_kv_pool(pool)  # the host tier's page pool is sized from the KV pool's pages
     allocator = PagedAllocator(num_pages, page_size, tables, cache)
 
     backend, name = None, None
@@ -221,12 +230,16 @@ def _num_pages(
     return num_pages_for_budget(sized.kv_bytes_per_token(tp_size), page_size, parse_memory_size(budget))
 
 
-def _prefix_cache(spec: Any, manager: Any, device: torch.device, page_size: int) -> BasePrefixCache:
+def _prefix_cache(
+    spec: Any, manager: Any, device: torch.device, page_size: int, options: Mapping[str, Any]
+) -> BasePrefixCache:
     if isinstance(spec, BasePrefixCache):
+        if options:
+            raise InvalidArgumentError(f"prefix_cache_options {dict(options)} need a prefix cache name, got an instance")
         cache_page_size = getattr(spec, "page_size", page_size)
         if cache_page_size != page_size:
             raise InvalidArgumentError(f"prefix cache page_size {cache_page_size} != backend page_size {page_size}")
         return spec
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"prefix_cache must be a registered name or a BasePrefixCache, got {spec!r}")
-    return manager.create_prefix_cache(spec, device=device, page_size=page_size)
+    return manager.create_prefix_cache(spec, device=device, page_size=page_size, **options)

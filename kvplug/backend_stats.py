@@ -20,6 +20,10 @@ class BackendStats:
         cached_pages: pages held by the prefix cache (evictable + protected).
         evictable_pages: cached pages no live request locks.
         used_pages: ``num_pages - free_pages`` (owned by requests or held by the cache).
+        host_hit_tokens: of ``cache_hit_tokens``, tokens loaded from the host-memory tier (0
+            without one); ``cache_hit_tokens - host_hit_tokens`` were found on the device.
+        tier: the host tier's counters (``kvplug.interface.TierStats.as_dict()``: host pages, loads,
+            write-backs, bytes moved, drops, copy failures), ``None`` without a tier.
     """
 
     queried_tokens: int
@@ -33,6 +37,8 @@ class BackendStats:
     cached_pages: int
     evictable_pages: int
     used_pages: int
+    host_hit_tokens: int = 0
+    tier: dict | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -40,9 +46,24 @@ class BackendStats:
         return self.cache_hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     @property
+    def device_hit_tokens(self) -> int:
+        return self.cache_hit_tokens - self.host_hit_tokens
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Hit rate of the device tier alone: ``device_hit_tokens / queried_tokens``."""
+        return self.device_hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Hit rate of the host tier: ``host_hit_tokens / queried_tokens``."""
+        return self.host_hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
     def utilisation(self) -> float:
         """``used_pages / num_pages``."""
         return self.used_pages / self.num_pages
 
     def to_json(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "utilisation": self.utilisation}
+        return {**asdict(self), "hit_rate": self.hit_rate, "device_hit_rate": self.device_hit_rate,
+                "host_hit_rate": self.host_hit_rate, "utilisation": self.utilisation}

@@ -9,7 +9,11 @@
 #                 workload (256 requests, 256 output tokens, concurrency 64 and 256: kvplug with
 #                 CUDA graphs, kvplug eager, transformers' native cache), E2E=shared the
 #                 shared-prefix one (64 requests on one 2,048-token prefix, concurrency 64: radix,
-#                 naive with and without the overlap, transformers' native cache)
+#                 naive with and without the overlap, transformers' native cache), E2E=tier the
+#                 host-memory tier (long-context-chat, working set 4x the pool: radix vs radix+host,
+#                 plus the tier's copy bandwidth), E2E=tier0 its 0 %-hit overhead (one turn:
+#                 evictions and write-backs, nothing reused), E2E=tier-ratios the same at working-set
+#                 ratios 1,2,8
 #
 # Rules this script keeps, learned the hard way (see tests/test_attention_gpu.py warm_up_flashinfer):
 # - never two FlashInfer JIT builds at once: concurrent ninja runs in FlashInfer's shared
@@ -65,7 +69,8 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
     step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
     step tests_gpu_other 240 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
         tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py \
-        tests/test_radix_cache.py tests/test_backend.py tests/test_decode_step.py tests/test_decode_graphs.py -k "not flashinfer"
+        tests/test_radix_cache.py tests/test_backend.py tests/test_decode_step.py tests/test_decode_graphs.py \
+        tests/test_host_tier.py -k "not flashinfer"
 } &
 OTHER=$!
 [ "$FLASHINFER" = 1 ] && step warmup 280 python3 -c "
@@ -119,6 +124,14 @@ elif [ "$E2E" = shared ]; then
         --requests 64 --system-prompts 1 --system-tokens 2048 --question-tokens 128 --output-tokens 32 \
         --concurrency 64 --max-batch-tokens 4096 --attention triton --variants radix,naive,naive:sync,native \
         --out "$OUT/e2e.json"
+elif [ "$E2E" = tier ] || [ "$E2E" = tier0 ] || [ "$E2E" = tier-ratios ]; then
+    # 32 chats over their own 8,192-token contexts: working set ~283k tokens (32 GB of KV), host tier 1.25x
+    TURNS=4; RATIOS=4
+    [ "$E2E" = tier0 ] && TURNS=1
+    [ "$E2E" = tier-ratios ] && RATIOS=1,2,8
+    step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads long-context-chat \
+        --conversations 32 --turns $TURNS --system-tokens 8192 --question-tokens 128 --output-tokens 32 \
+        --working-set-ratio $RATIOS --attention triton --variants radix,radix+host --out "$OUT/e2e.json"
 fi
 
 # ---------------------------------------------------------------- summary

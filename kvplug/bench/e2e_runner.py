@@ -2,11 +2,13 @@
 
 A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug installed through
 ``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
-CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager) or ``:sync``
+CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager), ``:sync``
 (transformers' async batching off: each step waits for the previous one's outputs) or
-``:compile`` (the model torch.compiled before kvplug captures it), or ``native``
-(transformers' own paged cache, with its default block sharing). Every variant gets the same pool size in tokens, page size, requests per
-step and tokens per step, so only the KV cache differs.
+``:compile`` (the model torch.compiled before kvplug captures it), or ``native`` (transformers'
+own paged cache, with its default block sharing). ``+host`` after a kvplug cache (``radix+host``,
+``radix+host:sync``) adds the host-memory tier of ``RunConfig.host_memory`` bytes. Every variant
+gets the same pool size in tokens, page size, requests per step and tokens per step, so only the
+KV cache differs.
 
 Timing comes from transformers' per-request records (``record_timestamps=True``): a request's
 ``created_time`` (submission), the time of each generated token, and its finish time. TTFT is the
@@ -29,6 +31,7 @@ from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
 
 NATIVE = "native"
 VARIANT_OPTIONS = ("eager", "sync", "compile")  # 'radix:eager' and so on (module docstring)
+HOST_TIER_SUFFIX = "+host"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class RunConfig:
         max_batch_tokens: tokens per forward step.
         output_tokens: tokens generated per request; EOS is disabled so every request makes exactly this many.
         attention: kvplug attention backend name (``auto``: torch on CPU, best GPU backend on CUDA).
+        host_memory: bytes of the host-memory tier of ``+host`` variants (``None``: none may run).
     """
 
     concurrency: int
@@ -53,6 +57,7 @@ class RunConfig:
     max_batch_tokens: int
     output_tokens: int
     attention: str = "auto"
+    host_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,11 @@ class VariantRunner:
         else:
             stats = host.stats()
             figures.update(hit_rate=round(stats.hit_rate, 4), cache_hit_tokens=stats.cache_hit_tokens,
-                           evicted_tokens=stats.evicted_tokens, attention=stats.attention)
+                           evicted_tokens=stats.evicted_tokens, attention=stats.attention,
+                           device_hit_rate=round(stats.device_hit_rate, 4), host_hit_rate=round(stats.host_hit_rate, 4),
+                           host_hit_tokens=stats.host_hit_tokens, host_loads=stats.host_loads,
+                           host_loaded_bytes=stats.host_loaded_bytes, host_write_backs=stats.host_write_backs,
+                           host_written_bytes=stats.host_written_bytes, host_dropped_tokens=stats.host_dropped_tokens)
         return figures
 
     def _installed(self) -> tuple[Any, contextlib.AbstractContextManager]:
@@ -174,11 +183,17 @@ class VariantRunner:
         cache, _, option = self.variant.partition(":")
         if option and option not in VARIANT_OPTIONS:
             raise ValueError(f"unknown variant option {option!r} in {self.variant!r}; expected eager, sync or compile")
+        host_memory = None
+        if cache.endswith(HOST_TIER_SUFFIX):
+            cache = cache.removesuffix(HOST_TIER_SUFFIX)
+            host_memory = config.host_memory
+            if host_memory is None:
+                raise ValueError(f"variant {self.variant!r} needs a host-memory size (RunConfig.host_memory)")
         host = TransformersHost(prefix_cache=cache, attention=config.attention, page_size=config.page_size,
                                 max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
                                 cuda_graphs=False if option == "eager" else None,
                                 overlap_schedule=False if option == "sync" else None,
-                                torch_compile=option == "compile")
+                                torch_compile=option == "compile", host_memory=host_memory)
         return host, host.installed_context()
 
     def _cb_config(self) -> Any:

@@ -1,4 +1,5 @@
-"""The request streams of ``kvplug bench e2e``: shared prefixes, no shared prefixes, multi-turn chat.
+"""The request streams of ``kvplug bench e2e``: shared prefixes, no shared prefixes, multi-turn chat,
+and (for the host-memory tier) multi-turn chat over long per-conversation contexts.
 
 A workload is a list of rounds of prompts (token-id lists). The single-round workloads submit
 every request at once; multi-turn chat submits one turn of every conversation per round, and each
@@ -117,13 +118,47 @@ def multi_turn(sizes: E2ESizes, vocab: int, seed: int) -> Workload:
     return Workload("multi-turn", sizes.turns, questions[0], next_round)
 
 
+def long_context_chat(sizes: E2ESizes, vocab: int, seed: int) -> Workload:
+    """``conversations`` chats, each over its own ``system_tokens``-token context (a document, a
+    codebase, a long system prompt), ``turns`` turns; turn k+1 = turn k's prompt + answer +
+    question. Every round touches every conversation once, in the same order: LRU's worst case,
+    so a pool smaller than the working set (``working_set_tokens``) evicts each conversation
+    before its next turn, and only a larger tier below it keeps the hits."""
+    rng = np.random.default_rng(seed + 3)
+    contexts = [_tokens(rng, sizes.system_tokens, vocab) for _ in range(sizes.conversations)]
+    questions = [[_tokens(rng, sizes.question_tokens, vocab) for _ in range(sizes.conversations)]
+                 for _ in range(sizes.turns)]
+
+    def next_round(turn: int, prompts: Prompts, answers: Prompts) -> Prompts:
+        if not 1 <= turn < sizes.turns or len(answers) != len(prompts):
+            raise ValueError(f"expected turn in [1, {sizes.turns}) and one answer per prompt ({len(prompts)}), "
+                             f"got turn {turn} and {len(answers)} answers")
+        return [prompt + answer + question for prompt, answer, question in zip(prompts, answers, questions[turn])]
+
+    first = [context + question for context, question in zip(contexts, questions[0])]
+    return Workload("long-context-chat", sizes.turns, first, next_round)
+
+
 WORKLOADS = {"shared-prefix": shared_prefix, "no-prefix": no_prefix, "multi-turn": multi_turn}
+#: workloads sized against a pool smaller than their working set (``--working-set-ratio``); not run by default
+TIER_WORKLOADS = {"long-context-chat": long_context_chat}
 
 
 def build_workload(name: str, sizes: E2ESizes, vocab: int, seed: int) -> Workload:
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; expected some of {sorted(WORKLOADS)}")
-    return WORKLOADS[name](sizes, vocab, seed)
+    factory = WORKLOADS.get(name) or TIER_WORKLOADS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown workload {name!r}; expected some of {sorted(WORKLOADS) + sorted(TIER_WORKLOADS)}")
+    return factory(sizes, vocab, seed)
+
+
+def working_set_tokens(name: str, sizes: E2ESizes) -> int:
+    """Tokens a workload keeps reusable at its end: every conversation's last prompt and answer
+    (``long-context-chat``), else every distinct prompt prefix of the first round."""
+    if name == "long-context-chat":
+        return sizes.conversations * (sizes.system_tokens + sizes.chat_prompt_tokens + sizes.output_tokens)
+    if name == "multi-turn":
+        return sizes.conversations * (sizes.chat_prompt_tokens + sizes.output_tokens)
+    return sizes.system_prompts * sizes.system_tokens
 
 
 def prompt_tokens(prompts: Sequence[Sequence[int]]) -> int:

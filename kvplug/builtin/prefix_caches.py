@@ -17,8 +17,19 @@ def create_naive(config: PrefixCacheConfig) -> BasePrefixCache:
 
 
 def create_radix(config: PrefixCacheConfig) -> BasePrefixCache:
+    """``radix``; with the option ``host_memory`` (bytes or ``"32GiB"``) the tiered radix cache,
+    which keeps evicted prefixes in host memory (``kvplug.prefix_cache.tiered_radix``)."""
+    if config.options.get("host_memory") is not None:
+        from kvplug.prefix_cache.tiered_radix import TieredRadixPrefixCache
+
+        return TieredRadixPrefixCache(config)
+    import dataclasses
+
     from kvplug.prefix_cache.radix import RadixPrefixCache
 
+    if "host_memory" in config.options:  # host_memory=None: no tier (lets hosts pass it through)
+        options = {key: value for key, value in config.options.items() if key != "host_memory"}
+        config = dataclasses.replace(config, options=options)
     return RadixPrefixCache(config)
 
 

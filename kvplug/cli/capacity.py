@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--context-len", type=int, help="request length for the concurrency estimate")
+    parser.add_argument(
+        "--host-memory", help="a host-memory tier under the prefix cache (as kvplug serve --host-memory): e.g. 64GiB"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=run)
 
@@ -77,7 +80,8 @@ def _geometry(layers: int, q_heads: int, kv_heads: int, head_dim: int, dtype: st
 def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
     plan = plan_capacity(
-        shape, args.memory, page_size=args.page_size, tp_size=args.tp_size, context_len=args.context_len
+        shape, args.memory, page_size=args.page_size, tp_size=args.tp_size, context_len=args.context_len,
+        host_memory=args.host_memory,
     )
     if args.json:
         model = {
@@ -106,6 +110,11 @@ def describe(shape: KVGeometry, plan: CapacityPlan, tp_size: int) -> str:
         f"tokens that fit: {plan.num_tokens:,}",
         f"pool size: {plan.pool_bytes:,} bytes ({_human(plan.pool_bytes)})",
     ]
+    if plan.host_memory is not None:
+        lines.append(
+            f"host-memory tier: {plan.host_memory:,} bytes ({_human(plan.host_memory)}) hold {plan.host_pages:,} pages = "
+            f"{plan.host_tokens:,} tokens; prefix cache over both tiers: {plan.cached_tokens:,} tokens"
+        )
     if plan.context_len is not None:
         lines.append(f"concurrent requests at {plan.context_len:,} tokens: {plan.concurrent_requests:,}")
     return "\n".join(lines)

@@ -48,7 +48,7 @@ DEFAULTS = {
 }
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
 KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
-                     "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile")
+                     "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile", "host_memory")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 COMPONENT_DESCRIPTIONS = {
@@ -135,6 +135,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-memory",
         help="KV pool budget: bytes ('2GiB', '512MiB', '1000000') or a fraction of free memory ('0.5', '50%%')",
+    )
+    parser.add_argument(
+        "--host-memory", metavar="SIZE",
+        help="a host-memory tier under the radix prefix cache: pinned host memory ('32GiB', '512MiB') that keeps "
+        "prefixes evicted from the KV pool and loads them back on a hit (default: none)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, metavar="FRACTION",
@@ -262,6 +267,16 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         max_request_bytes = parse_memory_size(args.max_request_bytes)
     except KVPlugError as error:
         raise InvalidArgumentError(f"--max-request-bytes must be a size ('4MiB', '1000000'): {error}") from error
+    host_memory = None
+    if args.host_memory is not None:
+        try:
+            host_memory = parse_memory_size(args.host_memory)
+        except KVPlugError as error:
+            raise InvalidArgumentError(f"--host-memory must be a size ('32GiB', '512MiB'): {error}") from error
+        if args.prefix_cache != "radix":
+            raise InvalidArgumentError(
+                f"--host-memory is a tier of the radix prefix cache; --prefix-cache is {args.prefix_cache!r}"
+            )
     if args.kv_backend == "kvplug":
         _check_names(manager, "prefix_cache", [args.prefix_cache], "--prefix-cache")
         if args.attention != "auto":
@@ -290,6 +305,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "overlap_schedule": False if args.disable_overlap_schedule else None,
         "torch_compile": bool(args.enable_torch_compile),
+        "host_memory": host_memory,
     }
 
 

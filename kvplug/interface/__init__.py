@@ -12,6 +12,7 @@ from kvplug.interface.errors import (
     OutOfMemoryError,
     PluginLoadError,
     PluginRegistrationError,
+    TierCopyError,
     UnknownComponentError,
 )
 from kvplug.lazy_names import lazy_attributes
@@ -24,10 +25,12 @@ _LAZY_NAMES = {
     **dict.fromkeys(("KV_MEDIUM_DEVICE", "AllCleared", "BaseCacheHandle", "BasePrefixCache", "BlockRemoved",
                      "BlockStored", "InsertResult", "KVCacheEvent", "KVEventListener", "MatchResult",
                      "PrefixCacheConfig", "SizeInfo"), "kvplug.interface.prefix_cache"),
+    **dict.fromkeys(("KV_MEDIUM_HOST", "BaseTieredPrefixCache", "TieredMatchResult", "TierStats"),
+                    "kvplug.interface.tiered_cache"),
 }
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=("attention", "kv_pool", "prefix_cache"))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=("attention", "kv_pool", "prefix_cache", "tiered_cache"))
 
 
 INTERFACE_VERSION = 1
@@ -35,6 +38,11 @@ INTERFACE_VERSION = 1
 __all__ = [
     "INTERFACE_VERSION",
     "KV_MEDIUM_DEVICE",
+    "KV_MEDIUM_HOST",
+    "BaseTieredPrefixCache",
+    "TierCopyError",
+    "TierStats",
+    "TieredMatchResult",
     "AllCleared",
     "BlockRemoved",
     "BlockStored",

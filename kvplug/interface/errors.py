@@ -40,3 +40,12 @@ class InvalidArgumentError(KVPlugError, ValueError):
 
 class OutOfMemoryError(KVPlugError, RuntimeError):
     """The KV pool cannot satisfy an allocation, even after evicting every evictable entry."""
+
+
+class TierCopyError(KVPlugError, RuntimeError):
+    """A copy between the KV pool and the host-memory tier failed (``kvplug.memory.host_pool``).
+
+    Raised before the cache records the copy as done: the tier's structures are unchanged (a
+    failed load leaves the prefix host-resident) or the entries the copy was for are dropped (a
+    failed write-back), never pointing at bytes that were not copied.
+    """

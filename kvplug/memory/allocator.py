@@ -16,6 +16,11 @@ Giving pages back: a finished request's computed page-aligned prefix goes into t
 leaves duplicate pages behind, which are freed; every other page goes to the free list. Frees
 may be batched with ``lazy_free`` so a scheduling step concatenates the free list once.
 
+Host-memory tier (a ``BaseTieredPrefixCache``): ``open_request`` also takes device pages for the
+host-resident part of a match and has the cache load it into them before anything else runs, so
+the prefill that follows reads it (see ``_match_and_load``). A load that cannot get pages, or whose
+copy fails, is skipped: the request computes those tokens and nothing is lost.
+
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
 """
@@ -23,17 +28,27 @@ Who owns a page at any moment (``check_integrity`` verifies it): the free list, 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from kvplug.interface import BasePrefixCache, InvalidArgumentError, OutOfMemoryError
+from kvplug.interface import (
+    BaseCacheHandle,
+    BasePrefixCache,
+    BaseTieredPrefixCache,
+    InvalidArgumentError,
+    OutOfMemoryError,
+    TierCopyError,
+)
 from kvplug.memory.free_list import FreeList
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
 from kvplug.memory.ragged import HostInts, expand_pages, host_ints
 from kvplug.memory.request import Request, RequestStates
+
+logger = logging.getLogger(__name__)
 
 
 class NewPages(NamedTuple):
@@ -63,6 +78,10 @@ class PagedAllocator:
     Attributes:
         states: per-row lengths of live requests (``Request`` objects are views of it).
         evicted_tokens: tokens evicted from the prefix cache so far.
+        tiered: the prefix cache has a host-memory tier (``BaseTieredPrefixCache``).
+        host_hit_tokens: tokens loaded from the host tier into admitted requests so far.
+        skipped_load_tokens: host-resident tokens matched but computed instead (no pages, or a
+            failed copy).
     """
 
     def __init__(self, num_pages: int, page_size: int, page_table: PageTable, prefix_cache: BasePrefixCache) -> None:
@@ -77,6 +96,9 @@ class PagedAllocator:
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         self._no_page_slots: dict[int, np.ndarray] = {}
         self.evicted_tokens = 0
+        self.host_hit_tokens = 0
+        self.skipped_load_tokens = 0
+        self.tiered = isinstance(prefix_cache, BaseTieredPrefixCache)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -121,15 +143,53 @@ class PagedAllocator:
         if not 1 <= n <= self.page_table.max_seq_len:
             raise InvalidArgumentError(f"a request needs 1 to max_seq_len={self.page_table.max_seq_len} tokens, got {n}")
         self.page_table.check_row(row, allow_dummy=False)
-        handle = self.prefix_cache.match_prefix(input_ids[: n - 1]).handle
+        if self.tiered:
+            handle = self._match_and_load(input_ids[: n - 1])
+        else:
+            handle = self.prefix_cache.match_prefix(input_ids[: n - 1]).handle
+            self.prefix_cache.lock_handle(handle)
         matched = int(handle.cached_len)
-        self.prefix_cache.lock_handle(handle)
         self.page_table.write_tokens(row, 0, input_ids)
         if matched:
             self.page_table.write_locations(row, 0, handle.get_matched_indices())
         request = Request(self.states, row, n, matched, handle)
         self._live[row] = request
         return request
+
+    def _match_and_load(self, input_ids: torch.Tensor) -> BaseCacheHandle:
+        """Match against a tiered cache and load the host-resident part into device pages taken
+        now (evicting as ``allocate`` would); returns the locked handle of what is on the device.
+
+        The host part is locked while pages are made for it (evicting writes other prefixes back
+        and may drop host-resident ones: never these). Without pages, or when the copy fails,
+        the request keeps the device-resident match and computes the rest.
+        """
+        cache = self.prefix_cache
+        match = cache.match_tiered(input_ids)
+        handle = match.handle
+        cache.lock_handle(handle)
+        host_len = int(match.host_len)
+        if not host_len:
+            return handle
+        cache.lock_handle(match.host_handle)
+        try:
+            pages = self._take_pages(host_len // self.page_size, 1)
+        except OutOfMemoryError:
+            cache.lock_handle(match.host_handle, unlock=True)
+            self.skipped_load_tokens += host_len
+            return handle
+        try:
+            cache.load_host_prefix(match.host_handle, expand_pages(pages, self.page_size))
+        except TierCopyError as error:
+            logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens",
+                           error, host_len)
+            self.free_list.release(pages.clone(), immediately=True)
+            cache.lock_handle(match.host_handle, unlock=True)
+            self.skipped_load_tokens += host_len
+            return handle
+        cache.lock_handle(handle, unlock=True)
+        self.host_hit_tokens += host_len
+        return match.host_handle
 
     def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> np.ndarray:
         """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages

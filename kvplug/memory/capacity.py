@@ -89,6 +89,10 @@ class CapacityPlan:
         context_len: the request length asked about (``None`` if not given).
         concurrent_requests: requests of ``context_len`` tokens that fit at once (``None`` if
             no length was given); each occupies ``ceil(context_len / page_size)`` pages.
+        host_memory: the host-memory tier's budget in bytes (``None`` without a tier).
+        host_pages, host_tokens: pages (each all layers of one device page) and tokens the host
+            tier holds, as the ``radix`` cache with ``host_memory`` sizes it (0 without a tier).
+        cached_tokens: tokens the prefix cache can keep over both tiers, ``num_tokens + host_tokens``.
     """
 
     bytes_per_token: int
@@ -99,9 +103,16 @@ class CapacityPlan:
     memory_budget: int
     context_len: int | None
     concurrent_requests: int | None
+    host_memory: int | None = None
+    host_pages: int = 0
+    host_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.num_tokens + self.host_tokens
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "cached_tokens": self.cached_tokens}
 
 
 def plan_capacity(
@@ -111,9 +122,11 @@ def plan_capacity(
     page_size: int = 1,
     tp_size: int = 1,
     context_len: int | None = None,
+    host_memory: int | str | None = None,
 ) -> CapacityPlan:
     """Size a KV pool for ``shape`` (its ``dtype`` is the KV dtype; a ``ModelShape`` or a torch-free
-    ``KVGeometry``) within ``memory_budget`` bytes per rank."""
+    ``KVGeometry``) within ``memory_budget`` bytes per rank, and, with ``host_memory``, the
+    host-memory tier under it (``host_memory // page bytes`` pages, as the tiered cache sizes it)."""
     for name, value in (("page_size", page_size), ("tp_size", tp_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
@@ -122,6 +135,10 @@ def plan_capacity(
     budget = parse_memory_size(memory_budget)
     bytes_per_token = shape.kv_bytes_per_token(tp_size)
     num_pages = num_pages_for_budget(bytes_per_token, page_size, budget)
+    host_budget = host_pages = None
+    if host_memory is not None:
+        host_budget = parse_memory_size(host_memory)
+        host_pages = host_budget // (bytes_per_token * page_size)
     concurrent = None
     if context_len is not None:
         concurrent = num_pages // -(-context_len // page_size)
@@ -134,4 +151,7 @@ def plan_capacity(
         memory_budget=budget,
         context_len=context_len,
         concurrent_requests=concurrent,
+        host_memory=host_budget,
+        host_pages=host_pages or 0,
+        host_tokens=(host_pages or 0) * page_size,
     )

@@ -47,6 +47,8 @@ class RadixNode(BaseCacheHandle):
         generation: the tree this node belongs to.
         page_hashes: the KV-event hash of each page of the edge (``block_hashes``), computed when
             events are first reported for the node; ``None`` until then.
+        on_host: the tiered cache only (``tiered_radix``): ``value`` holds host-tier locations.
+        host_heap_seq: the tiered cache only: like ``heap_seq``, for the host tier's candidates.
     """
 
     __slots__ = (
@@ -61,6 +63,8 @@ class RadixNode(BaseCacheHandle):
         "heap_seq",
         "generation",
         "page_hashes",
+        "on_host",
+        "host_heap_seq",
     )
 
     def __init__(
@@ -83,6 +87,8 @@ class RadixNode(BaseCacheHandle):
         self.heap_seq = -1
         self.generation = generation
         self.page_hashes: tuple[int, ...] | None = None
+        self.on_host = False
+        self.host_heap_seq = -1
 
     def get_matched_indices(self) -> torch.Tensor:
         """Token locations of the prefix: shape ``[cached_len]``, int32, on the cache's device.

@@ -31,6 +31,11 @@ is rejected; and a randomised differential run (hypothesis, imported lazily) aga
 model with ``check_integrity()`` after every operation. Run time is bounded: 50 random examples
 per page size by default (reproducible), ``slow=True`` for 500 fresh ones; a random failure is
 shrunk to a minimal operation list unless ``shrink=False``.
+
+Tiered caches (a host-memory tier, ``kvplug.BaseTieredPrefixCache``): ``check_tiered_prefix_cache(factory)``
+runs the same suite with a small pool attached (evictions then move prefixes to host memory) plus
+the tier's own checks (``kvplug.testing.tiered``): bit-identical round trips, LRU drops when host
+memory is full, locked host prefixes kept, and a randomised run checking K/V content on every hit.
 """
 
 from kvplug.testing.context import CheckContext, PrefixCacheFactory
@@ -43,6 +48,7 @@ from kvplug.testing.prefix_cache import (
     parametrize_prefix_cache_checks,
     prefix_cache_checks,
 )
+from kvplug.testing.tiered import TieredKit, check_tiered_prefix_cache
 
 __all__ = [
     "DEFAULT_PAGE_SIZES",
@@ -51,7 +57,9 @@ __all__ = [
     "PrefixCacheCheck",
     "PrefixCacheFactory",
     "ReferencePrefixCache",
+    "TieredKit",
     "check_prefix_cache",
+    "check_tiered_prefix_cache",
     "parametrize_prefix_cache_checks",
     "prefix_cache_checks",
 ]

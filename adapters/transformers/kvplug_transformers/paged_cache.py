@@ -100,7 +100,7 @@ class KVPlugPagedCache:
             attention=settings.attention,
             device=device,
             dtype=dtype,
-            **dict(settings.backend_options),
+            **_with_host_memory(settings),
         )
         self.settings = settings
         self._compute_stream: Any = None  # transformers' compute stream, once a step ran (attach_runner)
@@ -300,3 +300,13 @@ class KVPlugPagedCache:
     def stats(self):
         """The backend's ``BackendStats`` now."""
         return self.backend.stats()
+
+
+def _with_host_memory(settings: KVPlugSettings) -> dict[str, Any]:
+    """``settings.backend_options`` plus the prefix cache's ``host_memory`` option when a tier is set."""
+    options = dict(settings.backend_options)
+    if settings.host_memory is not None:
+        cache_options = dict(options.get("prefix_cache_options") or {})
+        cache_options["host_memory"] = settings.host_memory
+        options["prefix_cache_options"] = cache_options
+    return options

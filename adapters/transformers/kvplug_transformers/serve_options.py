@@ -48,6 +48,7 @@ class ServeOptions:
     cuda_graph_max_bs: int | None = None
     overlap_schedule: bool | None = None
     torch_compile: bool = False
+    host_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("kvplug", "native"):
@@ -87,6 +88,7 @@ class ServeOptions:
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "overlap_schedule": self.overlap_schedule,
             "torch_compile": self.torch_compile,
+            "host_memory": self.host_memory,
         }
 
 

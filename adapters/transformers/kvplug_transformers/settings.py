@@ -45,6 +45,9 @@ class KVPlugSettings:
             rotary, activations) instead of the model's eager ones; kvplug's attention stays
             outside the compiled graphs. Costs compile time at the first capture. Off by default
             (SGLang's ``--enable-torch-compile``).
+        host_memory: a host-memory tier under the ``radix`` prefix cache: bytes or a size string
+            (``"32GiB"``) of pinned host memory that keeps evicted prefixes and loads them back on
+            a hit (``None``: no tier). Passed to the prefix cache as its ``host_memory`` option.
     """
 
     prefix_cache: str = "radix"
@@ -61,6 +64,7 @@ class KVPlugSettings:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     overlap_schedule: bool | None = None
     torch_compile: bool = False
+    host_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):
@@ -95,6 +99,10 @@ class KVPlugSettings:
                 raise InvalidArgumentError(f"kv_memory as a fraction must lie in (0, 1], got {memory!r}")
             if isinstance(memory, int) and memory < 1:
                 raise InvalidArgumentError(f"kv_memory in bytes must be positive, got {memory!r}")
+        if self.host_memory is not None:
+            from kvplug.memory.capacity import parse_memory_size
+
+            parse_memory_size(self.host_memory)  # raises InvalidArgumentError naming the accepted forms
         if not isinstance(self.backend_options, Mapping):
             raise InvalidArgumentError(f"backend_options must be a mapping, got {self.backend_options!r}")
 

@@ -11,8 +11,25 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-COUNTERS = ("queried_tokens", "cache_hit_tokens", "evicted_tokens", "admitted_requests", "finished_requests")
-POOL_FIELDS = ("running_requests", "num_pages", "free_pages", "cached_pages", "evictable_pages", "used_pages")
+COUNTERS = ("queried_tokens", "cache_hit_tokens", "evicted_tokens", "admitted_requests", "finished_requests",
+            "host_hit_tokens", "host_loads", "host_loaded_bytes", "host_write_backs", "host_written_bytes",
+            "host_dropped_tokens", "host_copy_failures")
+POOL_FIELDS = ("running_requests", "num_pages", "free_pages", "cached_pages", "evictable_pages", "used_pages",
+               "host_pages", "host_free_pages")
+# host-tier fields of HostStats -> keys of BackendStats.tier (``kvplug.interface.TierStats``)
+TIER_FIELDS = {"host_loads": "loads", "host_loaded_bytes": "loaded_bytes", "host_write_backs": "write_backs",
+               "host_written_bytes": "written_bytes", "host_dropped_tokens": "host_dropped_tokens",
+               "host_copy_failures": "copy_failures", "host_pages": "host_pages",
+               "host_free_pages": "host_free_pages"}
+
+
+def _field(stats: Any, name: str) -> int:
+    """``name`` of a ``BackendStats``, host-tier fields read from its ``tier`` (0 without a tier)."""
+    key = TIER_FIELDS.get(name)
+    if key is None:
+        return getattr(stats, name, 0)
+    tier = getattr(stats, "tier", None)
+    return tier[key] if tier else 0
 
 
 class CacheRecord:
@@ -42,12 +59,12 @@ class CacheRecord:
     def rebase(self) -> None:
         """Count from zero again (``TransformersHost.reset_stats``)."""
         if self.latest is not None:
-            self._baseline = {name: getattr(self.latest, name) for name in COUNTERS}
+            self._baseline = {name: _field(self.latest, name) for name in COUNTERS}
 
     def counters(self) -> dict[str, int]:
         if self.latest is None:
             return dict.fromkeys(COUNTERS, 0)
-        return {name: getattr(self.latest, name) - self._baseline[name] for name in COUNTERS}
+        return {name: _field(self.latest, name) - self._baseline[name] for name in COUNTERS}
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,11 @@ class HostStats:
         running_requests, num_pages, free_pages, cached_pages, evictable_pages, used_pages: the
             live caches' pools now (summed).
         prefix_cache, attention: names in use by the most recent cache (``None`` before any).
+        host_hit_tokens: of ``cache_hit_tokens``, tokens loaded from the host-memory tier.
+        host_loads, host_loaded_bytes, host_write_backs, host_written_bytes: copies host -> device
+            (hits) and device -> host (evicted prefixes kept), and their bytes.
+        host_dropped_tokens, host_copy_failures: tokens the full host tier dropped; failed copies.
+        host_pages, host_free_pages: the live caches' host tiers now (0 without a tier).
     """
 
     caches: int
@@ -79,10 +101,30 @@ class HostStats:
     used_pages: int
     prefix_cache: str | None
     attention: str | None
+    host_hit_tokens: int = 0
+    host_loads: int = 0
+    host_loaded_bytes: int = 0
+    host_write_backs: int = 0
+    host_written_bytes: int = 0
+    host_dropped_tokens: int = 0
+    host_copy_failures: int = 0
+    host_pages: int = 0
+    host_free_pages: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.cache_hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found in the device tier over prompt tokens."""
+        hits = self.cache_hit_tokens - self.host_hit_tokens
+        return hits / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Prompt tokens loaded from the host-memory tier over prompt tokens."""
+        return self.host_hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     @property
     def utilisation(self) -> float:
@@ -90,13 +132,19 @@ class HostStats:
         return self.used_pages / self.num_pages if self.num_pages else 0.0
 
     def to_json(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "utilisation": self.utilisation}
+        return {**asdict(self), "hit_rate": self.hit_rate, "device_hit_rate": self.device_hit_rate,
+                "host_hit_rate": self.host_hit_rate, "utilisation": self.utilisation}
 
     def describe(self) -> str:
         totals = (
             f"kvplug cache: {self.cache_hit_tokens:,}/{self.queried_tokens:,} prompt tokens hit "
             f"({self.hit_rate:.1%}), {self.evicted_tokens:,} tokens evicted, "
         )
+        if self.host_pages or self.host_write_backs:
+            totals += (
+                f"host tier: {self.host_hit_tokens:,} tokens loaded ({self.host_hit_rate:.1%}), "
+                f"{self.host_loaded_bytes / 2**20:,.1f} MiB in / {self.host_written_bytes / 2**20:,.1f} MiB out, "
+            )
         if not self.live_caches:  # pools are released when the manager stops: no utilisation to show
             return totals + f"no live pool, {self.finished_requests:,} finished"
         return totals + (
@@ -116,7 +164,7 @@ class HostStats:
             if record.alive and record.latest is not None:
                 live += 1
                 for name in POOL_FIELDS:
-                    pool[name] += getattr(record.latest, name)
+                    pool[name] += _field(record.latest, name)
         last = records[-1] if records else None
         return cls(
             caches=len(records),

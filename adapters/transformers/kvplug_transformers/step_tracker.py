@@ -128,7 +128,7 @@ class StepTracker:
                 f"max_seq_len={self.backend.max_seq_len}"
             )
         ids = torch.tensor(prompt_ids[:-1], dtype=torch.int32, device=self.backend.device)
-        if int(self.backend.prefix_cache.match_prefix(ids).handle.cached_len) == 0:
+        if self._cached_len(ids) == 0:
             self._waiting_prompts[request_id] = prompt_ids
             return 0
         tracked = self._admit(request_id, prompt_ids)
@@ -139,6 +139,15 @@ class StepTracker:
             self._declined.add(request_id)  # transformers will now treat it as unmatched: keep it waiting
             return 0
         return tracked.request.matched_len
+
+    def _cached_len(self, ids: torch.Tensor) -> int:
+        """Tokens of ``ids`` cached in any tier: a prefix in host memory is a hit too, since
+        admitting the request loads it (and ``reserve`` must not find a hit ``match`` missed)."""
+        cache = self.backend.prefix_cache
+        if self.backend.allocator.tiered:
+            match = cache.match_tiered(ids)
+            return int(match.handle.cached_len) + int(match.host_len)
+        return int(cache.match_prefix(ids).handle.cached_len)
 
     def reserve(self, request_id: str, capacity: int) -> bool:
         """Promise the request pages up to ``capacity`` tokens, admitting it first if ``match``

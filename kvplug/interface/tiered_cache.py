@@ -1,0 +1,140 @@
+"""The optional host-memory tier of a prefix cache: additive to contract version 1.
+
+A *tiered* prefix cache keeps prefixes evicted from the accelerator's KV pool in a second,
+larger pool in host memory, and loads them back when a request matches them. Its version-1 face
+is unchanged (``BasePrefixCache``): ``match_prefix``, ``size_info``, ``evict`` and the rest speak of
+the device tier only, so every caller and test written for version 1 sees an ordinary prefix
+cache. A host that knows the tier asks ``isinstance(cache, BaseTieredPrefixCache)`` and uses the
+members below; a version-1 plugin is simply not tiered.
+
+Lifecycle a host (``kvplug.memory.allocator.PagedAllocator``) follows::
+
+    cache.attach_kv_pool(pool)                      # once, after the KV pool exists
+    match = cache.match_tiered(input_ids)           # device part + host part of the longest prefix
+    cache.lock_handle(match.handle)
+    if match.host_len:
+        cache.lock_handle(match.host_handle)        # nothing on the path can be dropped now
+        pages = <take match.host_len // page_size free pages, evicting as usual>
+        handle = cache.load_host_prefix(match.host_handle, locations_of(pages))
+        cache.lock_handle(match.handle, unlock=True)  # host_handle stays locked, now all on device
+
+KV events of a tiered cache carry the tier in ``medium``: ``KV_MEDIUM_DEVICE`` (``"GPU"``) for the
+KV pool, ``KV_MEDIUM_HOST`` (``"CPU"``) for host memory; a move between tiers is a ``BlockRemoved``
+in one medium and a ``BlockStored`` in the other.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from kvplug.interface.prefix_cache import BaseCacheHandle, BasePrefixCache, SizeInfo
+
+#: ``medium`` of KV events about pages held in the host-memory tier (SGLang's and vLLM's name).
+KV_MEDIUM_HOST = "CPU"
+
+
+class TieredMatchResult(NamedTuple):
+    """Result of ``match_tiered``.
+
+    Attributes:
+        handle: the device-resident part of the match, exactly ``match_prefix(...).handle``.
+        host_handle: the handle of the whole match (``handle.cached_len + host_len`` tokens);
+            ``handle`` itself when ``host_len == 0``. Lock it before making room for a load; its
+            ``get_matched_indices`` is valid only once it is loaded.
+        host_len: tokens after ``handle`` that are cached in host memory (a page multiple).
+    """
+
+    handle: BaseCacheHandle
+    host_handle: BaseCacheHandle
+    host_len: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of a host-memory tier since the cache was built (``reset`` keeps them).
+
+    Attributes:
+        host_pages, host_free_pages: pages of the host pool (0 before ``attach_kv_pool``).
+        page_size: tokens per page.
+        host_evictable_tokens, host_protected_tokens: tokens cached in host memory (protected:
+            locked while a load is prepared).
+        loads, loaded_tokens, loaded_bytes: host-to-device copies (each a host hit: the tokens
+            were not recomputed).
+        write_backs, written_tokens, written_bytes: device-to-host copies of evicted prefixes.
+        host_dropped_tokens: tokens dropped from host memory (LRU, when it was full).
+        copy_failures: copies that raised (``TierCopyError``); nothing was lost, see there.
+        load_seconds, write_seconds: host time spent issuing the copies (on CUDA the copies
+            themselves are asynchronous; on the CPU this is the copy time).
+    """
+
+    host_pages: int = 0
+    host_free_pages: int = 0
+    page_size: int = 1
+    host_evictable_tokens: int = 0
+    host_protected_tokens: int = 0
+    loads: int = 0
+    loaded_tokens: int = 0
+    loaded_bytes: int = 0
+    write_backs: int = 0
+    written_tokens: int = 0
+    written_bytes: int = 0
+    host_dropped_tokens: int = 0
+    copy_failures: int = 0
+    load_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class BaseTieredPrefixCache(BasePrefixCache):
+    """A prefix cache with a host-memory tier under its device tier (see the module docstring).
+
+    The version-1 members keep their meaning for the device tier: ``match_prefix`` returns the
+    device-resident part of the match, ``size_info`` counts device tokens, ``evict(n)`` frees at
+    least ``n`` device tokens (moving them to host memory where it can), ``insert_prefix`` reports
+    as ``cached_len`` the device-resident part (host-resident pages on the inserted path take the
+    caller's device locations instead of being copied back).
+    """
+
+    @abstractmethod
+    def attach_kv_pool(self, pool: Any) -> None:
+        """Give the cache the KV pool whose pages it moves (``pool.kv_buffer``: shape
+        ``[2, num_layers, num_pages + 1, page_size, local_kv_heads, head_dim]``, on the cache's
+        device). Until then the cache has no host tier and behaves as a version-1 cache."""
+
+    @abstractmethod
+    def match_tiered(self, input_ids: torch.Tensor) -> TieredMatchResult:
+        """``match_prefix`` that also reports the host-resident continuation of the match.
+
+        Args:
+            input_ids: shape ``[n]``, int32, cache device.
+        """
+
+    @abstractmethod
+    def load_host_prefix(self, host_handle: BaseCacheHandle, device_indices: torch.Tensor) -> BaseCacheHandle:
+        """Copy the host-resident part of ``host_handle``'s prefix into the KV pool at
+        ``device_indices`` and make it device-resident; returns the handle (now all on device).
+
+        Args:
+            host_handle: ``match_tiered(...).host_handle``, locked by the caller.
+            device_indices: shape ``[host_len]``, int32, cache device; free locations (whole pages)
+                the caller gives to the cache.
+
+        The copy is ordered before any later work on the device's current stream (on CUDA it runs
+        on a side stream the current stream waits for). Raises ``TierCopyError`` with nothing
+        changed (the prefix stays host-resident; the caller still owns ``device_indices``).
+        """
+
+    @property
+    @abstractmethod
+    def host_size_info(self) -> SizeInfo:
+        """Tokens cached in host memory: evictable (unlocked) and protected (locked)."""
+
+    @abstractmethod
+    def tier_stats(self) -> TierStats:
+        """The tier's counters and sizes."""

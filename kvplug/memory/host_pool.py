@@ -1,0 +1,281 @@
+"""The host-memory tier's page pool: KV pages copied out of the device KV pool, page-contiguous.
+
+Layout: one tensor ``[num_host_pages, 2, num_layers, page_size, local_kv_heads, head_dim]`` (pinned
+on a CUDA host, so copies are DMA; an ordinary CPU tensor when the KV pool is on the CPU). One host
+page holds a device page's K and V for *every* layer contiguously, so moving a node of ``n`` pages
+is a gather of all its layers into one contiguous device staging buffer and then as many big
+copies as the host pages form contiguous runs (usually one) -- not ``2 * num_layers`` small copies
+per page. Host token location ``h * page_size + i`` is token ``i`` of host page ``h`` (the same
+convention as the device pool's locations), which is what the tiered cache keeps in its nodes.
+
+The free list is a stack of host pages: taking pops the lowest-numbered end, releasing pushes the
+pages back so the next take returns them in the same order, which keeps runs contiguous.
+
+Streams (CUDA). Every transfer over PCIe/NVLink-C2C runs on one side stream, the *copy stream*;
+the gathers and scatters that touch the KV pool run on the current (compute) stream.
+
+- ``write`` (device -> host): the gather into staging is queued on the compute stream, so stream
+  order makes it read the pages before any later kernel can overwrite them and the caller may
+  hand the device pages out again at once; the copy stream waits for the gather, then copies
+  staging to host memory while the compute stream goes on with other work.
+- ``read`` (host -> device): the copy stream copies host pages into a device staging buffer, the
+  compute stream waits for that copy and scatters staging into the destination pages: the
+  transfer overlaps work already queued on the compute stream, and everything queued after
+  ``read`` (the prefill that reads the pages) sees the loaded bytes.
+- Host pages are only ever touched by the copy stream, in the order the calls were made, so a
+  host page released by one copy and taken by the next is never read and written out of order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvplug.interface import InvalidArgumentError, OutOfMemoryError, TierCopyError
+
+#: Largest device staging buffer of one copy: big copies run at full DMA speed from a few MiB on,
+#: and the pool usually leaves the device little spare memory.
+STAGING_BYTES = 64 << 20
+
+
+class HostKVPool:
+    """Pages of KV in host memory, each holding all layers of one device page.
+
+    Args:
+        kv_buffer: the device pool, shape ``[2, num_layers, num_pages + 1, page_size, local_kv_heads,
+            head_dim]`` (``MHAKVPool.kv_buffer``); read and written through token locations.
+        num_pages: host pages to allocate (``>= 1``).
+        pin: pin the host memory; default: when ``kv_buffer`` is on CUDA.
+
+    Attributes:
+        buffer: shape ``[num_pages, 2, num_layers, page_size, local_kv_heads, head_dim]``, host.
+        bytes_per_page: bytes of one host page (= one device page, all layers, K and V).
+    """
+
+    def __init__(self, kv_buffer: torch.Tensor, num_pages: int, *, pin: bool | None = None) -> None:
+        if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.dim() != 6 or kv_buffer.shape[0] != 2:
+            raise InvalidArgumentError(
+                "the host tier needs the KV pool's buffer of shape [2, num_layers, num_pages + 1, page_size, "
+                f"local_kv_heads, head_dim], got {getattr(kv_buffer, 'shape', kv_buffer)!r}"
+            )
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise InvalidArgumentError(f"the host pool needs at least one page, got num_pages={num_pages!r}")
+        _, num_layers, device_pages, page_size, heads, head_dim = kv_buffer.shape
+        self.num_pages = num_pages
+        self.page_size = int(page_size)
+        self.device = kv_buffer.device
+        self._is_cuda = self.device.type == "cuda"
+        self._page_shape = (2, num_layers, page_size, heads, head_dim)
+        # the device pool by page, page first (a view): [num_pages + 1, 2, L, P, H, D]
+        self._by_page = kv_buffer.permute(2, 0, 1, 3, 4, 5)
+        # the device pool by token location: [2, L, (num_pages + 1) * page_size, H, D]
+        self._device_tokens = kv_buffer.view(2, num_layers, device_pages * page_size, heads, head_dim)
+        pin = self._is_cuda if pin is None else pin
+        self._registered = False
+        try:
+            self.buffer = torch.empty((num_pages, *self._page_shape), dtype=kv_buffer.dtype)
+            if pin:
+                self._pin(self.buffer)
+        except (RuntimeError, MemoryError) as error:
+            raise OutOfMemoryError(
+                f"cannot allocate the host KV tier: {num_pages:,} pages of "
+                f"{self._page_bytes(kv_buffer):,} bytes{' (pinned)' if pin else ''}: "
+                f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            ) from error
+        self.bytes_per_page = self._page_bytes(kv_buffer)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is the lowest page
+        self._copy_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self.write_seconds = 0.0
+        self.read_seconds = 0.0
+
+    def _pin(self, buffer: torch.Tensor) -> None:
+        """Page-lock ``buffer`` in place with ``cudaHostRegister`` (the DMA engines then copy it at
+        full speed). Not ``pin_memory=True``: torch's pinned allocator rounds every block up to a
+        power of two, which for a 40 GiB tier would lock 64 GiB of host memory."""
+        code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+        if int(code) != 0:
+            raise RuntimeError(f"cudaHostRegister of {buffer.numel() * buffer.element_size():,} bytes failed: {code}")
+        self._registered = True
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host pages are page-locked (registered with CUDA)."""
+        return self._registered
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered", False):
+            try:
+                self._copy_stream.synchronize()  # no copy may still be using the pages
+                torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            except Exception:  # interpreter shutdown: CUDA may already be gone
+                pass
+            self._registered = False
+
+    def _page_bytes(self, kv_buffer: torch.Tensor) -> int:
+        return int(np.prod(self._page_shape)) * kv_buffer.element_size()
+
+    # ------------------------------------------------------------------ pages
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> np.ndarray:
+        """Remove ``count`` free pages: shape ``[count]``, int64, host. ``OutOfMemoryError`` (nothing
+        taken) when fewer are free."""
+        if count > len(self._free):
+            raise OutOfMemoryError(f"the host KV tier has {len(self._free)} free pages, {count} were asked")
+        if count == 0:
+            return np.empty(0, dtype=np.int64)
+        taken = self._free[-count:]
+        del self._free[-count:]
+        return np.array(taken[::-1], dtype=np.int64)
+
+    def release(self, pages: Sequence[int] | np.ndarray) -> None:
+        """Give pages back (host page numbers); the next ``take`` returns them in this order."""
+        self._free.extend(int(page) for page in reversed(list(pages)))
+
+    def reset(self) -> None:
+        """Every page free again (the cache forgot everything)."""
+        self._free = list(range(self.num_pages - 1, -1, -1))
+
+    def free_pages(self) -> np.ndarray:
+        """The free pages (for integrity checks): shape ``[f]``, int64, host."""
+        return np.array(self._free, dtype=np.int64)
+
+    # ------------------------------------------------------------------ copies
+    def write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
+        """Copy device KV to host pages: token ``j`` of ``device_locations`` goes to token
+        ``j % page_size`` of host page ``host_pages[j // page_size]``, for every layer, K and V.
+
+        Args:
+            device_locations: shape ``[len(host_pages) * page_size]``, integers; token locations of
+                the device pool. A host array of whole pages (what a page-granular cache holds) is
+                gathered page by page; anything else (a device tensor, partial pages) token by token.
+            host_pages: shape ``[m]``, int64, host.
+
+        Raises ``TierCopyError`` when a copy fails (the host pages' contents are then undefined).
+        """
+        started = time.perf_counter()
+        try:
+            self._write(device_locations, host_pages)
+        except Exception as error:
+            raise TierCopyError(f"device -> host copy of {len(host_pages)} pages failed: {error}") from error
+        finally:
+            self.write_seconds += time.perf_counter() - started
+
+    def read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> None:
+        """Copy host pages back into the device pool at ``device_locations`` (the layout and the
+        argument forms of ``write``).
+
+        Raises ``TierCopyError`` when a copy fails (the destination locations are then undefined;
+        the host pages are unchanged).
+        """
+        started = time.perf_counter()
+        try:
+            self._read(host_pages, device_locations)
+        except Exception as error:
+            raise TierCopyError(f"host -> device copy of {len(host_pages)} pages failed: {error}") from error
+        finally:
+            self.read_seconds += time.perf_counter() - started
+
+    def _chunks(self, count: int) -> list[tuple[int, int]]:
+        """``[begin, end)`` page ranges of at most ``STAGING_BYTES`` each."""
+        step = max(1, STAGING_BYTES // self.bytes_per_page)
+        return [(begin, min(begin + step, count)) for begin in range(0, count, step)]
+
+    def _device_index(self, locations: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``locations`` as an index of the device pool: ``(device page numbers [m], 1)`` for a host
+        array of whole pages, else ``(token locations [m * P], page_size)``; int64, on the device."""
+        size = self.page_size
+        if isinstance(locations, np.ndarray):
+            locations = locations.astype(np.int64, copy=False)
+            pages = locations[::size] // size
+            if size == 1 or np.array_equal(locations, (pages[:, None] * size + np.arange(size)).reshape(-1)):
+                return torch.from_numpy(pages).to(self.device, non_blocking=True), 1
+            return torch.from_numpy(locations).to(self.device, non_blocking=True), size
+        return locations.to(self.device, non_blocking=True).long(), size
+
+    def _write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
+        index, per_page = self._device_index(device_locations)
+        for begin, end in self._chunks(len(host_pages)):
+            self._write_chunk(index[begin * per_page : end * per_page], per_page == 1, host_pages[begin:end])
+
+    def _write_chunk(self, index: torch.Tensor, by_page: bool, host_pages: np.ndarray) -> None:
+        count = len(host_pages)
+        two, layers, page_size, heads, head_dim = self._page_shape
+        if by_page and not self._is_cuda:  # gather each run of pages straight into the host pages
+            offset = 0
+            for first, length in _runs(host_pages):
+                torch.index_select(self._by_page, 0, index[offset : offset + length],
+                                   out=self.buffer[first : first + length])
+                offset += length
+            return
+        # one gather of every layer's pages (or rows) into page-contiguous staging [m, 2, L, P, H, D]
+        if by_page:
+            staging = torch.index_select(self._by_page, 0, index)
+        else:
+            gathered = self._device_tokens.index_select(2, index).view(two, layers, count, page_size, heads, head_dim)
+            staging = gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
+        if not self._is_cuda:
+            self._copy_runs(host_pages, staging, to_host=True)
+            return
+        copy_stream = self._copy_stream
+        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather is done first
+        with torch.cuda.stream(copy_stream):
+            self._copy_runs(host_pages, staging, to_host=True)
+        staging.record_stream(copy_stream)  # not reused until the copy has read it
+
+    def _copy_runs(self, host_pages: np.ndarray, staging: torch.Tensor, *, to_host: bool) -> None:
+        """Copy between ``staging`` (``[m, 2, L, P, H, D]``, device) and the host pages, one copy
+        per run of consecutive pages, on the current stream."""
+        offset = 0
+        for first, length in _runs(host_pages):
+            if to_host:
+                self.buffer[first : first + length].copy_(staging[offset : offset + length], non_blocking=self._is_cuda)
+            else:
+                staging[offset : offset + length].copy_(self.buffer[first : first + length], non_blocking=True)
+            offset += length
+
+    def _read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> None:
+        index, per_page = self._device_index(device_locations)
+        for begin, end in self._chunks(len(host_pages)):
+            self._read_chunk(host_pages[begin:end], index[begin * per_page : end * per_page], per_page == 1)
+
+    def _read_chunk(self, host_pages: np.ndarray, index: torch.Tensor, by_page: bool) -> None:
+        count = len(host_pages)
+        two, layers, page_size, heads, head_dim = self._page_shape
+        if by_page and not self._is_cuda:  # scatter each run of host pages straight into the pool
+            offset = 0
+            for first, length in _runs(host_pages):
+                self._by_page.index_copy_(0, index[offset : offset + length], self.buffer[first : first + length])
+                offset += length
+            return
+        if self._is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            copy_stream = self._copy_stream
+            with torch.cuda.stream(copy_stream):  # after every earlier copy of host pages
+                staging = torch.empty((count, *self._page_shape), dtype=self.buffer.dtype, device=self.device)
+                self._copy_runs(host_pages, staging, to_host=False)
+                loaded = torch.cuda.Event()
+                loaded.record(copy_stream)
+            compute.wait_event(loaded)
+            staging.record_stream(compute)
+        else:
+            staging = self.buffer[torch.from_numpy(np.ascontiguousarray(host_pages))]
+        if by_page:
+            self._by_page.index_copy_(0, index, staging)
+        else:
+            rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, count * page_size, heads, head_dim)
+            self._device_tokens.index_copy_(2, index, rows)
+
+
+def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """``pages`` as runs of consecutive page numbers, in order: ``[(first, length), ...]``."""
+    pages = np.asarray(pages, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [pages.size]))
+    return [(int(pages[start]), int(end - start)) for start, end in zip(starts, ends)]

@@ -1,0 +1,367 @@
+"""The host-memory tier (``radix`` with ``host_memory``): conformance, a randomised invariant suite over
+both pools through the backend, K/V round trips, copy faults, and token-identical generation.
+
+The backend-level runs write, for every computed token, K/V that is a function of the tokens up to
+it (as a real model's is), so any page served for the wrong prefix or left stale by a move between
+tiers shows up as a content mismatch on the next admission that matches it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import kvplug
+from kvplug.builtin.prefix_caches import create_radix
+from kvplug.interface import BaseTieredPrefixCache, InvalidArgumentError, TierCopyError
+from kvplug.memory.host_pool import HostKVPool
+from kvplug.memory.model_shape import ModelShape
+from kvplug.testing import TieredKit, check_tiered_prefix_cache
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
+SHAPE = ModelShape(LAYERS, 2, KV_HEADS, HEAD_DIM, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- cache level
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_radix_with_host_memory_passes_the_tiered_conformance_kit(page_size):
+    check_tiered_prefix_cache(create_radix, page_sizes=(page_size,), seeds=6, shrink=False)
+
+
+def test_split_refreshes_tail_with_a_tier_passes_the_kit():
+    """The SGLang host's recency rule (``split_refreshes_tail``) holds across tiers too."""
+    def factory(config):
+        return create_radix(config.__class__(config.device, config.page_size,
+                                             {**config.options, "split_refreshes_tail": True}))
+
+    check_tiered_prefix_cache(factory, page_sizes=(4,), seeds=4, shrink=False)
+
+
+def test_host_memory_option_selects_the_tier_and_is_validated():
+    assert isinstance(kvplug.create_prefix_cache("radix", host_memory="1MiB"), BaseTieredPrefixCache)
+    assert not isinstance(kvplug.create_prefix_cache("radix", host_memory=None), BaseTieredPrefixCache)
+    assert not isinstance(kvplug.create_prefix_cache("radix"), BaseTieredPrefixCache)
+    for bad in ("lots", -5, 0, True):
+        with pytest.raises(InvalidArgumentError):
+            kvplug.create_prefix_cache("radix", host_memory=bad)
+    kit = TieredKit(create_radix, 4, host_pages=2)
+    with pytest.raises(InvalidArgumentError, match="already"):
+        kit.cache.attach_kv_pool(kit.pool)
+    tiny = kvplug.create_prefix_cache("radix", page_size=4, host_memory=8)
+    with pytest.raises(InvalidArgumentError, match="holds no KV page"):
+        tiny.attach_kv_pool(kit.pool)
+
+
+def test_unattached_tiered_cache_behaves_as_radix():
+    """Before a pool is attached there is no tier: evict drops, as radix does (version-1 kit)."""
+    kvplug.testing.check_prefix_cache(
+        lambda config: create_radix(config.__class__(config.device, config.page_size, {"host_memory": "1MiB"})),
+        page_sizes=(4,), shrink=False,
+    )
+
+
+def test_kv_events_report_the_medium_of_every_move():
+    kit = TieredKit(create_radix, 4, host_pages=2)
+    events = []
+    assert kit.cache.add_kv_event_listener(events.append)
+    tokens = torch.arange(1, 9, dtype=torch.int32)
+    kit.cache.insert_prefix(tokens, torch.arange(8, dtype=torch.int32))
+    kit.cache.evict(8)
+    handle, _, host_len = kit.match_and_load(tokens.tolist(), list(range(100, 108)))
+    assert host_len == 8
+    kinds = [(type(event).__name__, event.medium) for event in events]
+    assert kinds == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"),
+                     ("BlockRemoved", "CPU"), ("BlockStored", "GPU")]
+    assert events[0].block_hashes == events[2].block_hashes == events[4].block_hashes  # same pages, moved
+
+
+def test_host_pool_copies_whole_pages_in_runs_and_refuses_overdraw():
+    pool = kvplug.memory.MHAKVPool(kvplug.KVPoolConfig(
+        num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_pages=8, page_size=4,
+        dtype=torch.float32, device=torch.device("cpu"),
+    ))
+    pool.kv_buffer.copy_(torch.randn_like(pool.kv_buffer))
+    host = HostKVPool(pool.kv_buffer, 4)
+    pages = host.take(3)
+    assert pages.tolist() == [0, 1, 2] and host.num_free_pages == 1
+    with pytest.raises(kvplug.OutOfMemoryError):
+        host.take(2)
+    assert host.num_free_pages == 1
+    source = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 20, 21, 22, 23], dtype=torch.int32)
+    host.write(source, pages)
+    # host page 0 holds device page 2 (locations 8..11), all layers, K and V, page-contiguous
+    assert torch.equal(host.buffer[0], pool.kv_buffer[:, :, 2])
+    assert torch.equal(host.buffer[2], pool.kv_buffer[:, :, 5])
+    expected = pool.kv_buffer[:, :, [2, 0, 5]].clone()
+    host.read(pages, torch.tensor(list(range(24, 36)), dtype=torch.int32))
+    assert torch.equal(pool.kv_buffer[:, :, 6:9], expected)
+    host.release(pages)
+    assert host.take(3).tolist() == [0, 1, 2]  # released pages come back in order: copies stay one run
+    # whole pages given as a host array take the page-granular path: the same bytes
+    by_page = HostKVPool(pool.kv_buffer, 4)
+    by_page.write(source.numpy(), by_page.take(3))
+    assert torch.equal(by_page.buffer[:3], host.buffer[:3])
+    by_page.read(np.array([2, 0]), np.arange(4, 12, dtype=np.int32))  # device pages 1, 2 <- host 2, 0
+    assert torch.equal(pool.kv_buffer[:, :, 1], host.buffer[2]) and torch.equal(pool.kv_buffer[:, :, 2], host.buffer[0])
+
+
+# ---------------------------------------------------------------------------------------------- backend level
+def _fingerprint_rows(tokens: list[int], begin: int, end: int) -> torch.Tensor:
+    """K/V rows ``[2, L, end - begin, H, D]`` for positions ``begin..end-1`` of ``tokens``: a
+    function of every token up to each position."""
+    values = []
+    value = 17
+    for position, token in enumerate(tokens[:end]):
+        value = (value * 1_000_003 + token + 1) % 8_388_593
+        if position >= begin:
+            values.append(float(value))
+    rows = torch.tensor(values).view(1, 1, -1, 1, 1)
+    offsets = torch.arange(2 * LAYERS * KV_HEADS * HEAD_DIM, dtype=torch.float32).view(2, LAYERS, 1, KV_HEADS, HEAD_DIM)
+    return rows + offsets / 64
+
+
+class TieredWorld:
+    """A memory-only backend (no attention) with the tier, and a model forward that writes fingerprints."""
+
+    def __init__(self, page_size: int, num_pages: int, host_pages: int, seed: int, device: str = "cpu") -> None:
+        page_bytes = SHAPE.kv_bytes_per_token() * page_size
+        self.backend = kvplug.create_backend(
+            SHAPE, page_size=page_size, num_pages=num_pages, max_running_reqs=6, max_seq_len=16 * page_size,
+            attention=None, prefix_cache="radix", prefix_cache_options={"host_memory": host_pages * page_bytes},
+            device=device,
+        )
+        self.device = torch.device(device)
+        self.rows = self.backend.pool.kv_buffer.view(2, LAYERS, -1, KV_HEADS, HEAD_DIM)
+        self.rng = random.Random(seed)
+        self.page_size = page_size
+        self.prompts = {}  # request -> token ids
+
+    def prompt(self) -> list[int]:
+        P, rng = self.page_size, self.rng
+        system = rng.randrange(8)  # a few long shared prefixes, several turns each
+        turns = rng.randint(1, 5)
+        tokens = [100 + system] * (3 * P)
+        for turn in range(turns):
+            tokens += [200 + (system * 7 + turn) % 13] * P
+        return tokens + [rng.randrange(50)] * rng.randint(1, P)
+
+    def admit(self) -> bool:
+        tokens = self.prompt()
+        try:
+            request = self.backend.admit(tokens)
+        except kvplug.OutOfMemoryError:  # no free row
+            return False
+        matched = request.matched_len
+        locations = self.backend.page_table[request.row, :matched].long()
+        assert torch.equal(self.rows[:, :, locations], _fingerprint_rows(tokens, 0, matched).to(self.device)), (
+            f"an admission matched {matched} tokens whose K/V is stale or foreign"
+        )
+        try:
+            self.backend.allocate([request])
+        except kvplug.OutOfMemoryError:
+            self.backend.finish(request)
+            return False
+        cached, length = request.cached_len, request.device_len
+        out = self.backend.page_table[request.row, cached:length].long()
+        self.rows[:, :, out] = _fingerprint_rows(tokens, cached, length).to(self.device)  # the "forward"
+        self.prompts[request] = tokens
+        return True
+
+    def finish_one(self) -> None:
+        if self.prompts:
+            request = self.rng.choice(list(self.prompts))
+            del self.prompts[request]
+            self.backend.finish(request, computed=True)
+
+    def run(self, operations: int) -> None:
+        for number in range(operations):
+            if self.rng.random() < 0.55:
+                self.admit()
+            else:
+                self.finish_one()
+            try:
+                self.backend.check_integrity()
+            except AssertionError as error:
+                raise AssertionError(f"operation #{number}: {error}") from error
+        while self.prompts:
+            self.finish_one()
+        self.backend.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workloads_keep_both_pools_consistent_and_serve_exact_kv(page_size, seed):
+    world = TieredWorld(page_size, num_pages=40, host_pages=30, seed=seed)
+    world.run(150)
+    stats = world.backend.stats()
+    # the workload must exercise both tiers: write-backs, host hits (loads) and host drops
+    assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0 and stats.tier["host_dropped_tokens"] > 0
+    assert stats.cache_hit_tokens > stats.host_hit_tokens  # device hits too
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_copy_faults_lose_nothing_and_leave_everything_consistent(page_size, monkeypatch):
+    world = TieredWorld(page_size, num_pages=40, host_pages=30, seed=11)
+    fault_rng = random.Random(5)
+    original_write, original_read = HostKVPool._write, HostKVPool._read
+
+    def flaky(original):
+        def copy(self, *args):
+            if fault_rng.random() < 0.3:
+                raise RuntimeError("simulated DMA fault")
+            return original(self, *args)
+        return copy
+
+    monkeypatch.setattr(HostKVPool, "_write", flaky(original_write))
+    monkeypatch.setattr(HostKVPool, "_read", flaky(original_read))
+    world.run(200)
+    stats = world.backend.stats()
+    assert stats.tier["copy_failures"] > 0 and world.backend.allocator.skipped_load_tokens > 0
+    assert stats.host_hit_tokens > 0  # copies that did not fail were used
+
+
+def test_a_failed_load_raises_tier_copy_error_and_changes_nothing(monkeypatch):
+    kit = TieredKit(create_radix, 4, host_pages=4)
+    tokens = list(range(1, 9))
+    kit.write(tokens, list(range(8)))
+    kit.cache.insert_prefix(torch.tensor(tokens, dtype=torch.int32), torch.arange(8, dtype=torch.int32))
+    kit.cache.evict(8)
+    match = kit.cache.match_tiered(torch.tensor(tokens, dtype=torch.int32))
+    kit.cache.lock_handle(match.host_handle)
+    before = (kit.cache.size_info, kit.cache.host_size_info, kit.cache.host_pool.num_free_pages)
+
+    def broken(self, *args):
+        raise RuntimeError("simulated DMA fault")
+
+    monkeypatch.setattr(HostKVPool, "_read", broken)
+    with pytest.raises(TierCopyError, match="host -> device"):
+        kit.cache.load_host_prefix(match.host_handle, torch.arange(40, 48, dtype=torch.int32))
+    kit.cache.check_integrity()
+    assert (kit.cache.size_info, kit.cache.host_size_info, kit.cache.host_pool.num_free_pages) == before
+    monkeypatch.undo()
+    kit.cache.load_host_prefix(match.host_handle, torch.arange(40, 48, dtype=torch.int32))
+    kit.check_content(tokens, list(range(40, 48)), "a load retried after a fault")
+    kit.cache.check_integrity()
+
+
+def test_backend_stats_report_both_tiers():
+    world = TieredWorld(4, num_pages=40, host_pages=30, seed=3)
+    world.run(80)
+    stats = world.backend.stats()
+    as_json = stats.to_json()
+    assert as_json["host_hit_rate"] == stats.host_hit_tokens / stats.queried_tokens
+    assert abs(as_json["device_hit_rate"] + as_json["host_hit_rate"] - as_json["hit_rate"]) < 1e-12
+    tier = stats.tier
+    assert tier["host_pages"] == 30 and tier["loaded_tokens"] == stats.host_hit_tokens
+    assert tier["loaded_bytes"] == tier["loaded_tokens"] // 4 * world.backend.prefix_cache.host_pool.bytes_per_page
+    assert kvplug.create_backend(SHAPE, num_pages=8, attention=None).stats().tier is None
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
+    """On CUDA: pinned host pages; a write-back whose device pages are overwritten right after
+    (stream order) and a load on the side stream read back bit-identical bytes."""
+    page_size = 16
+    backend = kvplug.create_backend(
+        ModelShape(4, 8, 4, 64, torch.bfloat16), page_size=page_size, num_pages=64, max_running_reqs=4,
+        max_seq_len=1024, attention=None, device="cuda", prefix_cache="radix",
+        prefix_cache_options={"host_memory": "64MiB"},
+    )
+    cache = backend.prefix_cache
+    assert cache.host_pool.pinned
+    kv = backend.pool.kv_buffer
+    kv.copy_(torch.randn_like(kv))
+    tokens = torch.arange(1, 8 * page_size + 1, dtype=torch.int32, device="cuda")
+    locations = torch.arange(8 * page_size, dtype=torch.int32, device="cuda")
+    original = kv[:, :, :8].clone()
+    cache.insert_prefix(tokens, locations)
+    cache.evict(8 * page_size)
+    kv[:, :, :8].fill_(0)  # reuse of the freed pages, queued after the write-back's gather
+    match = cache.match_tiered(tokens)
+    assert match.host_len == 8 * page_size
+    cache.lock_handle(match.host_handle)
+    targets = torch.arange(16 * page_size, 24 * page_size, dtype=torch.int32, device="cuda")
+    cache.load_host_prefix(match.host_handle, targets)
+    assert torch.equal(kv[:, :, 16:24], original)  # the current stream waited for the side stream
+    cache.lock_handle(match.host_handle, unlock=True)
+    cache.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_random_workloads_serve_exact_kv_across_both_tiers(page_size):
+    """The randomised two-pool run on CUDA: write-backs on the copy stream, loads scattered on the
+    compute stream, freed pages rewritten at once by the next "forward"."""
+    for seed in range(3):
+        world = TieredWorld(page_size, num_pages=40, host_pages=30, seed=seed, device="cuda")
+        assert world.backend.prefix_cache.host_pool.pinned
+        world.run(200)
+        stats = world.backend.stats()
+        assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+def test_capacity_counts_host_tokens_as_the_tier_sizes_them(capsys):
+    import json
+
+    from kvplug.cli import main
+    from kvplug.memory.capacity import plan_capacity
+
+    plan = plan_capacity(SHAPE, "1MiB", page_size=4, host_memory="3MiB")
+    page_bytes = SHAPE.kv_bytes_per_token() * 4
+    assert plan.host_pages == (3 << 20) // page_bytes and plan.host_tokens == plan.host_pages * 4
+    assert plan.cached_tokens == plan.num_tokens + plan.host_tokens
+    assert plan_capacity(SHAPE, "1MiB", page_size=4).host_tokens == 0
+    # the tier built for the same budget has exactly that many pages
+    backend = kvplug.create_backend(SHAPE, page_size=4, memory_budget="1MiB", attention=None,
+                                    prefix_cache_options={"host_memory": "3MiB"})
+    assert backend.prefix_cache.host_pool.num_pages == plan.host_pages
+    assert backend.num_pages == plan.num_pages
+    assert main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--dtype", "fp32",
+                 "--page-size", "4", "--memory", "1MiB", "--host-memory", "3MiB", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["host_tokens"] == plan.host_tokens and printed["cached_tokens"] == plan.cached_tokens
+    assert main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--dtype", "fp32",
+                 "--memory", "1MiB", "--host-memory", "3MiB"]) == 0
+    assert "host-memory tier" in capsys.readouterr().out
+
+
+def test_copies_larger_than_the_staging_buffer_go_in_chunks(monkeypatch):
+    """Write-backs and loads bigger than ``STAGING_BYTES`` are split into chunks and stay exact."""
+    import kvplug.memory.host_pool as host_pool
+    from kvplug.testing.tiered import randomised_tiered_run, round_trip_is_bit_identical
+
+    kit = TieredKit(create_radix, 4, host_pages=8)
+    monkeypatch.setattr(host_pool, "STAGING_BYTES", kit.cache.host_pool.bytes_per_page * 3)
+    assert len(kit.cache.host_pool._chunks(8)) == 3
+    round_trip_is_bit_identical(kit)
+    randomised_tiered_run(TieredKit(create_radix, 4, host_pages=5), seed=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_long_random_workloads_with_faults(page_size, monkeypatch):
+    """Many seeds, longer runs, with and without simulated copy faults (``--run-slow``)."""
+    original_write, original_read = HostKVPool._write, HostKVPool._read
+    for seed in range(12):
+        fault_rng = random.Random(seed)
+        faulty = seed % 2 == 1
+
+        def flaky(original):
+            def copy(self, *args):
+                if faulty and fault_rng.random() < 0.2:
+                    raise RuntimeError("simulated DMA fault")
+                return original(self, *args)
+            return copy
+
+        monkeypatch.setattr(HostKVPool, "_write", flaky(original_write))
+        monkeypatch.setattr(HostKVPool, "_read", flaky(original_read))
+        TieredWorld(page_size, num_pages=40, host_pages=20 + seed, seed=100 + seed).run(400)
+    monkeypatch.undo()
+    check_tiered_prefix_cache(create_radix, page_sizes=(page_size,), seeds=40, shrink=False)

@@ -1,0 +1,70 @@
+"""The host-memory tier through the transformers host: generation is token-identical with the tier on
+and off, on a pool small enough that prefixes are evicted (and so written back and loaded again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_transformers_host import (  # noqa: F401  (fixtures)
+    _generation_config,
+    checkpoint,
+    one_thread,
+)
+
+transformers = pytest.importorskip("transformers")
+kvplug_transformers = pytest.importorskip("kvplug_transformers")
+from kvplug_transformers.host import TransformersHost  # noqa: E402
+
+# six 32-token prefixes (two pages of 16), asked in two rounds (two generate_batch calls on one
+# persistent manager): by the second round the other prefixes have pushed each out of an 8-page
+# pool, so it is found in host memory (tier on) or recomputed (tier off)
+PREFIXES = [[1, *((7 * i + 3 * j) % 97 + 3 for j in range(31))] for i in range(6)]
+ROUNDS = [[[*prefix, 100 + i] for i, prefix in enumerate(PREFIXES)],
+          [[*prefix, 110 + i, 120] for i, prefix in enumerate(PREFIXES)]]
+TIER_PROMPTS = ROUNDS[0] + ROUNDS[1]
+
+
+def _generate(model, host, **settings):
+    cb_config = transformers.ContinuousBatchingConfig(max_batch_tokens=40)
+    tokens = []
+    with host.installed_context(**settings):
+        try:
+            for prompts in ROUNDS:
+                outputs = model.generate_batch(prompts, generation_config=_generation_config(),
+                                               continuous_batching_config=cb_config, persistent_manager=True)
+                results = list(outputs.values())
+                assert len(results) == len(prompts) and all(result.error is None for result in results)
+                tokens += [result.generated_tokens for result in results]
+        finally:
+            model.destroy_cached_continuous_batching_manager()
+    return tokens, host.stats()
+
+
+@pytest.mark.parametrize(("page_size", "num_pages"), [(16, 8), (1, 128)])
+def test_tier_on_and_off_give_the_same_tokens_and_the_tier_is_used(checkpoint, page_size, num_pages):  # noqa: F811
+    model, _ = checkpoint
+    with torch.no_grad():
+        references = [model.generate(torch.tensor([prompt]), generation_config=_generation_config())[0, len(prompt):]
+                      .tolist() for prompt in TIER_PROMPTS]
+    outputs = {}
+    for host_memory in (None, "4MiB"):
+        host = TransformersHost(max_seq_len=128, num_pages=num_pages, page_size=page_size, max_running_reqs=4)
+        outputs[host_memory] = _generate(model, host, prefix_cache="radix", host_memory=host_memory)
+    (off_tokens, off_stats), (on_tokens, on_stats) = outputs[None], outputs["4MiB"]
+    assert off_tokens == references and on_tokens == references
+    assert off_stats.host_write_backs == off_stats.host_hit_tokens == 0
+    assert on_stats.evicted_tokens > 0 and on_stats.host_write_backs > 0 and on_stats.host_written_bytes > 0
+    assert on_stats.host_hit_tokens > 0 and on_stats.host_loads > 0  # prefixes came back from host memory
+    assert on_stats.cache_hit_tokens > off_stats.cache_hit_tokens
+
+
+def test_host_memory_setting_is_validated():
+    from kvplug.interface import InvalidArgumentError
+    from kvplug_transformers.settings import KVPlugSettings
+
+    assert KVPlugSettings(host_memory="2GiB").host_memory == "2GiB"
+    assert KVPlugSettings().host_memory is None
+    for bad in ("lots", 0, -1, True):
+        with pytest.raises(InvalidArgumentError):
+            KVPlugSettings(host_memory=bad)
