@@ -5,6 +5,7 @@
 # summary to $OUT/summary.txt. Every step has a timeout capped by a global deadline, so the call
 # ends (with its logs) inside the 10-minute device limit.
 #   FLASHINFER=0  skip everything FlashInfer (no wheels needed, no JIT compile: ~4 min saved)
+#   BENCH=0       skip the attention / graphs / host-step benchmarks
 #   E2E=0         skip the end-to-end benchmark; E2E=decode (default) runs the decode-heavy
 #                 workload (256 requests, 256 output tokens, concurrency 64 and 256: kvplug with
 #                 CUDA graphs, kvplug eager, transformers' native cache), E2E=shared the
@@ -95,11 +96,12 @@ fi
 
 # ---------------------------------------------------------------- benchmarks
 BACKENDS=triton; [ "$FLASHINFER" = 1 ] && BACKENDS=triton,flashinfer
-[ "$FLASHINFER" = 1 ] && step bench_attention 80 python3 -m kvplug bench attention --repeats 5 --out "$OUT/attention.json"
-step bench_graphs 70 python3 -m kvplug bench graphs --backends "$BACKENDS" --out "$OUT/graphs.json"
-step bench_host_step 40 python3 -m kvplug bench host-step --device cuda --out "$OUT/host_step.json"
+BENCH=${BENCH:-1}  # BENCH=0: no attention / graphs / host-step benchmarks (GPU tests and e2e only)
+[ "$BENCH" = 1 ] && [ "$FLASHINFER" = 1 ] && step bench_attention 80 python3 -m kvplug bench attention --repeats 5 --out "$OUT/attention.json"
+[ "$BENCH" = 1 ] && step bench_graphs 70 python3 -m kvplug bench graphs --backends "$BACKENDS" --out "$OUT/graphs.json"
+[ "$BENCH" = 1 ] && step bench_host_step 40 python3 -m kvplug bench host-step --device cuda --out "$OUT/host_step.json"
 # the same suite on a baseline revision (BASELINE=dir holding its kvplug/), same machine, same run
-if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kvplug" ]; then
+if [ "$BENCH" = 1 ] && [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kvplug" ]; then
     # run from inside it: 'python -m' puts the working directory first on sys.path
     step bench_host_step_baseline 40 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
         python3 -m kvplug bench host-step --device cuda --out '$OUT/host_step_baseline.json'"
