@@ -86,14 +86,6 @@ wait $OTHER
 [ "$FLASHINFER" = 1 ] && step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=120 \
     tests/test_attention_gpu.py tests/test_graphs_gpu.py -k flashinfer
 
-# ---------------------------------------------------------------- SGLang graph hooks with FlashInfer
-# SGLang's wheels cannot travel with FlashInfer's (64 MiB per call): a call just before this one,
-# on the same warm machine, installs them into /tmp/sgsite (scripts/device-sglang-graphs.sh)
-if [ "$FLASHINFER" = 1 ] && [ -d /tmp/sgsite/sglang ]; then
-    step sglang_graphs_flashinfer 120 env PYTHONPATH="$PWD/tests/sglang_gpu_support:$PYTHONPATH:$PWD/adapters/sglang:/tmp/sgsite" \
-        "${PYTEST[@]}" tests/test_sglang_graphs_gpu.py
-fi
-
 # ---------------------------------------------------------------- benchmarks
 BACKENDS=triton; [ "$FLASHINFER" = 1 ] && BACKENDS=triton,flashinfer
 BENCH=${BENCH:-1}  # BENCH=0: no attention / graphs / host-step benchmarks (GPU tests and e2e only)
@@ -137,7 +129,7 @@ elif [ "$E2E" = tier ] || [ "$E2E" = tier0 ] || [ "$E2E" = tier-ratios ]; then
 fi
 
 # ---------------------------------------------------------------- summary
-for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer sglang_graphs_flashinfer; do
+for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/$name.log" | tail -8; }
 done | tee -a "$SUMMARY"
 for name in bench_attention bench_graphs bench_graphs_baseline bench_host_step bench_host_step_baseline bench_e2e; do

@@ -31,6 +31,31 @@ from tests.sglang_helpers import import_sglang
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
+
+def _flashinfer_sglang_cannot_import() -> str | None:
+    """Why SGLang's modules cannot import next to the installed FlashInfer, or ``None``.
+
+    SGLang 0.5.23 pins ``flashinfer_python==0.7.2`` and, when FlashInfer is importable, imports
+    names only that release has (``flashinfer.fused_moe.trtllm_mxint4_block_scale_moe``); the GPU
+    machine's FlashInfer is 0.5.3 (0.7.2's wheel alone is 65 MB, over the 64 MiB a device call
+    carries). A mismatch is reported as a skip, not as a failure of kvplug."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        return None
+    pins = [req for req in (metadata.requires("sglang") or []) if req.replace("-", "_").startswith("flashinfer_python")]
+    pinned = pins[0].split("==", 1)[1].split(";")[0].strip() if pins and "==" in pins[0] else None
+    if pinned is None or pinned == installed:
+        return None
+    return (f"SGLang {metadata.version('sglang')} pins flashinfer {pinned} and imports names it has; flashinfer "
+            f"{installed} is installed: run this file without FlashInfer (scripts/device-sglang-graphs.sh)")
+
+
+if (_mismatch := _flashinfer_sglang_cannot_import()) is not None:
+    pytest.skip(_mismatch, allow_module_level=True)
+
 import_sglang()
 
 from kvplug_sglang.attention_backend import KvplugAttnBackend  # noqa: E402
@@ -46,7 +71,8 @@ BACKENDS = [
         "flashinfer",
         marks=pytest.mark.skipif(
             not importable("flashinfer"),
-            reason="needs flashinfer, not installed (on the GPU machine its wheels cannot travel with SGLang's: 64 MiB carry limit)",
+            reason="needs flashinfer, not installed (SGLang 0.5.23 needs its pinned flashinfer 0.7.2, whose 65 MB wheel "
+            "cannot travel to the GPU machine with SGLang's: 64 MiB carry limit)",
         ),
     ),
 ]
