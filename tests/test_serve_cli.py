@@ -56,6 +56,19 @@ def test_cuda_graph_flags_reach_the_host_settings(manager):
         assert (settings["cuda_graphs"], settings["cuda_graph_max_bs"]) == expected
 
 
+def test_overlap_and_compile_flags_reach_the_host_settings(manager):
+    """SGLang's --disable-overlap-schedule / --enable-torch-compile become the host's settings
+    (defaults: overlap left to the device, on for CUDA; no compile)."""
+    from kvplug_transformers.serve_options import ServeOptions
+    from kvplug_transformers.settings import KVPlugSettings
+
+    for argv, expected in (((), (None, False)), (("--disable-overlap-schedule",), (False, False)),
+                           (("--enable-torch-compile",), (None, True))):
+        settings = ServeOptions(**validate(_parse(*argv), manager)).kvplug_settings()
+        assert (settings["overlap_schedule"], settings["torch_compile"]) == expected
+        KVPlugSettings().updated(**settings)  # valid host settings
+
+
 def test_vllm_and_sglang_aliases(manager):
     options = validate(
         _parse("--max-model-len", "512", "--gpu-memory-utilization", "0.3", "--api-key", "k", "--served-model-name",
@@ -91,6 +104,9 @@ def test_vllm_and_sglang_aliases(manager):
         (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be an int in [1, 64], got 0"),
         (["--max-running-reqs", "8", "--cuda-graph-max-bs", "16"], "--cuda-graph-max-bs must be an int in [1, 8]"),
         (["--cuda-graph-max-bs", "8", "--disable-cuda-graph"], "--cuda-graph-max-bs has no effect with --disable-cuda-graph"),
+        (["--enable-torch-compile", "--disable-cuda-graph"], "--enable-torch-compile compiles the model kvplug captures"),
+        (["--kv-backend", "native", "--disable-overlap-schedule"], "--disable-overlap-schedule configures kvplug's cache"),
+        (["--kv-backend", "native", "--enable-torch-compile"], "--enable-torch-compile configures kvplug's cache"),
     ],
 )
 def test_every_bad_combination_names_the_flag_and_the_rule(manager, argv, message):

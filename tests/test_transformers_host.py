@@ -168,9 +168,13 @@ def test_compiled_graph_decode_path_equals_generate(checkpoint, replay_counter):
     assert replay_counter["graph"] >= 5 and compiled_graphs > 0
 
 
-def test_torch_compile_needs_the_graph_path():
+def test_torch_compile_needs_the_graph_path_and_the_new_settings_are_validated():
     with pytest.raises(InvalidArgumentError, match="no effect with cuda_graphs=False"):
         KVPlugSettings(cuda_graphs=False, torch_compile=True)
+    with pytest.raises(InvalidArgumentError, match="overlap_schedule must be None, True or False, got 'yes'"):
+        KVPlugSettings(overlap_schedule="yes")
+    with pytest.raises(InvalidArgumentError, match="torch_compile must be True or False, got None"):
+        KVPlugSettings(torch_compile=None)
 
 
 def test_a_prompt_past_max_seq_len_fails_alone_and_generation_stops_at_the_limit(checkpoint):
