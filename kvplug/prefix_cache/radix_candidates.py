@@ -1,7 +1,8 @@
 """The eviction candidates of the ``radix`` cache: unlocked leaves, least recently used first.
 
 Kept incrementally as a lazy min-heap of ``(last_access, seq, node)``. A node's live entry is the
-one whose ``seq`` equals ``node.heap_seq``; older entries of the same node (before a refresh) and
+one whose ``seq`` equals ``node.heap_seq`` (or the slot the set was built over: the tiered cache's
+host-resident leaves use ``host_heap_seq``); older entries of the same node (before a refresh) and
 entries of nodes that stopped being candidates are skipped when popped. Membership is therefore
 exact (``heap_seq >= 0``) and O(1) to change, and ``evict`` pops only what it evicts plus stale
 entries. Stale entries are dropped in one O(heap) pass once they outnumber live ones, which keeps
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from heapq import heapify, heappop, heappush
+from operator import attrgetter
 from typing import Iterable
 
 from kvplug.prefix_cache.radix_node import RadixNode
@@ -20,12 +22,23 @@ _COMPACTION_SLACK = 64  # small heaps are never worth compacting
 
 
 class EvictionCandidates:
-    """Unlocked leaves of one tree, ordered by ``(last_access, insertion order)``."""
+    """Unlocked leaves of one tree, ordered by ``(last_access, insertion order)``.
 
-    def __init__(self) -> None:
+    Args:
+        seq_field: the ``RadixNode`` slot that holds the node's live entry number here:
+            ``heap_seq`` for the device tier; the tiered cache keeps a second set over
+            ``host_heap_seq`` (its host-resident leaves), so a node's memberships never mix.
+        label: names the set in assertion messages.
+    """
+
+    def __init__(self, seq_field: str = "heap_seq", label: str = "leaves") -> None:
         self._heap: list[tuple[int, int, RadixNode]] = []
         self._next_seq = itertools.count()
         self._size = 0
+        # bound accessors: one C call each, where getattr(node, name) would look the name up per call
+        self._seq_of = attrgetter(seq_field)
+        self._seq_field = seq_field
+        self._label = label
 
     def __len__(self) -> int:
         return self._size
@@ -37,54 +50,57 @@ class EvictionCandidates:
 
     def add(self, node: RadixNode) -> None:
         """Make ``node`` a candidate, or re-rank it after its ``last_access`` changed."""
-        if node.heap_seq < 0:
+        if self._seq_of(node) < 0:
             self._size += 1
         seq = next(self._next_seq)
-        node.heap_seq = seq
+        setattr(node, self._seq_field, seq)
         heappush(self._heap, (node.last_access, seq, node))
         if len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
             self._drop_stale_entries()
 
     def discard(self, node: RadixNode) -> None:
         """``node`` is no longer a candidate (locked, got a child, or evicted); its entry goes stale."""
-        if node.heap_seq >= 0:
-            node.heap_seq = -1
+        if self._seq_of(node) >= 0:
+            setattr(node, self._seq_field, -1)
             self._size -= 1
             if len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
                 self._drop_stale_entries()
 
     def pop_least_recent(self) -> RadixNode:
         """Remove and return the least recently used candidate."""
-        heap = self._heap
+        heap, seq_of = self._heap, self._seq_of
         while heap:
             _, seq, node = heappop(heap)
-            if node.heap_seq == seq:
-                node.heap_seq = -1
+            if seq_of(node) == seq:
+                setattr(node, self._seq_field, -1)
                 self._size -= 1
                 if len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
                     self._drop_stale_entries()
                 return node
-        raise AssertionError("radix cache: no eviction candidate left although evictable tokens remain")
+        raise AssertionError(f"radix cache: no eviction candidate left among unlocked {self._label} "
+                             "although evictable tokens remain")
 
     def clear(self) -> None:
         for _, _, node in self._heap:
-            node.heap_seq = -1
+            setattr(node, self._seq_field, -1)
         self._heap.clear()
         self._size = 0
 
     def _drop_stale_entries(self) -> None:
-        self._heap = [entry for entry in self._heap if entry[2].heap_seq == entry[1]]
+        seq_of = self._seq_of
+        self._heap = [entry for entry in self._heap if seq_of(entry[2]) == entry[1]]
         heapify(self._heap)
 
     def check(self, expected: Iterable[RadixNode]) -> None:
         """Assert the candidates are exactly ``expected`` and each has a live, up-to-date entry."""
         expected_ids = {id(node) for node in expected}
-        live = {id(node): (ts, node) for ts, seq, node in self._heap if node.heap_seq == seq}
+        seq_of, label = self._seq_of, self._label
+        live = {id(node): (ts, node) for ts, seq, node in self._heap if seq_of(node) == seq}
         assert self._size == len(expected_ids), (
-            f"candidate count {self._size} != number of unlocked leaves {len(expected_ids)}"
+            f"candidate count {self._size} != number of unlocked {label} {len(expected_ids)}"
         )
         assert live.keys() == expected_ids, (
-            f"candidate set differs from the unlocked leaves: {len(live.keys() - expected_ids)} extra, "
+            f"candidate set differs from the unlocked {label}: {len(live.keys() - expected_ids)} extra, "
             f"{len(expected_ids - live.keys())} missing"
         )
         for ts, node in live.values():

@@ -63,6 +63,7 @@ from kvplug.interface import (
 from kvplug.memory.capacity import parse_memory_size
 from kvplug.memory.host_pool import HostKVPool
 from kvplug.prefix_cache.radix import RadixPrefixCache
+from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_arguments import checked_host_insert_tokens, checked_host_tokens
 from kvplug.prefix_cache.radix_keys import (
     BYTES_PER_TOKEN,
@@ -72,7 +73,6 @@ from kvplug.prefix_cache.radix_keys import (
     tensor_bytes,
 )
 from kvplug.prefix_cache.radix_node import RadixNode
-from kvplug.prefix_cache.tiered_candidates import HostEvictionCandidates
 from kvplug.prefix_cache.tiered_integrity import check_tiered_radix_tree
 from kvplug.prefix_cache.validation import (
     check_location_values,
@@ -100,7 +100,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             raise InvalidArgumentError(f"the tiered radix cache needs the option host_memory, got {dict(config.options)}")
         self.host_memory = parse_memory_size(options.pop("host_memory"))
         self._host_pool: HostKVPool | None = None
-        self._host_candidates = HostEvictionCandidates()
+        self._host_candidates = EvictionCandidates("host_heap_seq", "host-resident leaves")
         self._host_evictable = 0
         self._host_protected = 0
         self._pending: dict[RadixNode, tuple[bytes, np.ndarray]] = {}  # write-backs not yet copied
