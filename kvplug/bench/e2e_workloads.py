@@ -106,16 +106,26 @@ def no_prefix(sizes: E2ESizes, vocab: int, seed: int) -> Workload:
 def multi_turn(sizes: E2ESizes, vocab: int, seed: int) -> Workload:
     """``conversations`` chats of ``turns`` turns; turn k+1 = turn k's prompt + answer + question."""
     rng = np.random.default_rng(seed + 2)
-    questions = [[_tokens(rng, sizes.question_tokens, vocab) for _ in range(sizes.conversations)]
-                 for _ in range(sizes.turns)]
+    questions = _turn_questions(rng, sizes, vocab)
+    return Workload("multi-turn", sizes.turns, questions[0], _chat_rounds(sizes.turns, questions))
+
+
+def _turn_questions(rng: np.random.Generator, sizes: E2ESizes, vocab: int) -> list[Prompts]:
+    """``questions[turn][conversation]``: a fresh question per conversation and turn."""
+    return [[_tokens(rng, sizes.question_tokens, vocab) for _ in range(sizes.conversations)]
+            for _ in range(sizes.turns)]
+
+
+def _chat_rounds(turns: int, questions: list[Prompts]) -> Callable[[int, Prompts, Prompts], Prompts]:
+    """``next_round`` of a chat workload: turn k+1 = turn k's prompt + its answer + the next question."""
 
     def next_round(turn: int, prompts: Prompts, answers: Prompts) -> Prompts:
-        if not 1 <= turn < sizes.turns or len(answers) != len(prompts):
-            raise ValueError(f"expected turn in [1, {sizes.turns}) and one answer per prompt ({len(prompts)}), "
+        if not 1 <= turn < turns or len(answers) != len(prompts):
+            raise ValueError(f"expected turn in [1, {turns}) and one answer per prompt ({len(prompts)}), "
                              f"got turn {turn} and {len(answers)} answers")
         return [prompt + answer + question for prompt, answer, question in zip(prompts, answers, questions[turn])]
 
-    return Workload("multi-turn", sizes.turns, questions[0], next_round)
+    return next_round
 
 
 def long_context_chat(sizes: E2ESizes, vocab: int, seed: int) -> Workload:
@@ -126,17 +136,9 @@ def long_context_chat(sizes: E2ESizes, vocab: int, seed: int) -> Workload:
     before its next turn, and only a larger tier below it keeps the hits."""
     rng = np.random.default_rng(seed + 3)
     contexts = [_tokens(rng, sizes.system_tokens, vocab) for _ in range(sizes.conversations)]
-    questions = [[_tokens(rng, sizes.question_tokens, vocab) for _ in range(sizes.conversations)]
-                 for _ in range(sizes.turns)]
-
-    def next_round(turn: int, prompts: Prompts, answers: Prompts) -> Prompts:
-        if not 1 <= turn < sizes.turns or len(answers) != len(prompts):
-            raise ValueError(f"expected turn in [1, {sizes.turns}) and one answer per prompt ({len(prompts)}), "
-                             f"got turn {turn} and {len(answers)} answers")
-        return [prompt + answer + question for prompt, answer, question in zip(prompts, answers, questions[turn])]
-
+    questions = _turn_questions(rng, sizes, vocab)
     first = [context + question for context, question in zip(contexts, questions[0])]
-    return Workload("long-context-chat", sizes.turns, first, next_round)
+    return Workload("long-context-chat", sizes.turns, first, _chat_rounds(sizes.turns, questions))
 
 
 WORKLOADS = {"shared-prefix": shared_prefix, "no-prefix": no_prefix, "multi-turn": multi_turn}
