@@ -115,20 +115,7 @@ class RadixPrefixCache(BasePrefixCache):
             node = self._live_node(handle)
             if node is root:
                 return
-        if unlock:
-            if node.own_locks <= 0:
-                # a lock on a longer prefix covers this node too, but it is that handle's to release
-                raise InvalidArgumentError(
-                    f"cannot unlock {handle!r}: it holds no lock of its own "
-                    f"({node.lock_ref - node.own_locks} lock(s) on longer prefixes cover it)"
-                    if node.lock_ref
-                    else f"cannot unlock {handle!r}: it is not locked"
-                )
-            node.own_locks -= 1
-            step, flips_at = -1, 1
-        else:
-            node.own_locks += 1
-            step, flips_at = 1, 0
+        step, flips_at = self._count_own_lock(node, handle, unlock)
         moved = 0  # bytes of locations whose node flips between evictable and protected
         walker = node
         while walker is not root:
@@ -144,6 +131,25 @@ class RadixPrefixCache(BasePrefixCache):
                 self._candidates.discard(node)
         elif node.lock_ref == 0 and not node.children:
             self._candidates.add(node)
+
+    @staticmethod
+    def _count_own_lock(node: RadixNode, handle: BaseCacheHandle, unlock: bool) -> tuple[int, int]:
+        """Take or release ``handle``'s own lock on ``node``; returns ``(step, flips_at)``: what
+        every node up to the root adds to ``lock_ref``, and the ``lock_ref`` at which a node flips
+        between evictable and protected. Raises (nothing changed) for an unlock without a lock."""
+        if unlock:
+            if node.own_locks <= 0:
+                # a lock on a longer prefix covers this node too, but it is that handle's to release
+                raise InvalidArgumentError(
+                    f"cannot unlock {handle!r}: it holds no lock of its own "
+                    f"({node.lock_ref - node.own_locks} lock(s) on longer prefixes cover it)"
+                    if node.lock_ref
+                    else f"cannot unlock {handle!r}: it is not locked"
+                )
+            node.own_locks -= 1
+            return -1, 1
+        node.own_locks += 1
+        return 1, 0
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
         end = dense_host_pair_nbytes(input_ids, indices) if self._on_cpu else -1

@@ -174,19 +174,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         root = self._root
         if node is root:
             return
-        if unlock:
-            if node.own_locks <= 0:
-                raise InvalidArgumentError(
-                    f"cannot unlock {handle!r}: it holds no lock of its own "
-                    f"({node.lock_ref - node.own_locks} lock(s) on longer prefixes cover it)"
-                    if node.lock_ref
-                    else f"cannot unlock {handle!r}: it is not locked"
-                )
-            node.own_locks -= 1
-            step, flips_at = -1, 1
-        else:
-            node.own_locks += 1
-            step, flips_at = 1, 0
+        step, flips_at = self._count_own_lock(node, handle, unlock)
         moved_device = moved_host = 0
         walker = node
         while walker is not root:

@@ -187,7 +187,11 @@ class KVPlugPagedCache:
         changed) when the pool cannot supply them even after evicting cached prefixes, or when
         no page-table row is free for a request not admitted yet."""
         target = min((allocated_blocks + n_blocks) * self.block_size, self.backend.max_seq_len)
-        with self._ordered():
+        if self.steps.get(request_id) is not None:
+            # a running request's promise is host bookkeeping only: no stream switch on this
+            # per-request, per-page-boundary call
+            return n_blocks if self.steps.reserve(request_id, target) else None
+        with self._ordered():  # admission writes the request's table row
             return n_blocks if self.steps.reserve(request_id, target) else None
 
     def free_blocks(self, request_id: str) -> None:
