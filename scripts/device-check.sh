@@ -5,6 +5,7 @@
 # summary to $OUT/summary.txt. Every step has a timeout capped by a global deadline, so the call
 # ends (with its logs) inside the 10-minute device limit.
 #   FLASHINFER=0  skip everything FlashInfer (no wheels needed, no JIT compile: ~4 min saved)
+#   TESTS=0       skip the GPU tests (benchmarks only)
 #   BENCH=0       skip the attention / graphs / host-step benchmarks
 #   E2E=0         skip the end-to-end benchmark; E2E=decode (default) runs the decode-heavy
 #                 workload (256 requests, 256 output tokens, concurrency 64 and 256: kvplug with
@@ -14,7 +15,8 @@
 #                 host-memory tier (long-context-chat, working set 4x the pool: radix vs radix+host,
 #                 plus the tier's copy bandwidth), E2E=tier0 its 0 %-hit overhead (one turn:
 #                 evictions and write-backs, nothing reused), E2E=tier-ratios the same at working-set
-#                 ratios 1,2,8
+#                 ratios 1,2,8; several at once: E2E=shared,tier0 (JSON: e2e_NAME.json)
+#   SHAPE=qwen3-4b  the e2e model shape (default qwen3-0.6b)
 #
 # Rules this script keeps, learned the hard way (see tests/test_attention_gpu.py warm_up_flashinfer):
 # - never two FlashInfer JIT builds at once: concurrent ninja runs in FlashInfer's shared
@@ -66,7 +68,8 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
 
 # ---------------------------------------------------------------- warm-up || GPU tests without FlashInfer
 # 'auto' resolves to flashinfer, so it waits for the warm-up with the flashinfer cases
-{
+TESTS=${TESTS:-1}
+[ "$TESTS" = 1 ] && {
     step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
     step tests_gpu_other 240 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
         tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py \
@@ -83,7 +86,7 @@ print(*w.modules, sep='\n')"
 wait $OTHER
 
 # ---------------------------------------------------------------- FlashInfer tests (cache warm: no compiling)
-[ "$FLASHINFER" = 1 ] && step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=120 \
+[ "$FLASHINFER" = 1 ] && [ "$TESTS" = 1 ] && step tests_flashinfer 150 "${PYTEST[@]}" --durations=5 -o faulthandler_timeout=120 \
     tests/test_attention_gpu.py tests/test_graphs_gpu.py -k flashinfer
 
 # ---------------------------------------------------------------- benchmarks
@@ -97,42 +100,48 @@ if [ "$BENCH" = 1 ] && [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kvplug" ]; then
     # run from inside it: 'python -m' puts the working directory first on sys.path
     step bench_host_step_baseline 40 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
         python3 -m kvplug bench host-step --device cuda --out '$OUT/host_step_baseline.json'"
-    step bench_graphs_baseline 70 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
+    [ "${BASELINE_GRAPHS:-0}" = 1 ] && step bench_graphs_baseline 70 bash -c "cd '$BASELINE' && PYTHONPATH='$BASELINE':\$PYTHONPATH \
         python3 -m kvplug bench graphs --out '$OUT/graphs_baseline.json'"
 fi
 
 # ---------------------------------------------------------------- transformers host with FlashInfer
 # The bf16 cases build a head_dim-64 model (FlashInfer's sm90 prefill needs a multiple of 32);
 # stop at the first failure rather than recompiling for every case.
-[ "$FLASHINFER" = 1 ] && step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_host.py -k "cuda and (flashinfer or auto)"
+[ "$FLASHINFER" = 1 ] && [ "$TESTS" = 1 ] && step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_host.py -k "cuda and (flashinfer or auto)"
 
 # ---------------------------------------------------------------- end to end (last: takes what time is left)
 # qwen3-0.6b shape, bf16, triton attention; a warm-up run per variant precedes the timed ones
 E2E=${E2E:-decode}
-if [ "$E2E" = decode ]; then
-    step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix \
+SHAPE_ARGS=(); [ -n "${SHAPE:-}" ] && SHAPE_ARGS=(--model-shape "$SHAPE")
+for workload in ${E2E//,/ }; do
+  E2E_OUT=(--out "$OUT/e2e_$workload.json")
+  if [ "$workload" = decode ]; then
+    step bench_e2e_$workload 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix \
         --requests 256 --system-tokens 16 --question-tokens 128 --output-tokens 256 --concurrency 64,256 \
-        --attention triton --variants radix,radix:eager,native --out "$OUT/e2e.json"
-elif [ "$E2E" = shared ]; then
-    step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads shared-prefix \
+        --attention triton --variants radix,radix:eager,native "${SHAPE_ARGS[@]}" "${E2E_OUT[@]}"
+  elif [ "$workload" = shared ]; then
+    step bench_e2e_$workload 330 python3 -m kvplug bench e2e --device cuda --repeats 2 --workloads shared-prefix \
         --requests 64 --system-prompts 1 --system-tokens 2048 --question-tokens 128 --output-tokens 32 \
         --concurrency 64 --max-batch-tokens 4096 --attention triton --variants radix,naive,naive:sync,native \
-        --out "$OUT/e2e.json"
-elif [ "$E2E" = tier ] || [ "$E2E" = tier0 ] || [ "$E2E" = tier-ratios ]; then
+        "${SHAPE_ARGS[@]}" "${E2E_OUT[@]}"
+  elif [ "$workload" = tier ] || [ "$workload" = tier0 ] || [ "$workload" = tier-ratios ]; then
     # 32 chats over their own 8,192-token contexts: working set ~283k tokens (32 GB of KV), host tier 1.25x
-    TURNS=4; RATIOS=4
-    [ "$E2E" = tier0 ] && TURNS=1
-    [ "$E2E" = tier-ratios ] && RATIOS=1,2,8
-    step bench_e2e 330 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads long-context-chat \
-        --conversations 32 --turns $TURNS --system-tokens 8192 --question-tokens 128 --output-tokens 32 \
-        --working-set-ratio $RATIOS --attention triton --variants radix,radix+host --out "$OUT/e2e.json"
-fi
+    TURNS=4; RATIOS=4; REPEATS=1
+    [ "$workload" = tier0 ] && TURNS=1 && REPEATS=3
+    [ "$workload" = tier-ratios ] && RATIOS=1,2,8
+    step bench_e2e_$workload 330 python3 -m kvplug bench e2e --device cuda --workloads long-context-chat \
+        --repeats $REPEATS --conversations 32 --turns $TURNS --system-tokens 8192 --question-tokens 128 --output-tokens 32 \
+        --working-set-ratio $RATIOS --attention triton --variants radix,radix+host "${SHAPE_ARGS[@]}" "${E2E_OUT[@]}"
+  elif [ "$workload" != 0 ]; then
+    note "unknown E2E workload $workload"
+  fi
+done
 
 # ---------------------------------------------------------------- summary
 for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/$name.log" | tail -8; }
 done | tee -a "$SUMMARY"
-for name in bench_attention bench_graphs bench_graphs_baseline bench_host_step bench_host_step_baseline bench_e2e; do
+for name in bench_attention bench_graphs bench_graphs_baseline bench_host_step bench_host_step_baseline $(cd "$OUT" && ls bench_e2e_*.log 2>/dev/null | sed 's/.log$//'); do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; tail -25 "$OUT/$name.log"; }
 done
 note "total"
