@@ -73,9 +73,69 @@ def test_kv_events_report_the_medium_of_every_move():
     handle, _, host_len = kit.match_and_load(tokens.tolist(), list(range(100, 108)))
     assert host_len == 8
     kinds = [(type(event).__name__, event.medium) for event in events]
+    # loaded: the host block stays (the node keeps its host copy) and the device block is back
     assert kinds == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"),
-                     ("BlockRemoved", "CPU"), ("BlockStored", "GPU")]
-    assert events[0].block_hashes == events[2].block_hashes == events[4].block_hashes  # same pages, moved
+                     ("BlockStored", "GPU")]
+    assert events[0].block_hashes == events[2].block_hashes == events[3].block_hashes  # same pages, moved
+    kit.cache.lock_handle(handle, unlock=True)
+    del events[:]
+    kit.cache.evict(8)  # onto its host copy: only the device block goes
+    assert [(type(event).__name__, event.medium) for event in events] == [("BlockRemoved", "GPU")]
+
+
+def test_a_loaded_prefix_keeps_its_host_copy_and_is_evicted_again_without_a_write_back():
+    P = 4
+    kit = TieredKit(create_radix, P, host_pages=4)
+    cache = kit.cache
+    tokens = list(range(1, 3 * P + 1))
+    kit.write(tokens, list(range(3 * P)))
+    cache.insert_prefix(torch.tensor(tokens, dtype=torch.int32), torch.arange(3 * P, dtype=torch.int32))
+    cache.evict(3 * P)
+    written = cache.tier_stats().written_bytes
+    kit.clobber(list(range(3 * P)))
+    free = list(range(4 * P, 8 * P))
+    handle, locations, host_len = kit.match_and_load(tokens, free)
+    assert host_len == 3 * P
+    kit.check_content(tokens, locations, "after the load")
+    stats = cache.tier_stats()
+    assert stats.host_copy_tokens == 3 * P and stats.host_free_pages == 1  # the copy still holds its 3 pages
+    cache.lock_handle(handle, unlock=True)
+    cache.check_integrity()
+    # extend the loaded prefix by one computed page, then evict everything: only that page is written
+    longer = tokens + list(range(100, 100 + P))
+    kit.write(longer, locations + free[:P])
+    cache.insert_prefix(torch.tensor(longer, dtype=torch.int32), torch.tensor(locations + free[:P], dtype=torch.int32))
+    assert sorted(cache.evict(4 * P).tolist()) == sorted(locations + free[:P])
+    cache.check_integrity()
+    stats = cache.tier_stats()
+    assert stats.written_bytes - written == kit.cache.host_pool.bytes_per_page  # one page, not four
+    assert stats.reused_copy_tokens == 3 * P and stats.host_copy_tokens == 0
+    assert cache.host_size_info.total_size == 4 * P
+    kit.clobber(locations + free[:P])
+    handle, locations, host_len = kit.match_and_load(longer, list(range(8 * P, 12 * P)))
+    assert host_len == 4 * P
+    kit.check_content(longer, locations, "after the second round trip")
+
+
+def test_host_copies_give_up_their_pages_before_any_host_resident_prefix():
+    P = 2
+    kit = TieredKit(create_radix, P, host_pages=3)
+    cache = kit.cache
+    first, second = [1, 2, 3, 4], [9, 8, 7, 6]
+    kit.write(first, [0, 1, 2, 3])
+    cache.insert_prefix(torch.tensor(first, dtype=torch.int32), torch.arange(4, dtype=torch.int32))
+    cache.evict(4)  # first -> host (2 of 3 host pages)
+    handle, _, _ = kit.match_and_load(first, [10, 11, 12, 13])  # on the device again, copy kept
+    cache.lock_handle(handle, unlock=True)
+    kit.write(second, [4, 5, 6, 7])
+    cache.insert_prefix(torch.tensor(second, dtype=torch.int32), torch.tensor([4, 5, 6, 7], dtype=torch.int32))
+    cache.match_tiered(torch.tensor(first, dtype=torch.int32))  # first is more recent than second
+    cache.evict(4)  # second must go to host: needs 2 pages, 1 is free, the copy of first gives its pages
+    cache.check_integrity()
+    assert cache.host_size_info.total_size == 4 and cache.size_info.total_size == 4
+    assert cache.tier_stats().host_copy_tokens == 0 and cache.tier_stats().host_dropped_tokens == 0
+    assert cache.match_tiered(torch.tensor(first, dtype=torch.int32)).handle.cached_len == 4
+    assert cache.match_tiered(torch.tensor(second, dtype=torch.int32)).host_len == 4
 
 
 def test_host_pool_copies_whole_pages_in_runs_and_refuses_overdraw():

@@ -167,7 +167,8 @@ class VariantRunner:
                            device_hit_rate=round(stats.device_hit_rate, 4), host_hit_rate=round(stats.host_hit_rate, 4),
                            host_hit_tokens=stats.host_hit_tokens, host_loads=stats.host_loads,
                            host_loaded_bytes=stats.host_loaded_bytes, host_write_backs=stats.host_write_backs,
-                           host_written_bytes=stats.host_written_bytes, host_dropped_tokens=stats.host_dropped_tokens)
+                           host_written_bytes=stats.host_written_bytes, host_dropped_tokens=stats.host_dropped_tokens,
+                           host_reused_copy_tokens=stats.host_reused_copy_tokens)
         return figures
 
     def _installed(self) -> tuple[Any, contextlib.AbstractContextManager]:

@@ -66,6 +66,10 @@ class TierStats:
             were not recomputed).
         write_backs, written_tokens, written_bytes: device-to-host copies of evicted prefixes.
         host_dropped_tokens: tokens dropped from host memory (LRU, when it was full).
+        host_copy_tokens: device-resident tokens whose host copy is kept (a loaded prefix keeps
+            its host pages, so evicting it again moves no bytes); they use host pages, and are the
+            first to give them up when host memory is short (the bytes are still on the device).
+        reused_copy_tokens: evicted tokens that needed no write-back because their host copy was kept.
         copy_failures: copies that raised (``TierCopyError``); nothing was lost, see there.
         load_seconds, write_seconds: host time spent issuing the copies (on CUDA the copies
             themselves are asynchronous; on the CPU this is the copy time).
@@ -83,6 +87,8 @@ class TierStats:
     written_tokens: int = 0
     written_bytes: int = 0
     host_dropped_tokens: int = 0
+    host_copy_tokens: int = 0
+    reused_copy_tokens: int = 0
     copy_failures: int = 0
     load_seconds: float = 0.0
     write_seconds: float = 0.0

@@ -49,6 +49,8 @@ class RadixNode(BaseCacheHandle):
             events are first reported for the node; ``None`` until then.
         on_host: the tiered cache only (``tiered_radix``): ``value`` holds host-tier locations.
         host_heap_seq: the tiered cache only: like ``heap_seq``, for the host tier's candidates.
+        host_copy: the tiered cache only: host-tier locations of a copy of a device-resident
+            node's K/V (kept after a load, so evicting the node again needs no write-back), or ``None``.
     """
 
     __slots__ = (
@@ -65,6 +67,7 @@ class RadixNode(BaseCacheHandle):
         "page_hashes",
         "on_host",
         "host_heap_seq",
+        "host_copy",
     )
 
     def __init__(
@@ -89,6 +92,7 @@ class RadixNode(BaseCacheHandle):
         self.page_hashes: tuple[int, ...] | None = None
         self.on_host = False
         self.host_heap_seq = -1
+        self.host_copy: bytes | None = None
 
     def get_matched_indices(self) -> torch.Tensor:
         """Token locations of the prefix: shape ``[cached_len]``, int32, on the cache's device.

@@ -22,8 +22,10 @@ def check_tiered_radix_tree(cache: "TieredRadixPrefixCache") -> None:
 
     Checked, besides the ``radix`` edge invariants (``radix_integrity``): below a host-resident
     node everything is host-resident; per tier, evictable/protected sizes and no location held
-    twice; host locations are whole host pages, each page held by one node or free in the host
-    pool, never both (host conservation: held + free == host pages); no write-back left queued;
+    twice; host locations are whole host pages, each page held by one node (as its host-resident
+    value or as a device-resident node's host copy) or free in the host pool, never both (host
+    conservation: held + free == host pages); host copies only on device-resident nodes, as long as
+    their value, and exactly the nodes the cache lists as having one; no write-back left queued;
     the device candidates are exactly the unlocked device nodes whose children are all
     host-resident, the host candidates exactly the unlocked host-resident leaves.
     """
@@ -38,6 +40,7 @@ def check_tiered_radix_tree(cache: "TieredRadixPrefixCache") -> None:
     device_candidates: list[RadixNode] = []
     host_candidates: list[RadixNode] = []
     locations: dict[bool, list[bytes]] = {False: [], True: []}
+    copies: list[RadixNode] = []
     stack = [root]
     while stack:
         node = stack.pop()
@@ -54,6 +57,11 @@ def check_tiered_radix_tree(cache: "TieredRadixPrefixCache") -> None:
             f"{node!r}: lock_ref {node.lock_ref} != own locks {node.own_locks} + children's {child_locks}"
         )
         locations[node.on_host].append(node.value)
+        if node.host_copy is not None:
+            assert not node.on_host, f"{node!r} is host-resident and has a host copy"
+            assert len(node.host_copy) == len(node.value), f"{node!r}: its host copy is not as long as its value"
+            copies.append(node)
+            locations[True].append(node.host_copy)
         sizes[node.on_host][1 if node.lock_ref else 0] += node.num_tokens
         if node.lock_ref == 0:
             if node.on_host and not node.children:
@@ -79,7 +87,7 @@ def check_tiered_radix_tree(cache: "TieredRadixPrefixCache") -> None:
         host = as_int32(b"".join(locations[True])).astype(np.int64)
         pages = host[::page_size] // page_size
         expected = (np.repeat(pages, page_size) * page_size + np.tile(np.arange(page_size), pages.size))
-        assert np.array_equal(host, expected), "a host-resident node's locations are not whole host pages"
+        assert np.array_equal(host, expected), "a host-resident node's (or host copy's) locations are not whole host pages"
         free = pool.free_pages()
         held_and_free = np.concatenate([pages, free])
         assert np.unique(held_and_free).size == held_and_free.size, "a host page is held twice (or held and free)"
@@ -89,5 +97,8 @@ def check_tiered_radix_tree(cache: "TieredRadixPrefixCache") -> None:
         assert held_and_free.size == 0 or (held_and_free.min() >= 0 and held_and_free.max() < pool.num_pages), (
             "a host page number lies outside the host pool"
         )
+    assert set(copies) == set(cache._copies) and len(copies) == len(cache._copies), (
+        f"{len(copies)} nodes hold a host copy, the cache lists {len(cache._copies)}"
+    )
     cache._candidates.check(device_candidates)
     cache._host_candidates.check(host_candidates)

@@ -19,11 +19,16 @@ itself is dropped, as plain ``radix`` would).
 
 A hit on host-resident pages (``match_tiered``) is loaded back (``load_host_prefix``) into device
 pages the caller takes for it, before the prefill that reads them, and the nodes become
-device-resident; the host copy is released (each node lives in exactly one tier, so accounting and
-locking stay per node, and a reloaded prefix that is evicted again costs one more write-back).
+device-resident. Their host pages stay as the node's *host copy* (``RadixNode.host_copy``): a
+cached prefix's K/V never changes, so when the node is evicted again it becomes host-resident on
+its copy with no write-back. In a multi-turn chat that halves the bytes moved per turn (each turn
+loads its context and, later, evicts it again; only the turn's new pages are written). Each node
+still lives in exactly one tier for accounting and locking (sizes, candidates and locks follow
+``value``); copies only hold host pages, and are the first to give them up when host memory is
+short, oldest first (their bytes are still on the device, so dropping one loses nothing).
 An insert whose path runs through host-resident nodes makes them device-resident with the caller's
-own (freshly computed) pages instead of copying: it reports only the device-resident head as
-``cached_len``, so the caller keeps those pages.
+own (freshly computed) pages instead of copying, keeping their host pages as copies the same way:
+it reports only the device-resident head as ``cached_len``, so the caller keeps those pages.
 
 Faults: a load that raises (``TierCopyError``) changes nothing, the prefix stays host-resident; a
 write-back that raises drops the nodes it was writing (their device pages were freed anyway), so no
@@ -104,8 +109,9 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         self._host_evictable = 0
         self._host_protected = 0
         self._pending: dict[RadixNode, tuple[bytes, np.ndarray]] = {}  # write-backs not yet copied
+        self._copies: dict[RadixNode, None] = {}  # device-resident nodes with a host copy (an ordered set)
         self._counters = dict(loads=0, loaded_tokens=0, loaded_bytes=0, write_backs=0, written_tokens=0,
-                              written_bytes=0, host_dropped_tokens=0, copy_failures=0)
+                              written_bytes=0, host_dropped_tokens=0, reused_copy_tokens=0, copy_failures=0)
         super().__init__(dataclasses.replace(config, options=options))
 
     # ------------------------------------------------------------------ tier setup and observation
@@ -146,6 +152,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             page_size=self.page_size,
             host_evictable_tokens=self._host_evictable,
             host_protected_tokens=self._host_protected,
+            host_copy_tokens=sum(len(node.host_copy) for node in self._copies) // BYTES_PER_TOKEN,
             load_seconds=pool.read_seconds if pool else 0.0,
             write_seconds=pool.write_seconds if pool else 0.0,
             **self._counters,
@@ -225,12 +232,16 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             freed_bytes += len(value)
             self._evictable -= len(value) // BYTES_PER_TOKEN
             parent = leaf.parent
-            host_pages = self._reserve_host_pages(len(value) // self._page_bytes)
-            if host_pages is None:
-                self._drop_subtree(leaf)
-            else:
-                self._move_to_host(leaf, host_pages)
+            if leaf.host_copy is not None:
+                self._move_to_host_copy(leaf)
                 self._refresh(leaf)
+            else:
+                host_pages = self._reserve_host_pages(len(value) // self._page_bytes)
+                if host_pages is None:
+                    self._drop_subtree(leaf)
+                else:
+                    self._move_to_host(leaf, host_pages)
+                    self._refresh(leaf)
             if parent is not root:
                 self._refresh(parent)
         self._flush_write_backs()
@@ -239,6 +250,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
     def reset(self) -> None:
         self._host_candidates.clear()
         self._pending.clear()
+        self._copies.clear()
         if self._host_pool is not None:
             self._host_pool.reset()
         self._host_evictable = 0
@@ -284,7 +296,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     def _make_device_resident(self, node: RadixNode, head: RadixNode, device_bytes: bytes) -> None:
         """Give the host-resident nodes from below ``head`` down to ``node`` the device locations
-        ``device_bytes`` (in path order) and release their host pages."""
+        ``device_bytes`` (in path order); their host pages stay as their host copies."""
         path = []
         walker = node
         while walker is not head:
@@ -296,9 +308,8 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         for moving in path:
             size = len(moving.value)
             tokens = size // BYTES_PER_TOKEN
-            self._host_pool.release(self._host_pages(moving.value))
-            if reporting:
-                self.emit_kv_event(BlockRemoved(self._page_hashes(moving), KV_MEDIUM_HOST))
+            moving.host_copy = moving.value
+            self._copies[moving] = None
             moving.value = device_bytes[offset : offset + size]
             moving.on_host = False
             offset += size
@@ -328,6 +339,27 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         self._host_evictable += len(leaf.value) // BYTES_PER_TOKEN
         if reporting:
             self._report_stored(leaf)
+
+    def _move_to_host_copy(self, leaf: RadixNode) -> None:
+        """``leaf`` (device-resident, unlocked, out of the device candidates, with a host copy)
+        becomes host-resident on its copy: no bytes move."""
+        if self.__dict__.get("_kv_event_listeners"):
+            self.emit_kv_event(BlockRemoved(self._page_hashes(leaf)))  # its host block was never removed
+        del self._copies[leaf]
+        leaf.value = leaf.host_copy
+        leaf.host_copy = None
+        leaf.on_host = True
+        tokens = len(leaf.value) // BYTES_PER_TOKEN
+        self._host_evictable += tokens
+        self._counters["reused_copy_tokens"] += tokens
+
+    def _drop_host_copy(self, node: RadixNode) -> None:
+        """Release ``node``'s host copy (its bytes stay on the device)."""
+        if self.__dict__.get("_kv_event_listeners"):
+            self.emit_kv_event(BlockRemoved(self._page_hashes(node), KV_MEDIUM_HOST))
+        del self._copies[node]
+        self._host_pool.release(self._host_pages(node.host_copy))
+        node.host_copy = None
 
     def _report_stored(self, node: RadixNode) -> None:
         parent = node.parent
@@ -370,6 +402,12 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         pool = self._host_pool
         if count > pool.num_pages:
             return None
+        if pool.num_free_pages < count and self._copies:
+            # copies first, least recently used first: their bytes are still on the device
+            for node in sorted(self._copies, key=_last_access):
+                self._drop_host_copy(node)
+                if pool.num_free_pages >= count:
+                    break
         root = self._root
         while pool.num_free_pages < count:
             if not len(self._host_candidates):
@@ -396,8 +434,11 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
                 self._pending.pop(dropping, None)  # a write-back not copied yet is simply not made
                 self._host_pool.release(self._host_pages(dropping.value))
                 self._host_candidates.discard(dropping)
-            elif dropping.heap_seq >= 0:
-                self._candidates.discard(dropping)
+            else:
+                if dropping.host_copy is not None:
+                    self._drop_host_copy(dropping)
+                if dropping.heap_seq >= 0:
+                    self._candidates.discard(dropping)
             if reporting:
                 self.emit_kv_event(
                     BlockRemoved(self._page_hashes(dropping), KV_MEDIUM_HOST if dropping.on_host else KV_MEDIUM_DEVICE)
@@ -446,6 +487,9 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
     def _split(self, child: RadixNode, at_bytes: int) -> RadixNode:
         upper = super()._split(child, at_bytes)
         upper.on_host = child.on_host
+        if child.host_copy is not None:  # pages split at the same place: host copies are whole pages too
+            upper.host_copy, child.host_copy = child.host_copy[:at_bytes], child.host_copy[at_bytes:]
+            self._copies[upper] = None
         if child.on_host and self._split_refreshes_tail and child.host_heap_seq >= 0:
             self._host_candidates.add(child)
         return upper
@@ -458,6 +502,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
                 "its locations"
             )
         return super()._path_indices(node)
+
+
+def _last_access(node: RadixNode) -> int:
+    return node.last_access
 
 
 def _path_values(node: RadixNode, head: RadixNode) -> list[bytes]:

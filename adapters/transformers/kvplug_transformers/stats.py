@@ -13,12 +13,13 @@ from typing import Any, Iterable
 
 COUNTERS = ("queried_tokens", "cache_hit_tokens", "evicted_tokens", "admitted_requests", "finished_requests",
             "host_hit_tokens", "host_loads", "host_loaded_bytes", "host_write_backs", "host_written_bytes",
-            "host_dropped_tokens", "host_copy_failures")
+            "host_dropped_tokens", "host_reused_copy_tokens", "host_copy_failures")
 POOL_FIELDS = ("running_requests", "num_pages", "free_pages", "cached_pages", "evictable_pages", "used_pages",
                "host_pages", "host_free_pages")
 # host-tier fields of HostStats -> keys of BackendStats.tier (``kvplug.interface.TierStats``)
 TIER_FIELDS = {"host_loads": "loads", "host_loaded_bytes": "loaded_bytes", "host_write_backs": "write_backs",
                "host_written_bytes": "written_bytes", "host_dropped_tokens": "host_dropped_tokens",
+               "host_reused_copy_tokens": "reused_copy_tokens",
                "host_copy_failures": "copy_failures", "host_pages": "host_pages",
                "host_free_pages": "host_free_pages"}
 
@@ -83,6 +84,8 @@ class HostStats:
         host_loads, host_loaded_bytes, host_write_backs, host_written_bytes: copies host -> device
             (hits) and device -> host (evicted prefixes kept), and their bytes.
         host_dropped_tokens, host_copy_failures: tokens the full host tier dropped; failed copies.
+        host_reused_copy_tokens: evicted tokens that needed no write-back (a loaded prefix keeps
+            its host copy).
         host_pages, host_free_pages: the live caches' host tiers now (0 without a tier).
     """
 
@@ -107,6 +110,7 @@ class HostStats:
     host_write_backs: int = 0
     host_written_bytes: int = 0
     host_dropped_tokens: int = 0
+    host_reused_copy_tokens: int = 0
     host_copy_failures: int = 0
     host_pages: int = 0
     host_free_pages: int = 0
