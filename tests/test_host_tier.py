@@ -354,6 +354,39 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_write_backs_are_paced_and_a_failed_copy_worker_stops_the_tier_loudly(monkeypatch):
+    """Write-backs go through the paced worker (many chunks, issued after the call returns) and
+    still read back bit-identical; when the worker fails, every later copy raises TierCopyError, so
+    the cache drops or skips instead of serving pages whose copy may not have happened."""
+    from kvplug.memory import paced_copies
+
+    kv = torch.randn(2, 3, 65, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    host = HostKVPool(kv, 64)
+    host._writes._chunk_bytes = host.bytes_per_page  # one page per chunk: many chunks in flight
+    pages = host.take(48)
+    locations = (np.arange(48)[:, None] * 16 + np.arange(16)).reshape(-1)
+    original = kv[:, :, :48].clone()
+    host.write(locations, pages)
+    kv[:, :, :48].fill_(0)  # the gather ran first: stream order
+    host.read(pages, locations + 16 * 16)  # read right away: waits until its pages' writes are issued
+    assert torch.equal(kv[:, :, 16:64], original)
+    host.synchronize()
+    assert host._writes.pending == 0
+
+    def broken(self, copy, in_flight):
+        raise RuntimeError("simulated CUDA error in the copy worker")
+
+    monkeypatch.setattr(paced_copies.PacedHostCopies, "_issue", broken)
+    more = host.take(4)
+    host.write(locations[: 4 * 16], more)  # queued: the worker fails issuing it
+    with pytest.raises(TierCopyError, match="copy worker failed"):
+        host.read(more, locations[: 4 * 16])
+    with pytest.raises(TierCopyError, match="copy worker failed"):
+        host.write(locations[: 4 * 16], more)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_random_workloads_serve_exact_kv_across_both_tiers(page_size):
     """The randomised two-pool run on CUDA: write-backs on the copy stream, loads scattered on the

@@ -52,7 +52,8 @@ def measure_copy_bandwidth(
     plain_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     results = {
         "bytes": nbytes, "pages": pages, "page_bytes": host.bytes_per_page, "device": str(device),
-        "tier_write_s": _best_seconds(lambda: host.write(locations, host_pages), device, repeats),
+        # synchronize(): the write's copies are issued by the tier's worker thread, after the call returns
+        "tier_write_s": _best_seconds(lambda: (host.write(locations, host_pages), host.synchronize()), device, repeats),
         "plain_d2h_s": _best_seconds(lambda: plain_host.copy_(plain_device, non_blocking=True), device, repeats),
         "tier_load_s": _best_seconds(lambda: host.read(host_pages, locations), device, repeats),
         "plain_h2d_s": _best_seconds(lambda: plain_device.copy_(plain_host, non_blocking=True), device, repeats),

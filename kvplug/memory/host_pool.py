@@ -16,14 +16,20 @@ the gathers and scatters that touch the KV pool run on the current (compute) str
 
 - ``write`` (device -> host): the gather into staging is queued on the compute stream, so stream
   order makes it read the pages before any later kernel can overwrite them and the caller may
-  hand the device pages out again at once; the copy stream waits for the gather, then copies
-  staging to host memory while the compute stream goes on with other work.
-- ``read`` (host -> device): the copy stream copies host pages into a device staging buffer, the
-  compute stream waits for that copy and scatters staging into the destination pages: the
-  transfer overlaps work already queued on the compute stream, and everything queued after
-  ``read`` (the prefill that reads the pages) sees the loaded bytes.
-- Host pages are only ever touched by the copy stream, in the order the calls were made, so a
-  host page released by one copy and taken by the next is never read and written out of order.
+  hand the device pages out again at once; the copy of staging to host memory is handed to a
+  worker thread (``paced_copies``) that issues it on the copy stream after the gather, a few
+  16 MiB chunks at a time: the copy engine runs device -> host copies in issue order across
+  streams, so a write-back issued at once would make every small device -> host copy of the
+  engine (a step's sampled ids) wait for all of it.
+- ``read`` (host -> device): first every queued write of the pages it reads is issued (usually
+  none is left: those pages were written long before); then the copy stream copies host pages
+  into a device staging buffer, the compute stream waits for that copy and scatters staging into
+  the destination pages: the transfer overlaps work already queued on the compute stream, and
+  everything queued after ``read`` (the prefill that reads the pages) sees the loaded bytes.
+- Host pages are only ever touched by the copy stream, in the order the copies were issued (the
+  worker issues writes in submission order, and a read waits until the writes of its pages are
+  issued), so a host page released by one copy and taken by the next is never read and written
+  out of order.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 import torch
 
 from kvplug.interface import InvalidArgumentError, OutOfMemoryError, TierCopyError
+from kvplug.memory.paced_copies import PacedHostCopies
 
 #: Largest device staging buffer of one copy: big copies run at full DMA speed from a few MiB on,
 #: and the pool usually leaves the device little spare memory.
@@ -88,6 +95,7 @@ class HostKVPool:
         self.bytes_per_page = self._page_bytes(kv_buffer)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is the lowest page
         self._copy_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._writes = PacedHostCopies(self._copy_stream) if self._is_cuda else None
         self.write_seconds = 0.0
         self.read_seconds = 0.0
 
@@ -108,6 +116,7 @@ class HostKVPool:
     def __del__(self) -> None:
         if getattr(self, "_registered", False):
             try:
+                self._writes.close()  # issues what is queued and waits for it
                 self._copy_stream.synchronize()  # no copy may still be using the pages
                 torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             except Exception:  # interpreter shutdown: CUDA may already be gone
@@ -146,6 +155,12 @@ class HostKVPool:
         return np.array(self._free, dtype=np.int64)
 
     # ------------------------------------------------------------------ copies
+    def synchronize(self) -> None:
+        """Wait until every copy made so far has completed (issued by the worker and done)."""
+        if self._is_cuda:
+            self._writes.issue_through()
+            self._copy_stream.synchronize()
+
     def write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
         """Copy device KV to host pages: token ``j`` of ``device_locations`` goes to token
         ``j % page_size`` of host page ``host_pages[j // page_size]``, for every layer, K and V.
@@ -222,15 +237,17 @@ class HostKVPool:
         if not self._is_cuda:
             self._copy_runs(host_pages, staging, to_host=True)
             return
-        copy_stream = self._copy_stream
-        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather is done first
-        with torch.cuda.stream(copy_stream):
-            self._copy_runs(host_pages, staging, to_host=True)
-        staging.record_stream(copy_stream)  # not reused until the copy has read it
+        gathered = torch.cuda.Event()
+        gathered.record(torch.cuda.current_stream(self.device))
+        offset = 0
+        for first, length in _runs(host_pages):  # the worker keeps staging alive until copied
+            self._writes.submit(self.buffer[first : first + length], staging[offset : offset + length], gathered,
+                                np.arange(first, first + length, dtype=np.int64))
+            offset += length
 
     def _copy_runs(self, host_pages: np.ndarray, staging: torch.Tensor, *, to_host: bool) -> None:
-        """Copy between ``staging`` (``[m, 2, L, P, H, D]``, device) and the host pages, one copy
-        per run of consecutive pages, on the current stream."""
+        """Copy between ``staging`` (``[m, 2, L, P, H, D]``) and the host pages, one copy per run
+        of consecutive pages, on the current stream (CUDA: host -> device only)."""
         offset = 0
         for first, length in _runs(host_pages):
             if to_host:
@@ -254,6 +271,7 @@ class HostKVPool:
                 offset += length
             return
         if self._is_cuda:
+            self._writes.issue_through_pages(host_pages)  # the writes of these pages go first
             compute = torch.cuda.current_stream(self.device)
             copy_stream = self._copy_stream
             with torch.cuda.stream(copy_stream):  # after every earlier copy of host pages

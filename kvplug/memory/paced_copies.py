@@ -1,0 +1,164 @@
+"""Device -> host copies of the host-memory tier, issued a few small chunks at a time by one worker thread.
+
+Why: a GPU's copy engine runs device -> host copies in the order they were issued, whatever the
+stream. Measured on an H200 (``benchmarks/copy_engine_contention.py``): a 1 KiB device -> host
+copy on the compute stream issued right after a 1 GiB write-back was queued on a side stream
+waited **18-19 ms** for it, in 64 MiB or 8 MiB chunks alike (host -> device copies do not wait:
+0.02-0.04 ms). A serving engine copies a few bytes to the host every step (the sampled ids), so a
+write-back issued all at once stalls every step behind it: that cost the tier 8-10 % of
+throughput at 0 % hits. Issued ``max_in_flight`` chunks of ``chunk_bytes`` at a time, a step's
+small copy waits for at most those chunks (~0.3 ms each at 16 MiB), and the write-back still runs
+at the copy engine's speed while nothing else needs it.
+
+How: ``submit`` queues a copy (a host view and a device view of the same shape, and the event that
+says the device view is ready: the gather that filled it, on the compute stream) and returns at
+once. The worker issues the queued copies in order on the tier's copy stream, each cut into
+chunks along its first dimension, and keeps at most ``max_in_flight`` chunks queued on the copy
+engine: it issues one, then waits (without the GIL) until the oldest is done. A device view stays
+referenced until its last chunk has completed, so its memory (the staging buffer) is reused only
+after the copy read it. Nothing here reorders copies: everything is issued on one stream in
+submission order, and ``issue_through`` lets a reader of host pages (a load) wait until the copies
+writing them have been *issued* before it issues its own copy on the same stream.
+
+A copy that fails in the worker (a CUDA error) is logged, and every later ``submit`` and
+``issue_through`` raises ``RuntimeError`` naming it: the host pages written since are not
+trustworthy, so the tier must stop serving them (the caller turns it into ``TierCopyError``; the
+prefixes are recomputed, never served stale).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class _Copy(NamedTuple):
+    ticket: int
+    host: torch.Tensor      # destination, pinned host memory; shape [m, ...]
+    device: torch.Tensor    # source, same shape, on the device
+    ready: torch.cuda.Event  # recorded on the stream that filled ``device``
+    host_pages: np.ndarray  # host page numbers written (for ``issue_through_pages``), int64
+
+
+class PacedHostCopies:
+    """Device -> host copies issued by a worker thread, ``max_in_flight`` chunks at a time.
+
+    Args:
+        stream: the copy stream every copy is issued on (the host tier's).
+        chunk_bytes: largest single copy issued.
+        max_in_flight: chunks queued on the copy engine at once (2 keeps it busy between the
+            worker's wake-ups).
+    """
+
+    def __init__(self, stream: torch.cuda.Stream, *, chunk_bytes: int = 16 << 20, max_in_flight: int = 2) -> None:
+        self._stream = stream
+        self._chunk_bytes = chunk_bytes
+        self._max_in_flight = max_in_flight
+        self._queue: collections.deque[_Copy] = collections.deque()
+        self._condition = threading.Condition()
+        self._submitted = 0  # tickets handed out
+        self._issued = 0     # every copy up to this ticket is issued on the stream
+        self._failure: Optional[BaseException] = None
+        self._closing = False
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ callers (the tier's thread)
+    def submit(self, host: torch.Tensor, device: torch.Tensor, ready: torch.cuda.Event, host_pages: np.ndarray) -> int:
+        """Queue ``host.copy_(device)`` after ``ready``; returns its ticket."""
+        with self._condition:
+            self._raise_failure()
+            self._submitted += 1
+            self._queue.append(_Copy(self._submitted, host, device, ready, host_pages))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvplug-host-tier-writes", daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+            return self._submitted
+
+    def issue_through_pages(self, host_pages: np.ndarray) -> None:
+        """Return once every queued copy writing any of ``host_pages`` is issued on the stream
+        (at once when none is queued: the usual case for a load)."""
+        with self._condition:
+            self._raise_failure()
+            last = 0
+            for copy in self._queue:
+                if copy.ticket > last and np.intersect1d(copy.host_pages, host_pages, assume_unique=False).size:
+                    last = copy.ticket
+        if last:
+            self.issue_through(last)
+
+    def issue_through(self, ticket: Optional[int] = None) -> None:
+        """Return once every copy up to ``ticket`` (default: all submitted) is issued on the stream."""
+        with self._condition:
+            target = self._submitted if ticket is None else ticket
+            while self._issued < target and self._failure is None:
+                self._condition.wait()
+            self._raise_failure()
+
+    @property
+    def pending(self) -> int:
+        """Copies submitted but not issued yet."""
+        return self._submitted - self._issued
+
+    def close(self) -> None:
+        """Issue what is queued, wait for it, and stop the worker."""
+        with self._condition:
+            self._closing = True
+            self._condition.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the host tier's copy worker failed earlier: {self._failure!r}")
+
+    # ------------------------------------------------------------------ the worker
+    def _run(self) -> None:
+        in_flight: collections.deque[tuple[torch.cuda.Event, _Copy]] = collections.deque()
+        try:
+            while True:
+                with self._condition:
+                    while not self._queue and not self._closing:
+                        if in_flight:
+                            break
+                        self._condition.wait()
+                    copy = self._queue[0] if self._queue else None
+                    if copy is None and self._closing and not in_flight:
+                        return
+                if copy is None:  # idle: let the copies in flight finish, free their device views
+                    in_flight.popleft()[0].synchronize()
+                    continue
+                self._issue(copy, in_flight)
+                with self._condition:
+                    self._queue.popleft()
+                    self._issued = copy.ticket
+                    self._condition.notify_all()
+        except BaseException as error:  # noqa: BLE001 -- reported to every later caller
+            logger.error("kvplug host tier: a device -> host copy failed in the copy worker: %r", error)
+            with self._condition:
+                self._failure = error
+                self._condition.notify_all()
+
+    def _issue(self, copy: _Copy, in_flight: collections.deque) -> None:
+        """Issue ``copy`` in chunks, never more than ``max_in_flight`` queued on the engine."""
+        rows = copy.host.shape[0]
+        row_bytes = max(1, copy.host[:1].numel() * copy.host.element_size())
+        step = max(1, self._chunk_bytes // row_bytes)
+        stream = self._stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(copy.ready)
+            for begin in range(0, rows, step):
+                while len(in_flight) >= self._max_in_flight:
+                    in_flight.popleft()[0].synchronize()  # releases the GIL while it waits
+                copy.host[begin : begin + step].copy_(copy.device[begin : begin + step], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                in_flight.append((done, copy))  # keeps the device view alive until the chunk is done
