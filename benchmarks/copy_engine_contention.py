@@ -5,8 +5,7 @@ engine keeps copying a few bytes per step (sampled ids to the host, inputs to th
 compute stream. If both directions' copies share one DMA queue, the small copy waits behind the
 big one and every step in between stalls. This measures it on the machine at hand: the latency
 of a 1 KiB copy alone, and issued right after a big copy (in 64 MiB and 8 MiB chunks, as the
-tier's staging sizes) was queued on a side stream, for both directions; then the same through
-the tier's own (paced) write-back, ``HostKVPool.write``.
+tier's staging sizes) was queued on a side stream, for both directions.
 
     python benchmarks/copy_engine_contention.py [--total-mib 1024]
 """
@@ -81,6 +80,7 @@ def main() -> None:
                 side.synchronize()
             print(f"   small opposite-direction copy waits {statistics.median(waits):.3f} ms")
     tier_write_back(args)
+    queue_depth(args)
 
 
 def tier_write_back(args: argparse.Namespace) -> None:
@@ -105,10 +105,79 @@ def tier_write_back(args: argparse.Namespace) -> None:
         waits.append(small_copy_ms(small_host, small_dev))
         host.synchronize()
         totals.append((time.perf_counter() - started) * 1e3)
-    mib = count * host.bytes_per_page / 2**20
-    print(f"tier write-back of {mib:.0f} MiB ({statistics.median(totals):.1f} ms, "
-          f"{count * host.bytes_per_page / statistics.median(totals) / 1e6:.1f} GB/s): "
-          f"small D2H copy on the compute stream waits {statistics.median(waits):.3f} ms")
+    total_ms = statistics.median(totals)
+    print(f"tier write-back of {count * host.bytes_per_page / 2**20:.0f} MiB ({total_ms:.1f} ms, "
+          f"{count * host.bytes_per_page / total_ms / 1e6:.1f} GB/s): small D2H copy on the compute stream waits "
+          f"{statistics.median(waits):.3f} ms")
+
+
+def queue_depth(args: argparse.Namespace) -> None:
+    """How long does a small device -> host copy wait behind 1, 2, 4, 16 queued 16 MiB chunks, and
+    behind another thread blocked in ``Event.synchronize`` on a long copy?"""
+    import threading
+
+    chunk = 16 << 20
+    device_big = torch.empty(64 * chunk, dtype=torch.uint8, device="cuda")
+    host_big = torch.empty(64 * chunk, dtype=torch.uint8).pin_memory()
+    small_dev = torch.zeros(256, dtype=torch.int32, device="cuda")
+    small_host = torch.zeros(256, dtype=torch.int32).pin_memory()
+    side = torch.cuda.Stream()
+    for depth in (1, 2, 4, 16, 64):
+        waits = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                for i in range(depth):
+                    host_big[i * chunk : (i + 1) * chunk].copy_(device_big[i * chunk : (i + 1) * chunk], non_blocking=True)
+            waits.append(small_copy_ms(small_host, small_dev))
+            side.synchronize()
+        print(f"{depth:3d} x 16 MiB D2H queued on a side stream: small D2H waits {statistics.median(waits):.3f} ms")
+    # another thread issues one chunk at a time and blocks on its event between chunks
+    waits = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        started = threading.Event()
+
+        def worker() -> None:
+            with torch.cuda.stream(side):
+                for i in range(64):
+                    host_big[i * chunk : (i + 1) * chunk].copy_(device_big[i * chunk : (i + 1) * chunk], non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(side)
+                    started.set()
+                    done.synchronize()
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        started.wait()
+        waits.append(small_copy_ms(small_host, small_dev))
+        thread.join()
+    print(f"a thread issuing 64 x 16 MiB one at a time: small D2H waits {statistics.median(waits):.3f} ms")
+    # kvplug.memory.paced_copies (the worker a host tier could use), with and without gathers first
+    from kvplug.memory.paced_copies import PacedHostCopies
+
+    for in_flight in (1, 2):
+        paced = PacedHostCopies(side, chunk_bytes=chunk, max_in_flight=in_flight)
+        for gather in (False, True):
+            waits, totals = [], []
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for i in range(4):
+                    source = device_big[i * 16 * chunk : (i + 1) * 16 * chunk]
+                    if gather:
+                        source = source.view(16, chunk)[torch.arange(16, device="cuda")]
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream())
+                    paced.submit(host_big[i * 16 * chunk : (i + 1) * 16 * chunk].view(16, chunk), source.view(16, chunk),
+                                 ready, np.arange(i * 16, (i + 1) * 16))
+                waits.append(small_copy_ms(small_host, small_dev))
+                paced.issue_through()
+                side.synchronize()
+                totals.append((time.perf_counter() - started) * 1e3)
+            print(f"PacedHostCopies in flight {in_flight}{' after gathers' if gather else ''}: 1 GiB in "
+                  f"{statistics.median(totals):.1f} ms, small D2H waits {statistics.median(waits):.3f} ms")
+        paced.close()
 
 
 if __name__ == "__main__":

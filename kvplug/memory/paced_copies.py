@@ -1,24 +1,25 @@
-"""Device -> host copies of the host-memory tier, issued a few small chunks at a time by one worker thread.
+"""Device -> host copies of the host-memory tier, issued one small chunk at a time by a worker thread.
 
-Why: a GPU's copy engine runs device -> host copies in the order they were issued, whatever the
-stream. Measured on an H200 (``benchmarks/copy_engine_contention.py``): a 1 KiB device -> host
-copy on the compute stream issued right after a 1 GiB write-back was queued on a side stream
-waited **18-19 ms** for it, in 64 MiB or 8 MiB chunks alike (host -> device copies do not wait:
-0.02-0.04 ms). A serving engine copies a few bytes to the host every step (the sampled ids), so a
-write-back issued all at once stalls every step behind it: that cost the tier 8-10 % of
-throughput at 0 % hits. Issued ``max_in_flight`` chunks of ``chunk_bytes`` at a time, a step's
-small copy waits for at most those chunks (~0.3 ms each at 16 MiB), and the write-back still runs
-at the copy engine's speed while nothing else needs it.
+Why (measured on an H200, ``benchmarks/copy_engine_contention.py``): device -> host copies share
+one copy engine whatever their stream, and while another stream keeps the engine fed, a copy from
+the compute stream waits for everything queued before it. A 1 KiB device -> host copy issued
+right after a 1 GiB write-back was queued waits **18-19 ms** (in 64 or 8 MiB chunks alike); it
+also waits 19.3 ms when a worker keeps *two* 16 MiB chunks queued at all times (the engine never
+runs dry), but only **0.18-0.35 ms** when the worker keeps *one* queued and issues the next when
+it completes (host -> device copies do not wait at all: 0.02-0.04 ms). A serving engine copies a
+few bytes to the host every step (its sampled ids), so a write-back issued at once stalls the
+step behind it; issued one chunk at a time, that step waits for at most one chunk, and the
+write-back still runs at ~0.9 of the engine's speed (1 GiB in 21.7-21.9 ms instead of 19.9).
 
 How: ``submit`` queues a copy (a host view and a device view of the same shape, and the event that
 says the device view is ready: the gather that filled it, on the compute stream) and returns at
 once. The worker issues the queued copies in order on the tier's copy stream, each cut into
-chunks along its first dimension, and keeps at most ``max_in_flight`` chunks queued on the copy
-engine: it issues one, then waits (without the GIL) until the oldest is done. A device view stays
-referenced until its last chunk has completed, so its memory (the staging buffer) is reused only
-after the copy read it. Nothing here reorders copies: everything is issued on one stream in
-submission order, and ``issue_through`` lets a reader of host pages (a load) wait until the copies
-writing them have been *issued* before it issues its own copy on the same stream.
+chunks along its first dimension, waiting (without the GIL) for each chunk before issuing the
+next. A device view stays referenced until its last chunk has completed, so its memory (the
+staging buffer) is reused only after the copy read it. Nothing here reorders copies: everything is
+issued on one stream in submission order, and ``issue_through_pages`` lets a reader of host pages
+(a load) wait until the copies writing them have been *issued* before it issues its own copy on
+the same stream.
 
 A copy that fails in the worker (a CUDA error) is logged, and every later ``submit`` and
 ``issue_through`` raises ``RuntimeError`` naming it: the host pages written since are not
@@ -48,16 +49,16 @@ class _Copy(NamedTuple):
 
 
 class PacedHostCopies:
-    """Device -> host copies issued by a worker thread, ``max_in_flight`` chunks at a time.
+    """Device -> host copies issued by a worker thread, ``max_in_flight`` chunks at a time (see above).
 
     Args:
         stream: the copy stream every copy is issued on (the host tier's).
         chunk_bytes: largest single copy issued.
-        max_in_flight: chunks queued on the copy engine at once (2 keeps it busy between the
-            worker's wake-ups).
+        max_in_flight: chunks queued on the copy engine at once; 1, because with 2 the engine
+            never runs dry and other streams' device -> host copies wait for all of it.
     """
 
-    def __init__(self, stream: torch.cuda.Stream, *, chunk_bytes: int = 16 << 20, max_in_flight: int = 2) -> None:
+    def __init__(self, stream: torch.cuda.Stream, *, chunk_bytes: int = 16 << 20, max_in_flight: int = 1) -> None:
         self._stream = stream
         self._chunk_bytes = chunk_bytes
         self._max_in_flight = max_in_flight
