@@ -8,7 +8,9 @@ cache (one namespace of ``KvplugPrefixCache``) and enqueues on that recorder exa
 chained pages as it does for SGLang's own), ``BlockRemoved`` per evicted node, with SGLang's
 per-page block hashes (SHA-256 chained by the parent page's hash, from SGLang's own hash
 functions), token ids, block size and medium, namespaced as SGLang namespaces them (LoRA
-``extra_key``, ``cache_salt``, Dynamo format).
+``extra_key``, ``cache_salt``, Dynamo format). With a host-memory tier a prefix moving between
+tiers is a ``BlockRemoved`` in one medium and a ``BlockStored`` in the other: ``StorageMedium.GPU``
+for the KV pool, ``StorageMedium.CPU`` for host memory (the names SGLang's HiCache uses).
 
 kvplug's events carry kvplug's page hashes (``kvplug.prefix_cache.block_hashes``); the translator
 keeps, per cached page, the SGLang hash it published for it, so a removal names the same hash and
@@ -21,15 +23,16 @@ import hashlib
 from array import array
 from typing import Any, Optional
 
-from kvplug.interface import AllCleared, BlockRemoved, BlockStored
+from kvplug.interface import KV_MEDIUM_DEVICE, KV_MEDIUM_HOST, AllCleared, BlockRemoved, BlockStored
 from sglang.srt.disaggregation.kv_events import BlockRemoved as SGLangBlockRemoved
 from sglang.srt.disaggregation.kv_events import BlockStored as SGLangBlockStored
 from sglang.srt.disaggregation.kv_events import StorageMedium, kv_event_namespace_seed, namespaced_block_hash
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 
-# kvplug's KV_MEDIUM_DEVICE is SGLang's device tier
-_MEDIUM = {"GPU": StorageMedium.GPU}
+# kvplug's media as SGLang names them: KV_MEDIUM_DEVICE ("GPU") is the device tier, KV_MEDIUM_HOST
+# ("CPU") the host-memory tier, which SGLang's HiCache publishes as StorageMedium.CPU ("CPU_PINNED")
+_MEDIUM = {KV_MEDIUM_DEVICE: StorageMedium.GPU, KV_MEDIUM_HOST: StorageMedium.CPU}
 
 
 class SGLangEventTranslator:
