@@ -161,7 +161,7 @@ def translate_namespace(
     radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory)
     attention_backend = names.attention_backend_name(attention or names.DEFAULT_ATTENTION)
     current = getattr(ns, "radix_cache_backend", None)
-    if current not in (None, radix_backend):
+    if current not in (None, radix_backend, names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE)):
         return f"--kv-backend kvplug uses --radix-cache-backend {radix_backend}; got --radix-cache-backend {current}"
     for field in _ATTENTION_FIELDS:
         value = getattr(ns, field, None)
