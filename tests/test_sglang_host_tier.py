@@ -271,6 +271,18 @@ def test_the_flag_travels_in_sglangs_radix_cache_backend_field():
     assert get_radix_cache_factory("kvplug:no-such-cache+host_memory=1000") is None
 
 
+def test_the_kvplug_host_spells_the_tier_for_the_cli_and_for_sglang_engine():
+    import kvplug
+
+    host = kvplug.default_manager().create("host", "sglang", attention="torch", host_memory="2MiB")
+    args = parse(*host.cli_args())
+    assert host.engine_kwargs()["radix_cache_backend"] == args.radix_cache_backend == "kvplug:radix+host_memory=2097152"
+    for field, value in host.engine_kwargs().items():
+        assert getattr(args, field) == value
+    with pytest.raises(kvplug.InvalidArgumentError, match="like '40GiB'"):
+        kvplug.default_manager().create("host", "sglang", host_memory="much")
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
