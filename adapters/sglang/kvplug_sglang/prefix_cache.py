@@ -230,9 +230,10 @@ class KvplugPrefixCache(BasePrefixCache):
             if locations is None:
                 logger.debug("kvplug host tier: no room to load %d tokens; the request recomputes them", host_len)
                 return 0, device_node
+            host_locations = locations.to("cpu", torch.int32)  # before the fence: this copy waits for its stream
             self._fence()
             try:
-                cache.load_host_prefix(whole.handle, locations.to("cpu", torch.int32))
+                cache.load_host_prefix(whole.handle, host_locations)
             except TierCopyError as error:
                 logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens", error, host_len)
                 self.token_to_kv_pool_allocator.free(locations)
