@@ -13,8 +13,9 @@ forward on ``forward_stream`` after ``forward_stream.wait_stream(current)``.
   allocator has reclaimed (what SGLang's HiCache fences against), the load must land after it.
   The same scenario with the fence removed loses the loaded bytes, which shows the check can fail.
 
-Skipped without CUDA. On the GPU machine: ``scripts/device-sglang-graphs.sh`` with
-``TESTS=tests/test_sglang_host_tier_gpu.py`` (SGLang from its wheel, ``tests/sglang_gpu_support``).
+Skipped without CUDA. On the GPU machine it runs in ``scripts/device-sglang-graphs.sh``'s
+environment: SGLang from its wheels (``.whl-sglang/``, ``pip install --no-deps --target
+/tmp/sgsite``) and ``PYTHONPATH=tests/sglang_gpu_support:/tmp/sgsite:.:adapters/sglang``.
 """
 
 from __future__ import annotations
