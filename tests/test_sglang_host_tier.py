@@ -292,6 +292,7 @@ def test_the_kvplug_host_spells_the_tier_for_the_cli_and_for_sglang_engine():
         (("--kv-backend", "kvplug", "--kvplug-host-memory", "lots"), "like '40GiB'"),
         (("--kv-backend", "kvplug", "--kvplug-host-memory", "0"), "must be positive"),
         (("--kv-backend", "kvplug", "--kvplug-host-memory", "1GiB", "--enable-hierarchical-cache"), "--enable-hierarchical-cache"),
+        (("--kv-backend", "kvplug", "--kvplug-host-memory", "1GiB", "--disable-radix-cache"), "drop --disable-radix-cache"),
     ],
 )
 def test_the_flag_is_refused_where_it_cannot_work(flags, expected, capsys):

@@ -155,6 +155,8 @@ def translate_namespace(
     if host_memory is not None:
         if getattr(ns, "enable_hierarchical_cache", False):
             return "--kvplug-host-memory is kvplug's host tier; SGLang's --enable-hierarchical-cache cannot run under it"
+        if getattr(ns, "disable_radix_cache", False):
+            return "--kvplug-host-memory keeps evicted prefixes for later requests; it needs the prefix cache: drop --disable-radix-cache"
         problem = _host_tier_problem(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory, manager)
         if problem:
             return problem
