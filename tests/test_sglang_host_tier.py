@@ -329,3 +329,17 @@ def test_only_the_default_namespace_holds_host_memory_and_a_flush_keeps_it():
     cache.reset()
     assert cache.root_node.space.cache.host_pool is pool  # no second allocation on /flush_cache
     assert cache.tier_stats().host_pages == pool.num_pages
+
+
+def test_a_cpu_cache_attaches_to_a_pool_on_another_device():
+    """kvplug caches live on the CPU in SGLang while the pool is on the accelerator (``meta`` stands
+    in for CUDA here; ``test_sglang_host_tier_gpu.py`` runs the real thing)."""
+    from types import SimpleNamespace
+
+    import kvplug
+
+    pool = SimpleNamespace(kv_buffer=torch.empty(2, LAYERS, 9, 4, HEADS, DIM, device="meta"))
+    cache = kvplug.default_manager().create_prefix_cache("radix", device="cpu", page_size=4, host_memory=HOST_MEMORY)
+    cache.attach_kv_pool(pool)
+    assert cache.host_pool.num_pages == HOST_MEMORY // (2 * LAYERS * 4 * HEADS * DIM * 4)
+    assert not cache.host_pool.pinned and cache.host_pool.buffer.device.type == "cpu"
