@@ -233,20 +233,56 @@ def test_tier_moves_are_published_with_sglangs_medium_names():
     admit(world, "a", [1, 2, 3, 4], [], seed=8)
     finish(world, "a")
     cache.take_events()
+
+    def hashes(events, kind, medium):
+        return {h for event in events if isinstance(event, kind) and event.medium == medium for h in event.block_hashes}
+
     cache.evict(EvictParams(num_tokens=EVICT_ALL))
     moved = cache.take_events()
-    removed = [event for event in moved if isinstance(event, BlockRemoved)]
-    stored = [event for event in moved if isinstance(event, BlockStored)]
-    assert {event.medium for event in removed} == {StorageMedium.GPU}
-    assert {event.medium for event in stored} == {StorageMedium.CPU}
-    device_hashes = {h for event in removed for h in event.block_hashes}
-    assert device_hashes == {h for event in stored for h in event.block_hashes} and len(device_hashes) == 4
+    pages = hashes(moved, BlockRemoved, StorageMedium.GPU)
+    assert len(pages) == 4 and hashes(moved, BlockStored, StorageMedium.CPU) == pages
+    assert {event.medium for event in moved} == {StorageMedium.GPU, StorageMedium.CPU}
 
     admit(world, "b", [1, 2, 3, 4, 5], [], seed=9)
     back = cache.take_events()
-    assert {h for e in back if isinstance(e, BlockRemoved) and e.medium == StorageMedium.CPU for h in e.block_hashes} == device_hashes
-    assert {h for e in back if isinstance(e, BlockStored) and e.medium == StorageMedium.GPU for h in e.block_hashes} == device_hashes
+    assert hashes(back, BlockStored, StorageMedium.GPU) == pages  # loaded: on the device again
+    # the pages stay in host memory too (a host copy), until the tier lets them go
+    assert hashes(back, BlockRemoved, StorageMedium.CPU) <= pages
+    finish(world, "b")
+    cache.reset()
     assert KV_MEDIUM_HOST == "CPU"
+
+
+def test_a_page_held_in_both_media_keeps_its_hash_until_the_last_one_lets_it_go():
+    """A loaded prefix keeps its host copy: the translator must name the same SGLang hash when the
+    device copy goes and again when the host copy goes (and chain children to it meanwhile)."""
+    from kvplug.interface import KV_MEDIUM_DEVICE
+    from kvplug.interface import BlockRemoved as KvplugRemoved
+    from kvplug.interface import BlockStored as KvplugStored
+
+    world = tier_world(1, events=True)
+    cache = world.cache
+    tier = cache.root_node.space.cache
+    cache.take_events()
+    for event in (
+        KvplugStored((11,), None, (1,), 1, KV_MEDIUM_HOST),
+        KvplugStored((11,), None, (1,), 1, KV_MEDIUM_DEVICE),
+        KvplugRemoved((11,), KV_MEDIUM_DEVICE),
+        KvplugStored((12,), 11, (2,), 1, KV_MEDIUM_HOST),
+        KvplugRemoved((12,), KV_MEDIUM_HOST),
+        KvplugRemoved((11,), KV_MEDIUM_HOST),
+    ):
+        tier.emit_kv_event(event)
+    events = cache.take_events()
+    stored = [event for event in events if isinstance(event, BlockStored)]
+    removed = [event for event in events if isinstance(event, BlockRemoved)]
+    page = stored[0].block_hashes[0]
+    assert [event.block_hashes for event in stored] == [[page], [page], stored[2].block_hashes]
+    assert stored[2].parent_block_hash == page
+    # (SGLang's recorder coalesces consecutive removals of one medium into one event)
+    assert [(h, event.medium) for event in removed for h in event.block_hashes] == [
+        (page, StorageMedium.GPU), (stored[2].block_hashes[0], StorageMedium.CPU), (page, StorageMedium.CPU),
+    ]
 
 
 # ============================================================================ the flag

@@ -13,8 +13,10 @@ tiers is a ``BlockRemoved`` in one medium and a ``BlockStored`` in the other: ``
 for the KV pool, ``StorageMedium.CPU`` for host memory (the names SGLang's HiCache uses).
 
 kvplug's events carry kvplug's page hashes (``kvplug.prefix_cache.block_hashes``); the translator
-keeps, per cached page, the SGLang hash it published for it, so a removal names the same hash and
-a child page chains to its parent's SGLang hash. The map holds one entry per cached page.
+keeps, per cached page, the SGLang hash it published for it and the media holding the page, so a
+removal names the same hash and a child page chains to its parent's SGLang hash. A page may be
+held in both media at once (a loaded prefix keeps its host copy): its entry lives until its last
+medium removes it. The map holds one entry per cached page.
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ class SGLangEventTranslator:
         self.extra_key = extra_key
         self.cache_salt = cache_salt
         self._sglang_hex: dict[int, str] = {}  # kvplug page hash -> SGLang's hash string of the page
+        self._media: dict[int, set[str]] = {}  # kvplug page hash -> the media holding the page
 
     def __call__(self, event: Any) -> None:
         if isinstance(event, BlockStored):
             self._stored(event)
         elif isinstance(event, BlockRemoved):
             self._removed(event)
-        elif isinstance(event, AllCleared):
-            self._sglang_hex.clear()  # the tree cache reports AllBlocksCleared once per reset itself
+        elif isinstance(event, AllCleared):  # the tree cache reports AllBlocksCleared once per reset itself
+            for kvplug_hash in list(self._media):
+                self._forget(kvplug_hash, event.medium)
 
     def _stored(self, event: BlockStored) -> None:
         page_size = event.block_size
@@ -74,6 +78,7 @@ class SGLangEventTranslator:
         medium = _MEDIUM.get(event.medium, event.medium)
         for number, (kvplug_hash, hex_hash) in enumerate(zip(event.block_hashes, hexes)):
             self._sglang_hex[kvplug_hash] = hex_hash
+            self._media.setdefault(kvplug_hash, set()).add(event.medium)
             block_hash = namespaced_block_hash(hash_str_to_int64(hex_hash), namespace_seed=seed)
             self.recorder.enqueue(
                 SGLangBlockStored(
@@ -93,11 +98,21 @@ class SGLangEventTranslator:
     def _removed(self, event: BlockRemoved) -> None:
         seed = self._namespace_seed()
         hashes = [
-            namespaced_block_hash(hash_str_to_int64(self._sglang_hex.pop(kvplug_hash)), namespace_seed=seed)
+            namespaced_block_hash(hash_str_to_int64(self._forget(kvplug_hash, event.medium)), namespace_seed=seed)
             for kvplug_hash in event.block_hashes
         ]
         if hashes:
             self.recorder.enqueue(SGLangBlockRemoved(block_hashes=hashes, medium=_MEDIUM.get(event.medium, event.medium)))
+
+    def _forget(self, kvplug_hash: int, medium: str) -> str:
+        """The page's SGLang hash string; the page is no longer held in ``medium`` (nor anywhere,
+        once its last medium let it go)."""
+        hex_hash = self._sglang_hex[kvplug_hash]
+        media = self._media[kvplug_hash]
+        media.discard(medium)
+        if not media:
+            del self._sglang_hex[kvplug_hash], self._media[kvplug_hash]
+        return hex_hash
 
     # SGLang's rules (sglang.srt.mem_cache.events / utils), for this namespace
     def _root_prior(self) -> Optional[str]:
