@@ -8,9 +8,10 @@ cache (one namespace of ``KvplugPrefixCache``) and enqueues on that recorder exa
 chained pages as it does for SGLang's own), ``BlockRemoved`` per evicted node, with SGLang's
 per-page block hashes (SHA-256 chained by the parent page's hash, from SGLang's own hash
 functions), token ids, block size and medium, namespaced as SGLang namespaces them (LoRA
-``extra_key``, ``cache_salt``, Dynamo format). With a host-memory tier a prefix moving between
-tiers is a ``BlockRemoved`` in one medium and a ``BlockStored`` in the other: ``StorageMedium.GPU``
-for the KV pool, ``StorageMedium.CPU`` for host memory (the names SGLang's HiCache uses).
+``extra_key``, ``cache_salt``, Dynamo format). With a host-memory tier each event carries its
+medium as SGLang's HiCache names it: ``StorageMedium.GPU`` for the KV pool, ``StorageMedium.CPU``
+for host memory (a write-back removes a page on ``GPU`` and stores it on ``CPU``; a load stores it
+on ``GPU`` while its host copy stays stored on ``CPU``).
 
 kvplug's events carry kvplug's page hashes (``kvplug.prefix_cache.block_hashes``); the translator
 keeps, per cached page, the SGLang hash it published for it and the media holding the page, so a
