@@ -49,7 +49,8 @@ scatter. The other direction needs a fence: the previous batch may still run on
 still be written by it (SGLang fences its own HiCache loads and write-backs on ``forward_stream``
 for this reason: ``load_fence_stream`` / ``write_fence_stream``). So before any tier copy the
 current stream waits for ``forward_stream`` (``fence_stream``); that costs no GPU time (the next
-forward could not start before the running one ends anyway). Without the overlap scheduler the
+forward could not start before the running one ends anyway), but the host pool's pageable index
+uploads queued after it make this thread wait for the running forward (README: known cost). Without the overlap scheduler the
 forward runs on the scheduler's own stream and the fence waits on an idle stream. On the CPU every
 copy is synchronous.
 """
