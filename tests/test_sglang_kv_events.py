@@ -117,7 +117,7 @@ def test_a_cache_plugin_without_events_serves_and_warns(caplog):
     table, allocator = make_pools(size=64, page_size=1, max_requests=4, max_context=32)
     params = cache_params(table, allocator, 1, enable_kv_cache_events=True)
     with caplog.at_level("WARNING"):
-        cache = KvplugPrefixCache(params, lambda: Silent(PrefixCacheConfig()), "silent")
+        cache = KvplugPrefixCache(params, lambda namespace: Silent(PrefixCacheConfig()), "silent")
     assert "publishes no KV cache events" in caplog.text
     world = World(cache, allocator, table, 1)
     apply(world, ("admit", ("a", [1, 2, 3], [4])))

@@ -129,7 +129,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
                 f"expected a KV pool with kv_buffer [2, num_layers, num_pages + 1, page_size={self.page_size}, "
                 f"heads, head_dim], got {type(pool).__name__} with {getattr(kv_buffer, 'shape', None)}"
             )
-        if kv_buffer.device.type != self.device.type:
+        # A cache on the CPU keeps locations as host integers and the copies run on the pool's own
+        # device, so it can drive a pool anywhere (the SGLang adapter's caches live on the CPU over a
+        # CUDA pool); a cache on an accelerator works on the pool's device only.
+        if self.device.type != "cpu" and kv_buffer.device.type != self.device.type:
             raise InvalidArgumentError(f"the KV pool is on {kv_buffer.device}, the cache on {self.device}")
         page_bytes = kv_buffer[:, :, 0].numel() * kv_buffer.element_size()
         num_pages = self.host_memory // page_bytes

@@ -8,6 +8,9 @@ created on first use. Nearly every deployment has a single namespace (no LoRA, n
 Eviction across namespaces takes from the least recently used namespace first; inside one
 namespace the kvplug cache's own policy (LRU for ``radix``) decides.
 
+The default namespace's cache lives as long as the adapter (``reset`` empties it): with a host
+tier it owns the host memory, allocated once at startup.
+
 Host-side structures only; nothing here touches a tensor on the accelerator.
 """
 
@@ -56,10 +59,12 @@ class CacheNode:
 
 
 class CacheSpaces:
-    """The namespaces in use, created on demand by ``factory()`` (a fresh kvplug prefix cache)."""
+    """The namespaces in use, created on demand by ``factory(namespace)`` (a fresh kvplug prefix cache)."""
 
     def __init__(
-        self, factory: Callable[[], BasePrefixCache], on_create: Optional[Callable[[CacheSpace], None]] = None
+        self,
+        factory: Callable[[Namespace], BasePrefixCache],
+        on_create: Optional[Callable[[CacheSpace], None]] = None,
     ) -> None:
         """``on_create(space)`` runs for each new namespace before its cache is used (events)."""
         self._factory = factory
@@ -73,7 +78,7 @@ class CacheSpaces:
         cross-namespace LRU order."""
         space = self._spaces.get(namespace)
         if space is None:
-            space = CacheSpace(namespace, self._factory())
+            space = CacheSpace(namespace, self._factory(namespace))
             if self._on_create is not None:
                 self._on_create(space)
             self._spaces[namespace] = space
@@ -89,10 +94,12 @@ class CacheSpaces:
         return sorted(self._spaces.values(), key=lambda space: space.last_used)
 
     def reset(self) -> None:
-        """Forget every entry of every namespace; handles issued before are no longer valid."""
+        """Forget every entry of every namespace; handles issued before are no longer valid. The
+        default namespace keeps its (emptied) cache and event listener; the others are dropped."""
         for space in self._spaces.values():
             space.cache.reset()
-        self._spaces.clear()
+        default = self._spaces[DEFAULT_NAMESPACE].cache
+        self._spaces = {DEFAULT_NAMESPACE: CacheSpace(DEFAULT_NAMESPACE, default)}
         self.get(DEFAULT_NAMESPACE)
 
     def evictable_size(self) -> int:

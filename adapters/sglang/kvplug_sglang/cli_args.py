@@ -1,10 +1,15 @@
-"""``--kv-backend``, ``--prefix-cache`` and ``--kvplug-attention`` on SGLang's server parser.
+"""``--kv-backend``, ``--prefix-cache``, ``--kvplug-attention`` and ``--kvplug-host-memory`` on SGLang's server parser.
 
 ``add_kvplug_arguments(parser)`` runs right after ``ServerArgs.add_cli_args(parser)``: it adds the
-three arguments and wraps that parser's ``parse_known_args`` (which ``parse_args`` calls), so the
+four arguments and wraps that parser's ``parse_known_args`` (which ``parse_args`` calls), so the
 parsed namespace is checked as a whole and translated into SGLang's own fields before
 ``ServerArgs.from_cli_args`` reads it (see ``names.py`` for the translation). Conflicting flags are
 rejected through ``parser.error``: exit status 2 with the usage line, like any argparse error.
+
+``--kvplug-host-memory SIZE`` (bytes or ``32GiB``-style) needs ``--kv-backend kvplug`` (the tier
+copies pages of kvplug's KV pool) and a prefix cache that has a host tier (it is asked: one is
+built with the option ``host_memory`` and must be a ``BaseTieredPrefixCache``); it travels in
+``--radix-cache-backend kvplug:NAME+host_memory=BYTES``.
 
 Name checks ask kvplug's plugin manager, so third-party prefix caches and attention backends
 installed as kvplug plugins are accepted, and an unknown name is rejected with the list of
@@ -16,7 +21,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from kvplug.interface import UnknownComponentError
+from kvplug.interface import BaseTieredPrefixCache, KVPlugError, UnknownComponentError
+from kvplug.memory.capacity import parse_memory_size
 from kvplug.plugins import PluginManager, default_manager
 
 from kvplug_sglang import names
@@ -77,11 +83,20 @@ def add_kvplug_arguments(
         help="kvplug attention backend: auto (default), torch, triton, flashinfer, fa3 or 'PREFILL,DECODE'. "
         "Needs --kv-backend kvplug.",
     )
+    group.add_argument(
+        "--kvplug-host-memory",
+        type=_memory_size,
+        default=None,
+        metavar="SIZE",
+        help="A host-memory tier under the kvplug prefix cache: evicted prefixes are written back to SIZE "
+        "of (pinned) host memory, e.g. 32GiB, and loaded back when a request is admitted with them. "
+        "Needs --kv-backend kvplug and a prefix cache with a host tier (radix).",
+    )
     original = parser.parse_known_args
 
     def parse_known_args(args: Any = None, namespace: Any = None):
         parsed, extras = original(args, namespace)
-        problem = translate_namespace(parsed, parser)
+        problem = translate_namespace(parsed, parser, manager)
         if problem:
             parser.error(problem)
         return parsed, extras
@@ -89,13 +104,47 @@ def add_kvplug_arguments(
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
-def translate_namespace(ns: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> str:
+def _memory_size(value: str) -> int:
+    try:
+        return parse_memory_size(value)
+    except KVPlugError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_memory_size.__name__ = "memory size"
+
+
+def _host_tier_problem(prefix_cache: str, host_memory: int, manager: Callable[[], PluginManager]) -> str:
+    """Why kvplug prefix cache ``prefix_cache`` cannot have a host tier, or ``""``."""
+    try:
+        cache = manager().create_prefix_cache(prefix_cache, device="cpu", page_size=1, host_memory=host_memory)
+    except KVPlugError as error:
+        return f"--kvplug-host-memory: kvplug prefix cache {prefix_cache!r} takes no host_memory option ({error})"
+    if not isinstance(cache, BaseTieredPrefixCache):
+        return (
+            f"--kvplug-host-memory: kvplug prefix cache {prefix_cache!r} has no host-memory tier "
+            f"(it builds a {type(cache).__name__}); use --prefix-cache radix"
+        )
+    return ""
+
+
+def translate_namespace(
+    ns: argparse.Namespace,
+    parser: Optional[argparse.ArgumentParser] = None,
+    manager: Callable[[], PluginManager] = default_manager,
+) -> str:
     """Write ``--kv-backend kvplug``'s choices into SGLang's fields of ``ns``; return an error message
     for conflicting flags (``""`` when there is none). ``ns`` is unchanged when there is a conflict."""
     kv_backend = getattr(ns, "kv_backend", "native")
     prefix_cache = getattr(ns, "prefix_cache", None)
     attention = getattr(ns, "kvplug_attention", None)
+    host_memory = getattr(ns, "kvplug_host_memory", None)
     if kv_backend != "kvplug":
+        if host_memory is not None:
+            return (
+                "--kvplug-host-memory needs --kv-backend kvplug: the host tier copies pages of kvplug's KV pool "
+                "(--radix-cache-backend kvplug:NAME alone keeps SGLang's own pools and has no host tier)"
+            )
         given = [flag for flag, value in (("--prefix-cache", prefix_cache), ("--kvplug-attention", attention)) if value]
         if given:
             return (
@@ -103,10 +152,18 @@ def translate_namespace(ns: argparse.Namespace, parser: Optional[argparse.Argume
                 "(or use --radix-cache-backend kvplug:NAME for a kvplug prefix cache with SGLang's own pools)"
             )
         return ""
-    radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE)
+    if host_memory is not None:
+        if getattr(ns, "enable_hierarchical_cache", False):
+            return "--kvplug-host-memory is kvplug's host tier; SGLang's --enable-hierarchical-cache cannot run under it"
+        if getattr(ns, "disable_radix_cache", False):
+            return "--kvplug-host-memory keeps evicted prefixes for later requests; it needs the prefix cache: drop --disable-radix-cache"
+        problem = _host_tier_problem(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory, manager)
+        if problem:
+            return problem
+    radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory)
     attention_backend = names.attention_backend_name(attention or names.DEFAULT_ATTENTION)
     current = getattr(ns, "radix_cache_backend", None)
-    if current not in (None, radix_backend):
+    if current not in (None, radix_backend, names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE)):
         return f"--kv-backend kvplug uses --radix-cache-backend {radix_backend}; got --radix-cache-backend {current}"
     for field in _ATTENTION_FIELDS:
         value = getattr(ns, field, None)

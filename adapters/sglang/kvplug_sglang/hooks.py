@@ -9,7 +9,10 @@ SGLang's ``load_plugins`` applies them in every process:
   ``get_kv_pool_cls`` hook): the MHA pool class becomes ``KvplugMHATokenToKVPool``; the other
   kinds (MLA, DSA, a page-major or platform MHA pool) become classes that refuse to be built, so
   only a model that really uses one fails, at startup, with an error naming it;
-- around ``KVCacheConfigurator._build_default_req_pool``: the table becomes ``KvplugReqToTokenPool``.
+- around ``KVCacheConfigurator._build_default_req_pool``: the table becomes ``KvplugReqToTokenPool``;
+- around ``sglang.srt.mem_cache.registry.get_radix_cache_factory`` (what ``create_tree_cache`` looks
+  names up with): ``kvplug:NAME+host_memory=BYTES`` (``--kvplug-host-memory``, see ``names.py``)
+  resolves to ``kvplug:NAME``'s factory with that host-memory tier.
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -17,6 +20,7 @@ The two pool hooks act only when an attention-backend field names a kvplug backe
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -81,8 +85,20 @@ def around_build_default_req_pool(original: Callable[..., Any], configurator: An
     return replacement
 
 
+def around_get_radix_cache_factory(original: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+    factory = original(name, *args, **kwargs)
+    if factory is not None or names.prefix_cache_of(name) is None:
+        return factory
+    base, host_memory = names.split_host_memory(name)
+    factory = original(base, *args, **kwargs) if host_memory is not None else None
+    if factory is None:
+        return None
+    return functools.partial(factory, host_memory=host_memory)
+
+
 HOOKS = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", after_add_cli_args),
     (f"{_CONFIGURATOR}._resolve_kv_pool_class", "AROUND", around_resolve_kv_pool_class),
     (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
+    ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
 )

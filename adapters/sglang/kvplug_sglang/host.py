@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from kvplug.memory.capacity import parse_memory_size
 from kvplug.plugins import PluginManager, default_manager
 
 from kvplug_sglang import compat, names
 
 
 class SGLangHost:
-    """kvplug inside SGLang, with prefix cache ``prefix_cache`` and kvplug attention ``attention``.
+    """kvplug inside SGLang, with prefix cache ``prefix_cache`` and kvplug attention ``attention``,
+    and a host-memory tier of ``host_memory`` (bytes or ``"32GiB"``; ``None``: none) under the cache.
 
     Raises:
         kvplug.UnknownComponentError: an unknown prefix-cache or attention name.
+        kvplug.InvalidArgumentError: a malformed ``host_memory``.
     """
 
     name = "sglang"
@@ -30,8 +33,10 @@ class SGLangHost:
         prefix_cache: str = names.DEFAULT_PREFIX_CACHE,
         attention: str = names.DEFAULT_ATTENTION,
         manager: Callable[[], PluginManager] = default_manager,
+        host_memory: int | str | None = None,
     ) -> None:
         manager().registry.get("prefix_cache", prefix_cache)
+        self.host_memory = None if host_memory is None else parse_memory_size(host_memory)
         for part in attention.split(","):
             if part.strip() != names.DEFAULT_ATTENTION:
                 manager().registry.get("attention", part.strip())
@@ -51,12 +56,13 @@ class SGLangHost:
 
     def cli_args(self) -> list[str]:
         """Arguments for ``sglang serve`` / ``python -m sglang.launch_server``."""
-        return ["--kv-backend", "kvplug", "--prefix-cache", self.prefix_cache, "--kvplug-attention", self.attention]
+        args = ["--kv-backend", "kvplug", "--prefix-cache", self.prefix_cache, "--kvplug-attention", self.attention]
+        return args if self.host_memory is None else [*args, "--kvplug-host-memory", str(self.host_memory)]
 
     def engine_kwargs(self) -> dict[str, Any]:
         """SGLang ``ServerArgs`` fields (``sglang.Engine(**kwargs)``) with the same effect as ``cli_args()``."""
         return {
-            "radix_cache_backend": names.radix_cache_backend_name(self.prefix_cache),
+            "radix_cache_backend": names.radix_cache_backend_name(self.prefix_cache, self.host_memory),
             "attention_backend": names.attention_backend_name(self.attention),
             # decode graphs stay SGLang's ("full" on CUDA: kvplug's graph hooks); prefill graphs are not wired
             "cuda_graph_backend_prefill": "disabled",

@@ -4,7 +4,9 @@ Every choice is carried by SGLang's own server-argument fields, so it reaches ev
 (scheduler, TP workers) through SGLang's own pickling of ``ServerArgs``, with no side channel:
 
 - prefix cache ``NAME`` -> ``--radix-cache-backend kvplug:NAME`` (one SGLang radix-cache backend
-  is registered per kvplug prefix-cache name, third-party ones included);
+  is registered per kvplug prefix-cache name, third-party ones included); with a host-memory tier
+  of ``B`` bytes -> ``kvplug:NAME+host_memory=B`` (SGLang has no field for it; the registry lookup
+  resolves the suffixed name to ``NAME``'s factory with the option, ``hooks.py``);
 - kvplug attention ``auto`` -> ``--attention-backend kvplug``; any other kvplug attention ``NAME``
   (``torch``, ``triton``, ``flashinfer``, ``fa3``, ``"P,D"``) -> ``--attention-backend kvplug:NAME``.
 
@@ -22,15 +24,31 @@ DEFAULT_PREFIX_CACHE = "radix"
 DEFAULT_ATTENTION = "auto"
 
 
-def radix_cache_backend_name(prefix_cache: str) -> str:
-    """SGLang ``--radix-cache-backend`` value for kvplug prefix cache ``prefix_cache``."""
-    return f"{PREFIX}{SEPARATOR}{prefix_cache}"
+HOST_MEMORY_OPTION = "+host_memory="
+
+
+def radix_cache_backend_name(prefix_cache: str, host_memory: Optional[int] = None) -> str:
+    """SGLang ``--radix-cache-backend`` value for kvplug prefix cache ``prefix_cache``, with a
+    host-memory tier of ``host_memory`` bytes when given."""
+    name = f"{PREFIX}{SEPARATOR}{prefix_cache}"
+    return name if host_memory is None else f"{name}{HOST_MEMORY_OPTION}{int(host_memory)}"
+
+
+def split_host_memory(radix_cache_backend: str) -> tuple[str, Optional[int]]:
+    """``(backend name without the option, host-memory bytes or None)`` of a
+    ``--radix-cache-backend`` value; ``ValueError`` for a malformed byte count."""
+    base, found, size = radix_cache_backend.partition(HOST_MEMORY_OPTION)
+    if not found:
+        return radix_cache_backend, None
+    if not size.isdigit() or int(size) <= 0:
+        raise ValueError(f"expected {base}{HOST_MEMORY_OPTION}BYTES (a positive integer), got {radix_cache_backend!r}")
+    return base, int(size)
 
 
 def prefix_cache_of(radix_cache_backend: Optional[str]) -> Optional[str]:
     """The kvplug prefix-cache name inside a ``--radix-cache-backend`` value, or ``None``."""
     if radix_cache_backend and radix_cache_backend.startswith(PREFIX + SEPARATOR):
-        return radix_cache_backend[len(PREFIX + SEPARATOR) :]
+        return radix_cache_backend[len(PREFIX + SEPARATOR) :].partition(HOST_MEMORY_OPTION)[0]
     return None
 
 

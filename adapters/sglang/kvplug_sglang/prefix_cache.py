@@ -20,6 +20,39 @@ Semantics follow SGLang's ``RadixCache``: page-aligned keys, a request's prompt 
 so that evicting its output keeps its prompt, best-effort eviction (never more than is evictable).
 Keys and values cross to the host (kvplug caches here live on the CPU), and matched locations go
 back to the allocator's device as int64, as SGLang's own values are.
+
+Host-memory tier (``--kvplug-host-memory SIZE``: the default namespace's cache is kvplug's tiered
+``radix``, see ``radix_backends``). Evicting writes the evicted prefixes back to host memory (the
+tiered cache's ``evict``) and the device locations go back to SGLang's allocator as before. A
+match reports SGLang's own host-hit fields: ``device_prefix_len`` / ``last_device_node`` are the
+device-resident head, ``host_hit_length`` the host-resident tail, ``best_match_node`` the whole
+match. SGLang's ``PrefillAdder.add_one_req`` then, only for a request it admits, with the device
+head locked and the host tokens counted in its budget, calls ``init_load_back``: the tail is locked,
+device locations are taken from ``token_to_kv_pool_allocator`` (evicting through this cache's own
+``evict`` when short), the host pages are copied into them (``load_host_prefix``) and the tail
+becomes device-resident; SGLang then sets ``req.last_node`` to the whole match and adds the loaded
+length to ``req.prefix_len`` (``load_back_is_cache_owned``: the loaded locations belong to the
+tree, like any cached prefix). Without room, or when the copy fails, nothing is loaded, the
+locations go back to the allocator and SGLang admits the request with the device head only (it
+recomputes the tail). SGLang never sees a host location: ``path_device_indices`` is only ever
+asked about device-resident nodes. Loading at admission rather than in ``match_prefix`` matters:
+SGLang matches every waiting request on each scheduling pass, and loading for requests it then
+does not admit would churn the pool.
+
+Stream order (CUDA). The copies that touch the KV pool (the write-back's gather, the load's
+scatter) are queued on the scheduler's current stream, SGLang 0.5.23's ``schedule_stream``. Its
+overlap scheduler launches every forward on the model runner's ``forward_stream`` after
+``forward_stream.wait_stream(schedule_stream)`` (``Scheduler.run_batch``), so the prefill that
+reads a loaded prefix, built and launched after ``init_load_back`` returned, is ordered after the
+scatter. The other direction needs a fence: the previous batch may still run on
+``forward_stream`` while the next one is scheduled, and locations the allocator hands out may
+still be written by it (SGLang fences its own HiCache loads and write-backs on ``forward_stream``
+for this reason: ``load_fence_stream`` / ``write_fence_stream``). So before any tier copy the
+current stream waits for ``forward_stream`` (``fence_stream``); that costs no GPU time (the next
+forward could not start before the running one ends anyway), but the host pool's pageable index
+uploads queued after it make this thread wait for the running forward (README: known cost). Without the overlap scheduler the
+forward runs on the scheduler's own stream and the fence waits on an idle stream. On the CPU every
+copy is synchronous.
 """
 
 from __future__ import annotations
@@ -27,11 +60,13 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
 
 from kvplug.interface import BasePrefixCache as KvplugBasePrefixCache
+from kvplug.interface import BaseTieredPrefixCache, TierCopyError, TierStats
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -39,6 +74,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -48,7 +84,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from kvplug_sglang.cache_spaces import CacheNode, CacheSpace, CacheSpaces
+from kvplug_sglang.cache_spaces import CacheNode, CacheSpace, CacheSpaces, Namespace
 from kvplug_sglang.kv_events import SGLangEventTranslator
 
 logger = logging.getLogger(__name__)
@@ -61,14 +97,23 @@ class KvplugPrefixCache(BasePrefixCache):
 
     Args:
         params: SGLang's ``CacheInitParams`` (pools, page size, eviction policy, ...).
-        factory: builds one empty kvplug prefix cache on the CPU with ``params.page_size``.
+        factory: ``factory(namespace)`` builds one empty kvplug prefix cache on the CPU with
+            ``params.page_size`` for that namespace (a tiered one, pool attached, for a host tier).
         name: the kvplug prefix-cache name, for messages.
+        fence_stream: the stream SGLang's forwards run on (``model_runner.forward_stream``) on CUDA;
+            tier copies wait for it (see the module docstring). ``None``: no fence (CPU).
     """
 
     # SGLang reads these off any tree cache; kvplug caches hold full-attention KV only
     sliding_window_size: Optional[int] = None
 
-    def __init__(self, params: CacheInitParams, factory: Callable[[], KvplugBasePrefixCache], name: str) -> None:
+    def __init__(
+        self,
+        params: CacheInitParams,
+        factory: Callable[[Namespace], KvplugBasePrefixCache],
+        name: str,
+        fence_stream: Any = None,
+    ) -> None:
         if params.is_eagle:
             raise NotImplementedError(
                 f"kvplug prefix cache {name!r}: EAGLE speculative decoding keys the radix tree by token "
@@ -81,6 +126,7 @@ class KvplugPrefixCache(BasePrefixCache):
                 f"--radix-eviction-policy must be 'lru', got {params.eviction_policy!r}"
             )
         self.name = name
+        self._fence_stream = fence_stream
         self._warned_no_events = False
         self.disable = params.disable
         self.req_to_token_pool = params.req_to_token_pool
@@ -142,11 +188,89 @@ class KvplugPrefixCache(BasePrefixCache):
         space = self._space(key)
         ids = self._key_ids(key)
         node = space.root
-        if not self.disable and ids.numel():
-            node = CacheNode(space, space.cache.match_prefix(ids).handle)
+        if self.disable or ids.numel() == 0:
+            return MatchResult(
+                device_prefix_len=0, last_device_node=node, last_host_node=node, best_match_node=node
+            )
+        cache = space.cache
+        if not isinstance(cache, BaseTieredPrefixCache):
+            node = CacheNode(space, cache.match_prefix(ids).handle)
+            return MatchResult(
+                device_prefix_len=node.cached_len, last_device_node=node, last_host_node=node, best_match_node=node
+            )
+        match = cache.match_tiered(ids)
+        node = CacheNode(space, match.handle)
+        whole = CacheNode(space, match.host_handle) if match.host_len else node
         return MatchResult(
-            device_prefix_len=node.cached_len, last_device_node=node, last_host_node=node, best_match_node=node
+            device_prefix_len=node.cached_len,
+            last_device_node=node,
+            last_host_node=whole,
+            best_match_node=whole,
+            host_hit_length=int(match.host_len),
         )
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, CacheNode]:
+        """Load the host-resident tail of ``params.best_match_node`` (``params.host_hit_length``
+        tokens) into locations taken from SGLang's allocator; returns ``(tokens loaded, node)``:
+        ``(host_hit_length, the whole match)``, or ``(0, the device head)`` when there is no room or
+        the copy failed (nothing changed, SGLang recomputes the tail)."""
+        whole = params.best_match_node
+        cache = whole.space.cache
+        host_len = params.host_hit_length
+        device_node = params.req.last_node  # SGLang's PrefillAdder passes the request: its device head
+        if host_len <= 0 or not isinstance(cache, BaseTieredPrefixCache):
+            return 0, device_node
+        if device_node.cached_len + host_len != whole.cached_len:
+            raise RuntimeError(
+                f"kvplug prefix cache {self.name!r}: asked to load {host_len} host tokens of a {whole.cached_len}-token "
+                f"match after a device head of {device_node.cached_len} tokens"
+            )
+        cache.lock_handle(whole.handle)  # evicting to make room must neither drop nor move this path
+        try:
+            locations = self._take_locations(host_len)
+            if locations is None:
+                logger.debug("kvplug host tier: no room to load %d tokens; the request recomputes them", host_len)
+                return 0, device_node
+            host_locations = locations.to("cpu", torch.int32)  # before the fence: this copy waits for its stream
+            self._fence()
+            try:
+                cache.load_host_prefix(whole.handle, host_locations)
+            except TierCopyError as error:
+                logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens", error, host_len)
+                self.token_to_kv_pool_allocator.free(locations)
+                return 0, device_node
+        finally:
+            cache.lock_handle(whole.handle, unlock=True)
+        return host_len, whole
+
+    def _take_locations(self, count: int) -> Optional[torch.Tensor]:
+        """``count`` free locations (shape ``[count]``, int64, the allocator's device), evicting
+        through this cache when the allocator is short; ``None`` when even that leaves too few."""
+        allocator = self.token_to_kv_pool_allocator
+        short = count - allocator.available_size()
+        if short > 0:
+            self.evict(EvictParams(num_tokens=short))
+        if allocator.available_size() < count:
+            return None
+        return allocator.alloc(count)
+
+    def _fence(self) -> None:
+        """Order the next tier copy after every forward already launched (module docstring)."""
+        if self._fence_stream is not None:
+            torch.cuda.current_stream(self._fence_stream.device).wait_stream(self._fence_stream)
+
+    def tier_stats(self) -> TierStats:
+        """The host tier's counters and sizes, summed over the namespaces that have one (all zero
+        without a tier)."""
+        tiers = [space.cache.tier_stats() for space in self._spaces if isinstance(space.cache, BaseTieredPrefixCache)]
+        if not tiers:
+            return TierStats()
+        totals = {
+            field.name: sum(getattr(stats, field.name) for stats in tiers)
+            for field in dataclasses.fields(TierStats)
+            if field.name != "page_size"
+        }
+        return TierStats(page_size=tiers[0].page_size, **totals)
 
     def touch_prefix(self, key: RadixKey) -> None:
         ids = self._key_ids(key)
@@ -230,6 +354,8 @@ class KvplugPrefixCache(BasePrefixCache):
         for space in self._spaces.least_recently_used_first():
             take = min(wanted - num_freed, space.cache.size_info.evictable_size)
             if take > 0:
+                if isinstance(space.cache, BaseTieredPrefixCache):
+                    self._fence()  # the write-back reads the evicted pages
                 freed.append(space.cache.evict(take))
                 num_freed += freed[-1].numel()
             if num_freed >= wanted:

@@ -6,6 +6,13 @@ knows (built-ins and third-party plugins alike) through SGLang's
 with its ``TreeCacheBuildContext`` in the scheduler process; the factory refuses model kinds a
 kvplug prefix cache cannot hold (hybrid SWA, Mamba, DSA, hierarchical cache) with an error that
 names them, and otherwise returns a ``KvplugPrefixCache``.
+
+With a host-memory tier (``--kvplug-host-memory SIZE``, which ``--kv-backend kvplug`` spells
+``--radix-cache-backend kvplug:NAME+host_memory=BYTES``) the default namespace's cache is created
+with the option ``host_memory`` and must be a ``BaseTieredPrefixCache``; it is attached to the
+KV pool's storage (``KvplugMHATokenToKVPool.kvplug_pool``), which only ``--kv-backend kvplug``
+builds: over SGLang's own pools the factory refuses. Other namespaces (LoRA adapters, cache
+salts) get device-only caches, so the tier's host memory is allocated once, at startup.
 """
 
 from __future__ import annotations
@@ -14,15 +21,26 @@ import functools
 import logging
 from typing import Any, Callable, Optional
 
+import torch
+
+from kvplug.interface import BaseTieredPrefixCache
 from kvplug.plugins import PluginManager, default_manager
 
 from kvplug_sglang import names
+from kvplug_sglang.cache_spaces import DEFAULT_NAMESPACE
 
 logger = logging.getLogger(__name__)
 
 
-def build_prefix_cache(ctx: Any, *, name: str, manager: Optional[Callable[[], PluginManager]] = None) -> Any:
-    """SGLang radix-cache factory: ``ctx`` is SGLang's ``TreeCacheBuildContext``."""
+def build_prefix_cache(
+    ctx: Any,
+    *,
+    name: str,
+    manager: Optional[Callable[[], PluginManager]] = None,
+    host_memory: Optional[int] = None,
+) -> Any:
+    """SGLang radix-cache factory: ``ctx`` is SGLang's ``TreeCacheBuildContext``; ``host_memory``:
+    bytes of the host-memory tier (``None``: none)."""
     from kvplug_sglang.prefix_cache import KvplugPrefixCache
 
     unsupported = [
@@ -47,12 +65,60 @@ def build_prefix_cache(ctx: Any, *, name: str, manager: Optional[Callable[[], Pl
     # Ask radix for SGLang's order so that both caches evict the same locations.
     options = {"split_refreshes_tail": True} if name == "radix" else {}
 
-    def new_cache():
-        return get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size, **options)
+    kv_pool = _kvplug_kv_pool(params, name) if host_memory is not None else None
 
-    cache = KvplugPrefixCache(params, new_cache, name)
+    def new_cache(namespace):
+        if kv_pool is None or namespace != DEFAULT_NAMESPACE:
+            return get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size, **options)
+        cache = get_manager().create_prefix_cache(
+            name, device="cpu", page_size=params.page_size, host_memory=host_memory, **options
+        )
+        if not isinstance(cache, BaseTieredPrefixCache):
+            raise ValueError(
+                f"--kvplug-host-memory: kvplug prefix cache {name!r} has no host-memory tier "
+                f"(it built a {type(cache).__name__}); use --prefix-cache radix"
+            )
+        cache.attach_kv_pool(kv_pool)
+        _log_tier(cache, host_memory)
+        return cache
+
+    cache = KvplugPrefixCache(params, new_cache, name, fence_stream=_forward_stream(ctx) if kv_pool is not None else None)
     logger.info("kvplug-sglang: tree cache is kvplug prefix cache %r (page size %d)", name, params.page_size)
     return cache
+
+
+def _kvplug_kv_pool(params: Any, name: str) -> Any:
+    """The kvplug KV pool under SGLang's allocator; a host tier copies pages of it."""
+    get_kvcache = getattr(params.token_to_kv_pool_allocator, "get_kvcache", None)
+    pool = getattr(get_kvcache() if get_kvcache else None, "kvplug_pool", None)
+    if pool is None:
+        raise ValueError(
+            f"a host-memory tier (--kvplug-host-memory) for --radix-cache-backend {names.radix_cache_backend_name(name)} "
+            "needs kvplug's KV pool: add --kv-backend kvplug (over SGLang's own pools, "
+            "--radix-cache-backend kvplug:NAME has no host tier)"
+        )
+    return pool
+
+
+def _forward_stream(ctx: Any) -> Any:
+    """The CUDA stream SGLang's forwards run on under the overlap scheduler, or ``None``."""
+    stream = getattr(getattr(getattr(ctx, "tp_worker", None), "model_runner", None), "forward_stream", None)
+    return stream if isinstance(stream, torch.cuda.Stream) else None
+
+
+def _log_tier(cache: BaseTieredPrefixCache, host_memory: int) -> None:
+    stats = cache.tier_stats()
+    pool = cache.host_pool
+    logger.info(
+        "kvplug-sglang: host-memory tier of %s bytes (--kvplug-host-memory): %d host pages of %d tokens, "
+        "%s bytes each, %s bytes in all, %s; write-back on eviction, loaded on admission",
+        f"{host_memory:,}",
+        stats.host_pages,
+        stats.page_size,
+        f"{pool.bytes_per_page:,}",
+        f"{stats.host_pages * pool.bytes_per_page:,}",
+        "pinned" if pool.pinned else "not pinned",
+    )
 
 
 def register_radix_cache_backends(manager: Callable[[], PluginManager] = default_manager) -> list[str]:

@@ -8,7 +8,8 @@ workers) before server arguments are parsed, then applies the registered hooks. 
 3. registers attention backends ``kvplug`` (kvplug's ``auto``), ``kvplug:NAME`` for each kvplug
    attention backend and ``kvplug:P,D`` for each prefill/decode pair, and adds the single names
    to ``--attention-backend``'s choices;
-4. registers the hooks of ``hooks.py`` (CLI arguments, kvplug's KV pool and table).
+4. registers the hooks of ``hooks.py`` (CLI arguments, kvplug's KV pool and table, the
+   radix-cache names that carry a host-memory tier).
 
 It is idempotent within a process. Set ``SGLANG_PLUGINS`` to a list without ``kvplug`` to keep
 SGLang from loading it.
