@@ -21,5 +21,5 @@ mkdir -p "$OUT"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/log" || exit 1
 export PYTHONPATH="$PWD/tests/sglang_gpu_support:/tmp/sgsite:$PWD:$PWD/adapters/sglang${PYTHONPATH:+:$PYTHONPATH}"
-timeout -k 5 "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_sglang_graphs_gpu.py 2>&1 \
+timeout -k 5 "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_sglang_graphs_gpu.py tests/test_sglang_host_tier_gpu.py 2>&1 \
   | tee -a "$OUT/log"

@@ -122,7 +122,7 @@ PY
 
 phase "plugin check: launch_server --help"
 help="$("$py" -m sglang.launch_server --help 2>&1)" || { echo "$help" | tail -20; exit 1; }
-for flag in --kv-backend --prefix-cache --kvplug-attention; do
+for flag in --kv-backend --prefix-cache --kvplug-attention --kvplug-host-memory; do
   grep -q -- "$flag" <<<"$help" || { echo "test-sglang-host: launch_server --help lacks $flag" >&2; echo "$help" | grep -i -B2 -A8 "plugin" >&2; exit 1; }
 done
 
@@ -132,4 +132,5 @@ phase "environment ready; tests"
 # pytest's summary the last line of the run
 PYTHONWARNINGS="ignore::DeprecationWarning:sys" exec "$py" -m pytest -q -p no:cacheprovider \
   tests/test_sglang_host.py tests/test_sglang_graphs.py tests/test_sglang_graphs_gpu.py tests/test_sglang_kv_events.py \
-  tests/test_sglang_server.py
+  tests/test_sglang_server.py tests/test_sglang_host_tier.py tests/test_sglang_host_tier_gpu.py \
+  tests/test_sglang_server_host_tier.py

@@ -111,7 +111,9 @@ class BaseTieredPrefixCache(BasePrefixCache):
     def attach_kv_pool(self, pool: Any) -> None:
         """Give the cache the KV pool whose pages it moves (``pool.kv_buffer``: shape
         ``[2, num_layers, num_pages + 1, page_size, local_kv_heads, head_dim]``, on the cache's
-        device). Until then the cache has no host tier and behaves as a version-1 cache."""
+        device, or on any device for a cache on the CPU: its locations are host integers, as in
+        the SGLang host, whose kvplug caches live on the CPU over a pool on the GPU). Until then
+        the cache has no host tier and behaves as a version-1 cache."""
 
     @abstractmethod
     def match_tiered(self, input_ids: torch.Tensor) -> TieredMatchResult:
