@@ -59,6 +59,26 @@ def test_tier_on_and_off_give_the_same_tokens_and_the_tier_is_used(checkpoint, p
     assert on_stats.cache_hit_tokens > off_stats.cache_hit_tokens
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("page_size", "num_pages"), [(16, 8), (1, 128)])
+def test_cuda_tier_serves_generates_tokens_through_paced_write_backs_and_loads(checkpoint, page_size, num_pages):  # noqa: F811
+    """On the GPU (fp32, decode graphs and the overlap on, as by default): write-backs through the
+    paced copy worker, loads through the copy stream, tokens equal to ``generate``'s."""
+    model, _ = checkpoint
+    with torch.no_grad():
+        references = [model.generate(torch.tensor([prompt]), generation_config=_generation_config())[0, len(prompt):]
+                      .tolist() for prompt in TIER_PROMPTS]
+    model.to("cuda")
+    try:
+        host = TransformersHost(max_seq_len=128, num_pages=num_pages, page_size=page_size, max_running_reqs=4)
+        tokens, stats = _generate(model, host, prefix_cache="radix", host_memory="4MiB", attention="torch")
+    finally:
+        model.to("cpu")
+    assert tokens == references
+    assert stats.host_write_backs > 0 and stats.host_loads > 0 and stats.host_hit_tokens > 0
+
+
 def test_host_memory_setting_is_validated():
     from kvplug.interface import InvalidArgumentError
     from kvplug_transformers.settings import KVPlugSettings

@@ -210,17 +210,9 @@ class HostKVPool:
             locations = locations.astype(np.int64, copy=False)
             pages = locations[::size] // size
             if size == 1 or np.array_equal(locations, (pages[:, None] * size + np.arange(size)).reshape(-1)):
-                return self._upload(pages), 1
-            return self._upload(locations), size
+                return torch.from_numpy(pages).to(self.device, non_blocking=True), 1
+            return torch.from_numpy(locations).to(self.device, non_blocking=True), size
         return locations.to(self.device, non_blocking=True).long(), size
-
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        """``array`` on the pool's device. On CUDA through pinned memory: an upload from pageable
-        memory may wait for the stream's queued work (the running forward) before it returns."""
-        tensor = torch.from_numpy(array)
-        if self._is_cuda:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
 
     def _write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
         index, per_page = self._device_index(device_locations)
