@@ -28,6 +28,13 @@ def small_copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def queue_copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor, chunk: int) -> None:
+    """Queue ``dst.copy_(src)`` (flat uint8 tensors) on ``stream`` in ``chunk``-byte copies; no wait."""
+    with torch.cuda.stream(stream):
+        for begin in range(0, dst.numel(), chunk):
+            dst[begin : begin + chunk].copy_(src[begin : begin + chunk], non_blocking=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=1024)
@@ -44,41 +51,22 @@ def main() -> None:
     idle_d2h = statistics.median(small_copy_ms(small_host, small_dev) for _ in range(50))
     idle_h2d = statistics.median(small_copy_ms(small_dev, small_host) for _ in range(50))
     print(f"idle: small D2H {idle_d2h:.3f} ms, small H2D {idle_h2d:.3f} ms")
+    small = {"D2H": (small_host, small_dev), "H2D": (small_dev, small_host)}
+    idle = {"D2H": idle_d2h, "H2D": idle_h2d}
     for chunk_mib in (64, 8):
-        chunk = chunk_mib << 20
-        for direction in ("D2H", "H2D"):
-            waits, big_ms = [], []
-            for _ in range(args.repeats):
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                with torch.cuda.stream(side):
-                    for begin in range(0, total, chunk):
-                        if direction == "D2H":
-                            host_big[begin : begin + chunk].copy_(device_big[begin : begin + chunk], non_blocking=True)
-                        else:
-                            device_big[begin : begin + chunk].copy_(host_big[begin : begin + chunk], non_blocking=True)
-                if direction == "D2H":
-                    waits.append(small_copy_ms(small_host, small_dev))
-                else:
-                    waits.append(small_copy_ms(small_dev, small_host))
-                side.synchronize()
-                big_ms.append((time.perf_counter() - started) * 1e3)
-            same = statistics.median(waits)
-            print(f"big {direction} of {args.total_mib} MiB in {chunk_mib} MiB chunks ({statistics.median(big_ms):.1f} ms): "
-                  f"small same-direction copy waits {same:.3f} ms (idle {idle_d2h if direction == 'D2H' else idle_h2d:.3f})")
-            # the other direction during the big copy
-            waits = []
-            for _ in range(args.repeats):
-                torch.cuda.synchronize()
-                with torch.cuda.stream(side):
-                    for begin in range(0, total, chunk):
-                        if direction == "D2H":
-                            host_big[begin : begin + chunk].copy_(device_big[begin : begin + chunk], non_blocking=True)
-                        else:
-                            device_big[begin : begin + chunk].copy_(host_big[begin : begin + chunk], non_blocking=True)
-                waits.append(small_copy_ms(small_dev, small_host) if direction == "D2H" else small_copy_ms(small_host, small_dev))
-                side.synchronize()
-            print(f"   small opposite-direction copy waits {statistics.median(waits):.3f} ms")
+        for direction, (dst, src) in (("D2H", (host_big, device_big)), ("H2D", (device_big, host_big))):
+            for small_direction in (direction, "H2D" if direction == "D2H" else "D2H"):
+                waits, big_ms = [], []
+                for _ in range(args.repeats):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    queue_copy(side, dst, src, chunk_mib << 20)
+                    waits.append(small_copy_ms(*small[small_direction]))
+                    side.synchronize()
+                    big_ms.append((time.perf_counter() - started) * 1e3)
+                print(f"big {direction} of {args.total_mib} MiB in {chunk_mib} MiB chunks ({statistics.median(big_ms):.1f} ms): "
+                      f"small {small_direction} copy waits {statistics.median(waits):.3f} ms "
+                      f"(idle {idle[small_direction]:.3f})")
     tier_write_back(args)
     queue_depth(args)
 
@@ -126,9 +114,7 @@ def queue_depth(args: argparse.Namespace) -> None:
         waits = []
         for _ in range(args.repeats):
             torch.cuda.synchronize()
-            with torch.cuda.stream(side):
-                for i in range(depth):
-                    host_big[i * chunk : (i + 1) * chunk].copy_(device_big[i * chunk : (i + 1) * chunk], non_blocking=True)
+            queue_copy(side, host_big[: depth * chunk], device_big[: depth * chunk], chunk)
             waits.append(small_copy_ms(small_host, small_dev))
             side.synchronize()
         print(f"{depth:3d} x 16 MiB D2H queued on a side stream: small D2H waits {statistics.median(waits):.3f} ms")
@@ -153,7 +139,7 @@ def queue_depth(args: argparse.Namespace) -> None:
         waits.append(small_copy_ms(small_host, small_dev))
         thread.join()
     print(f"a thread issuing 64 x 16 MiB one at a time: small D2H waits {statistics.median(waits):.3f} ms")
-    # kvplug.memory.paced_copies (the worker a host tier could use), with and without gathers first
+    # kvplug.memory.paced_copies (the host tier's worker), with and without gathers first
     from kvplug.memory.paced_copies import PacedHostCopies
 
     for in_flight in (1, 2):

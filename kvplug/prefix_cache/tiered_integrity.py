@@ -100,5 +100,9 @@ def check_tiered_radix_tree(cache: "TieredRadixPrefixCache") -> None:
     assert set(copies) == set(cache._copies) and len(copies) == len(cache._copies), (
         f"{len(copies)} nodes hold a host copy, the cache lists {len(cache._copies)}"
     )
+    copy_tokens = sum(node.num_tokens for node in copies)
+    assert copy_tokens == cache._host_copy_tokens, (
+        f"the cache counts {cache._host_copy_tokens} host-copy tokens, its host copies hold {copy_tokens}"
+    )
     cache._candidates.check(device_candidates)
     cache._host_candidates.check(host_candidates)

@@ -110,6 +110,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         self._host_protected = 0
         self._pending: dict[RadixNode, tuple[bytes, np.ndarray]] = {}  # write-backs not yet copied
         self._copies: dict[RadixNode, None] = {}  # device-resident nodes with a host copy (an ordered set)
+        self._host_copy_tokens = 0  # their tokens: tier_stats() runs every step, so no walk over them
         self._counters = dict(loads=0, loaded_tokens=0, loaded_bytes=0, write_backs=0, written_tokens=0,
                               written_bytes=0, host_dropped_tokens=0, reused_copy_tokens=0, copy_failures=0)
         super().__init__(dataclasses.replace(config, options=options))
@@ -155,7 +156,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             page_size=self.page_size,
             host_evictable_tokens=self._host_evictable,
             host_protected_tokens=self._host_protected,
-            host_copy_tokens=sum(len(node.host_copy) for node in self._copies) // BYTES_PER_TOKEN,
+            host_copy_tokens=self._host_copy_tokens,
             load_seconds=pool.read_seconds if pool else 0.0,
             write_seconds=pool.write_seconds if pool else 0.0,
             **self._counters,
@@ -254,6 +255,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         self._host_candidates.clear()
         self._pending.clear()
         self._copies.clear()
+        self._host_copy_tokens = 0
         if self._host_pool is not None:
             self._host_pool.reset()
         self._host_evictable = 0
@@ -313,6 +315,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             tokens = size // BYTES_PER_TOKEN
             moving.host_copy = moving.value
             self._copies[moving] = None
+            self._host_copy_tokens += tokens
             moving.value = device_bytes[offset : offset + size]
             moving.on_host = False
             offset += size
@@ -353,6 +356,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         leaf.host_copy = None
         leaf.on_host = True
         tokens = len(leaf.value) // BYTES_PER_TOKEN
+        self._host_copy_tokens -= tokens
         self._host_evictable += tokens
         self._counters["reused_copy_tokens"] += tokens
 
@@ -361,6 +365,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         if self.__dict__.get("_kv_event_listeners"):
             self.emit_kv_event(BlockRemoved(self._page_hashes(node), KV_MEDIUM_HOST))
         del self._copies[node]
+        self._host_copy_tokens -= len(node.host_copy) // BYTES_PER_TOKEN
         self._host_pool.release(self._host_pages(node.host_copy))
         node.host_copy = None
 
