@@ -143,6 +143,14 @@ class KVBackend:
         self._hit_tokens += request.matched_len
         return request
 
+    def loads_ready(self, request: Request) -> bool:
+        """Whether ``request``'s matched pages are all in the KV pool: a prefix hit in the host
+        tier is copied back while other work runs, and a forward over the request before the copy
+        completes would wait for it (``prepare`` / ``begin_decode`` order it, so the result is
+        correct either way). A scheduler keeps the request out of its batches meanwhile; never
+        blocks."""
+        return self.allocator.loads_ready(request)
+
     def allocate(self, requests: Sequence[Request], new_device_lens: Sequence[int] | None = None) -> None:
         """Set each request's ``device_len`` (default: ``num_tokens``, every known token) and give
         it the pages that takes, evicting cached prefixes when needed; all or nothing
@@ -157,6 +165,8 @@ class KVBackend:
         phase = _PHASES[phase]
         states = self.allocator.states
         rows, row_starts = states.batch_rows(_request_list(requests))
+        if self.allocator.has_pending_loads:  # pages still copying from the host tier
+            self.allocator.order_loads(rows)
         cached = states.cached_len[rows]
         device_lens = states.device_len[rows]
         check_new_tokens(rows, cached, device_lens, phase)
@@ -193,6 +203,8 @@ class KVBackend:
         cached = states.cached_len[rows]
         if np.count_nonzero(states.num_tokens[rows] - cached - 1):
             reject_decode(rows, cached, states.num_tokens[rows], self.max_seq_len)
+        if self.allocator.has_pending_loads:  # pages still copying from the host tier
+            self.allocator.order_loads(rows)
         graphs = self.graphs
         graph_size = None if graphs is None else graphs.size_for(rows.size)
         pages = self.allocator.take_decode_pages(rows, cached)

@@ -307,6 +307,172 @@ def test_a_failed_load_raises_tier_copy_error_and_changes_nothing(monkeypatch):
     kit.cache.check_integrity()
 
 
+class DelayedCopy:
+    """A host -> device copy in flight, on the CPU: the host pages are read when the load starts
+    (as the copy stream would, before any later copy reuses them), the destination pages are
+    written only when the copy "completes": ``wait`` / ``synchronize``, or a ``query`` that
+    finds it done (at random). A forward that reads a page before its copy was ordered sees
+    stale bytes."""
+
+    def __init__(self, pool: HostKVPool, host_pages, device_locations, rng: random.Random) -> None:
+        self.index, per_page = pool._device_index(device_locations)
+        self.by_page = per_page == 1
+        self.snapshot = pool.buffer[torch.from_numpy(np.asarray(host_pages, dtype=np.int64))].clone()
+        self.pool, self.rng, self.performed = pool, rng, False
+
+    def _perform(self) -> None:
+        if not self.performed:
+            self.pool._scatter(self.snapshot, self.index, self.by_page)
+            self.performed = True
+
+    def query(self) -> bool:
+        if not self.performed and self.rng.random() < 0.3:
+            self._perform()
+        return self.performed
+
+    def wait(self, stream=None) -> None:
+        self._perform()
+
+    def synchronize(self) -> None:
+        self._perform()
+
+
+class InFlightWorld(TieredWorld):
+    """``TieredWorld`` whose loads complete late (``DelayedCopy``) and whose requests run their
+    first forward some operations after admission, through ``KVBackend.prepare``: other requests
+    are admitted meanwhile, match the pages still copying, evict around them and finish."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.unstarted = []  # admitted, first forward not run yet
+        self.copies = []
+
+    def start_load(self, pool, host_pages, device_locations, *, wait=True):
+        copy = DelayedCopy(pool, host_pages, device_locations, self.rng)
+        self.copies.append(copy)
+        if wait:
+            copy.wait()
+            return None
+        return copy
+
+    def admit(self) -> bool:
+        tokens = self.prompt()
+        try:
+            request = self.backend.admit(tokens)
+        except kvplug.OutOfMemoryError:
+            return False
+        self.prompts[request] = tokens
+        self.unstarted.append(request)
+        if self.rng.random() < 0.5:
+            self.backend.loads_ready(request)  # a scheduler polling it
+        return True
+
+    def forward_one(self) -> None:
+        if not self.unstarted:
+            return
+        request = self.unstarted.pop(self.rng.randrange(len(self.unstarted)))
+        tokens = self.prompts[request]
+        try:
+            self.backend.allocate([request])
+        except kvplug.OutOfMemoryError:
+            del self.prompts[request]
+            self.backend.finish(request)
+            return
+        self.backend.prepare([request], "prefill")  # orders the loads its pages come from
+        matched = request.matched_len
+        locations = self.backend.page_table[request.row, :matched].long()
+        assert torch.equal(self.rows[:, :, locations], _fingerprint_rows(tokens, 0, matched).to(self.device)), (
+            f"a forward would read {matched} matched tokens whose K/V had not arrived (or is foreign)"
+        )
+        cached, length = request.cached_len, request.device_len
+        out = self.backend.page_table[request.row, cached:length].long()
+        self.rows[:, :, out] = _fingerprint_rows(tokens, cached, length).to(self.device)
+
+    def finish_one(self) -> None:
+        started = [request for request in self.prompts if request not in self.unstarted]
+        pool = started if started and self.rng.random() < 0.8 else list(self.prompts)
+        if pool:
+            request = self.rng.choice(pool)
+            del self.prompts[request]
+            never_ran = request in self.unstarted
+            if never_ran:
+                self.unstarted.remove(request)
+            self.backend.finish(request, computed=not never_ran)
+
+    def run(self, operations: int) -> None:
+        for number in range(operations):
+            draw = self.rng.random()
+            if draw < 0.4:
+                self.admit()
+            elif draw < 0.7:
+                self.forward_one()
+            else:
+                self.finish_one()
+            try:
+                self.backend.check_integrity()
+            except AssertionError as error:
+                raise AssertionError(f"operation #{number}: {error}") from error
+        while self.prompts:
+            self.finish_one()
+        self.backend.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_loads_in_flight_are_ordered_before_every_read_of_their_pages(page_size, seed, monkeypatch):
+    """Loads that complete late: a forward over the loading request, over a request whose match
+    reaches the pages still copying, an eviction after the request finished, all see the loaded
+    bytes (``KVBackend.prepare`` and ``finish`` order the copies); nothing waits for a copy
+    before it has to."""
+    world = InFlightWorld(page_size, num_pages=40, host_pages=30, seed=seed)
+    monkeypatch.setattr(HostKVPool, "read", lambda pool, *args, **options: world.start_load(pool, *args, **options))
+    world.run(300)
+    stats = world.backend.stats()
+    assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0
+    assert all(copy.performed for copy in world.copies)
+    assert not world.backend.allocator.has_pending_loads
+
+
+def test_a_match_reaching_pages_still_copying_orders_that_copy():
+    """Two requests on one host-resident prefix: the second, admitted while the first's load is
+    in flight, depends on it (``loads_in_flight``), also after the loaded node was split."""
+    world = InFlightWorld(4, num_pages=40, host_pages=30, seed=0)
+    backend = world.backend
+    copies = []
+
+    def start(pool, host_pages, device_locations, *, wait=True):
+        copy = DelayedCopy(pool, host_pages, device_locations, random.Random(0))
+        copy.query = lambda: copy.performed  # completes only when ordered
+        copies.append(copy)
+        return copy
+
+    prefix = list(range(1, 17))
+    first = backend.admit(prefix + [99])
+    backend.allocate([first])
+    out = backend.page_table[first.row, :17].long()
+    world.rows[:, :, out] = _fingerprint_rows(prefix + [99], 0, 17)
+    backend.finish(first, computed=True)
+    backend.prefix_cache.evict(16)  # the prefix goes to host memory
+    assert backend.prefix_cache.host_size_info.total_size == 16
+    HostKVPool_read = HostKVPool.read
+    try:
+        HostKVPool.read = start
+        loading = backend.admit(prefix + [98])  # host hit: load started, not complete
+        assert loading.matched_len == 16 and len(copies) == 1 and not backend.loads_ready(loading)
+        sharing = backend.admit(prefix[:8] + [97])  # device match inside the loading node: splits it
+        assert sharing.matched_len == 8 and not backend.loads_ready(sharing)
+        cache = backend.prefix_cache
+        assert [load.done for load in cache.loads_in_flight(sharing.handle)] == copies
+        backend.allocate([sharing])
+        backend.prepare([sharing], "prefill")  # the copy is ordered before the sharing forward
+        assert copies[0].performed and backend.loads_ready(loading) and not backend.allocator.has_pending_loads
+        assert cache.loads_in_flight(loading.handle) == ()
+    finally:
+        HostKVPool.read = HostKVPool_read
+    locations = backend.page_table[sharing.row, :8].long()
+    assert torch.equal(world.rows[:, :, locations], _fingerprint_rows(prefix, 0, 8))
+
+
 def test_backend_stats_report_both_tiers():
     world = TieredWorld(4, num_pages=40, host_pages=30, seed=3)
     world.run(80)
@@ -383,6 +549,38 @@ def test_cuda_write_backs_are_paced_and_a_failed_copy_worker_stops_the_tier_loud
         host.read(more, locations[: 4 * 16])
     with pytest.raises(TierCopyError, match="copy worker failed"):
         host.write(locations[: 4 * 16], more)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_loads_run_behind_the_compute_stream_and_are_ordered_before_reads(page_size):
+    """Real asynchronous loads on CUDA: a load started while the compute stream is busy does not
+    make it wait (the copy is still running when the host gets control back), and every forward
+    (``prepare``) over a loading or sharing request reads the loaded bytes."""
+    world = InFlightWorld(page_size, num_pages=40, host_pages=30, seed=3, device="cuda")
+    world.run(300)
+    stats = world.backend.stats()
+    assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0
+    assert not world.backend.allocator.has_pending_loads
+    # a load behind a long kernel: the start returns before the copy can finish
+    backend = world.backend
+    prefix = [5] * (4 * page_size)
+    first = backend.admit(prefix + [1])
+    backend.allocate([first])
+    out = backend.page_table[first.row, : first.device_len].long()
+    world.rows[:, :, out] = _fingerprint_rows(prefix + [1], 0, first.device_len).cuda()
+    backend.finish(first, computed=True)
+    backend.prefix_cache.evict(backend.prefix_cache.size_info.evictable_size)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of compute-stream work
+    loading = backend.admit(prefix + [2])
+    assert loading.matched_len == 4 * page_size and not backend.loads_ready(loading)
+    backend.allocate([loading])
+    backend.prepare([loading], "prefill")
+    locations = backend.page_table[loading.row, : loading.matched_len].long()
+    assert torch.equal(world.rows[:, :, locations], _fingerprint_rows(prefix, 0, len(prefix)).cuda())
+    backend.finish(loading)
 
 
 @pytest.mark.gpu

@@ -79,6 +79,77 @@ def test_cuda_tier_serves_generates_tokens_through_paced_write_backs_and_loads(c
     assert stats.host_write_backs > 0 and stats.host_loads > 0 and stats.host_hit_tokens > 0
 
 
+class SlowCopy:
+    """Stands for a host -> device copy still in flight: ``query`` says not done for the first
+    ``polls`` calls (the bytes are already there: the CPU pool copied them), ``synchronize`` ends it.
+    Records how the host used it."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls_left = polls
+        self.queries = self.waits = self.synchronized = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.polls_left:
+            self.polls_left -= 1
+            return False
+        return True
+
+    def wait(self, stream=None) -> None:
+        self.waits += 1
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.polls_left = 0
+
+
+@pytest.mark.parametrize("polls", [1, 3, 1000])
+def test_hits_wait_outside_the_batch_while_their_prefix_copies_and_tokens_stay_exact(checkpoint, monkeypatch, polls):  # noqa: F811
+    """Loads that are still copying when the scheduler looks (``polls`` checks, 1000: until nothing
+    else can run): the request is kept out of the steps, joins once the copy is done (or the
+    scheduler waits for it when nothing else runs), and every token equals ``generate``'s."""
+    from kvplug.interface import HostLoad
+    from kvplug.prefix_cache.tiered_radix import TieredRadixPrefixCache
+
+    model, _ = checkpoint
+    with torch.no_grad():
+        references = [model.generate(torch.tensor([prompt]), generation_config=_generation_config())[0, len(prompt):]
+                      .tolist() for prompt in TIER_PROMPTS]
+    copies: list[SlowCopy] = []
+    start_host_load = TieredRadixPrefixCache.start_host_load
+
+    def slow_start_host_load(cache, host_handle, device_indices):
+        load = start_host_load(cache, host_handle, device_indices)
+        assert load.done is None  # the CPU pool copies at once
+        copies.append(SlowCopy(polls))
+        slow = HostLoad(load.handle, copies[-1])
+        for node, in_flight in list(cache._in_flight.items()):
+            assert in_flight is not slow
+        for node in _loaded_nodes(cache, load.handle, device_indices.shape[0]):
+            cache._in_flight[node] = slow
+        return slow
+
+    monkeypatch.setattr(TieredRadixPrefixCache, "start_host_load", slow_start_host_load)
+    host = TransformersHost(max_seq_len=128, num_pages=8, page_size=16, max_running_reqs=4)
+    tokens, stats = _generate(model, host, prefix_cache="radix", host_memory="4MiB")
+    assert tokens == references
+    assert stats.host_loads == len(copies) > 0 and stats.host_hit_tokens > 0
+    assert all(copy.queries > 0 for copy in copies)  # every hit was held back at least once
+    if polls == 1000:  # nothing else could run at some point: the scheduler waited for the copy
+        assert sum(copy.synchronized for copy in copies) > 0
+    assert all(copy.polls_left == 0 or copy.waits > 0 for copy in copies)  # never read before ordered
+
+
+def _loaded_nodes(cache, handle, loaded_tokens):
+    """The nodes at the end of ``handle``'s path that hold its last ``loaded_tokens`` tokens."""
+    nodes, node = [], handle
+    while loaded_tokens > 0:
+        nodes.append(node)
+        loaded_tokens -= node.num_tokens
+        node = node.parent
+    return nodes
+
+
 def test_host_memory_setting_is_validated():
     from kvplug.interface import InvalidArgumentError
     from kvplug_transformers.settings import KVPlugSettings

@@ -25,7 +25,8 @@ _LAZY_NAMES = {
     **dict.fromkeys(("KV_MEDIUM_DEVICE", "AllCleared", "BaseCacheHandle", "BasePrefixCache", "BlockRemoved",
                      "BlockStored", "InsertResult", "KVCacheEvent", "KVEventListener", "MatchResult",
                      "PrefixCacheConfig", "SizeInfo"), "kvplug.interface.prefix_cache"),
-    **dict.fromkeys(("KV_MEDIUM_HOST", "BaseTieredPrefixCache", "TieredMatchResult", "TierStats"),
+    **dict.fromkeys(("KV_MEDIUM_HOST", "BaseTieredPrefixCache", "CopyDone", "HostLoad", "TieredMatchResult",
+                     "TierStats"),
                     "kvplug.interface.tiered_cache"),
 }
 
@@ -40,6 +41,8 @@ __all__ = [
     "KV_MEDIUM_DEVICE",
     "KV_MEDIUM_HOST",
     "BaseTieredPrefixCache",
+    "CopyDone",
+    "HostLoad",
     "TierCopyError",
     "TierStats",
     "TieredMatchResult",

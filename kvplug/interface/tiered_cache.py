@@ -18,6 +18,13 @@ Lifecycle a host (``kvplug.memory.allocator.PagedAllocator``) follows::
         handle = cache.load_host_prefix(match.host_handle, locations_of(pages))
         cache.lock_handle(match.handle, unlock=True)  # host_handle stays locked, now all on device
 
+A host that can keep a request out of its batches for a while (a continuous-batching scheduler)
+starts the load instead (``start_host_load``): the copy runs behind the forwards already queued and
+the ones queued meanwhile, and the request joins a batch once ``HostLoad.ready()``; before any
+forward that reads the pages the host calls ``HostLoad.order_before()`` (kvplug's ``KVBackend``
+does it in ``prepare`` / ``begin_decode``). A later match may reach pages whose load is still in
+flight: ``loads_in_flight(handle)`` names those loads, and the same rule applies to them.
+
 KV events of a tiered cache carry the tier in ``medium``: ``KV_MEDIUM_DEVICE`` (``"GPU"``) for the
 KV pool, ``KV_MEDIUM_HOST`` (``"CPU"``) for host memory; a move between tiers is a ``BlockRemoved``
 in one medium and a ``BlockStored`` in the other.
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -51,6 +58,50 @@ class TieredMatchResult(NamedTuple):
     handle: BaseCacheHandle
     host_handle: BaseCacheHandle
     host_len: int
+
+
+class CopyDone(Protocol):
+    """What a started load hands back to say when its copy is complete: a ``torch.cuda.Event``
+    recorded after the copy, or anything with the same two members."""
+
+    def query(self) -> bool:
+        """Whether the copy has completed (never blocks)."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the copy; returns at once."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the copy has completed."""
+
+
+class HostLoad(NamedTuple):
+    """A load of host-resident pages into the KV pool, started by ``start_host_load``.
+
+    Attributes:
+        handle: the loaded prefix's handle (all on the device now, in the cache's bookkeeping).
+        done: ``None`` when the copy is already ordered before any later work on the current
+            stream (a synchronous load, or a cache without asynchronous loads); otherwise the
+            copy's completion (``CopyDone``), which must be ordered before any forward reading
+            the pages (``order_before``).
+    """
+
+    handle: BaseCacheHandle
+    done: CopyDone | None
+
+    def ready(self) -> bool:
+        """The copy has completed: a forward reading the pages would not wait for it."""
+        return self.done is None or bool(self.done.query())
+
+    def order_before(self, stream: Any = None) -> None:
+        """Order the copy before everything queued on ``stream`` (default: the current stream)
+        from now on; no host wait."""
+        if self.done is not None:
+            self.done.wait(stream)
+
+    def synchronize(self) -> None:
+        """Block until the copy has completed."""
+        if self.done is not None:
+            self.done.synchronize()
 
 
 @dataclass(frozen=True)
@@ -137,6 +188,23 @@ class BaseTieredPrefixCache(BasePrefixCache):
         on a side stream the current stream waits for). Raises ``TierCopyError`` with nothing
         changed (the prefix stays host-resident; the caller still owns ``device_indices``).
         """
+
+    def start_host_load(self, host_handle: BaseCacheHandle, device_indices: torch.Tensor) -> HostLoad:
+        """``load_host_prefix`` whose copy may still be running when it returns (arguments and
+        errors the same). The cache is updated at once (the prefix is device-resident, later
+        matches find it there); the bytes arrive when ``HostLoad.done`` completes, so nothing may
+        read ``device_indices`` before ``HostLoad.order_before`` was called on its stream.
+
+        The default loads synchronously (``done`` is ``None``): a tier written for the first
+        revision of this interface keeps working under a host that starts loads. Added to
+        contract version 1 without changing anything before it.
+        """
+        return HostLoad(self.load_host_prefix(host_handle, device_indices), None)
+
+    def loads_in_flight(self, handle: BaseCacheHandle) -> tuple[HostLoad, ...]:
+        """The started loads, not known to be complete, that write pages of ``handle``'s prefix
+        (a request matching it must order them before its forwards). Default: none."""
+        return ()
 
     @property
     @abstractmethod

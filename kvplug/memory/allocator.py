@@ -17,9 +17,13 @@ leaves duplicate pages behind, which are freed; every other page goes to the fre
 may be batched with ``lazy_free`` so a scheduling step concatenates the free list once.
 
 Host-memory tier (a ``BaseTieredPrefixCache``): ``open_request`` also takes device pages for the
-host-resident part of a match and has the cache load it into them before anything else runs, so
-the prefill that follows reads it (see ``_match_and_load``). A load that cannot get pages, or whose
-copy fails, is skipped: the request computes those tokens and nothing is lost.
+host-resident part of a match and starts the cache's load into them (see ``_match_and_load``). The
+copy runs behind the compute stream; the request's *pending loads* (its own, and any still in
+flight that its match reaches) are kept by row until ``order_loads`` orders them before the first
+forward over the row (``KVBackend.prepare`` / ``begin_decode`` call it), or until they complete
+(``loads_ready``, which a scheduler polls to keep the request out of its batches meanwhile), or
+until the request finishes (its pages may be handed out again). A load that cannot get pages, or
+whose copy fails, is skipped: the request computes those tokens and nothing is lost.
 
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
@@ -38,6 +42,7 @@ from kvplug.interface import (
     BaseCacheHandle,
     BasePrefixCache,
     BaseTieredPrefixCache,
+    HostLoad,
     InvalidArgumentError,
     OutOfMemoryError,
     TierCopyError,
@@ -95,6 +100,7 @@ class PagedAllocator:
         self._live: dict[int, Request] = {}
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         self._no_page_slots: dict[int, np.ndarray] = {}
+        self._loads: dict[int, tuple[HostLoad, ...]] = {}  # row -> loads to order before its forwards
         self.evicted_tokens = 0
         self.host_hit_tokens = 0
         self.skipped_load_tokens = 0
@@ -145,6 +151,9 @@ class PagedAllocator:
         self.page_table.check_row(row, allow_dummy=False)
         if self.tiered:
             handle = self._match_and_load(input_ids[: n - 1])
+            loads = self.prefix_cache.loads_in_flight(handle)
+            if loads:
+                self._loads[row] = loads
         else:
             handle = self.prefix_cache.match_prefix(input_ids[: n - 1]).handle
             self.prefix_cache.lock_handle(handle)
@@ -157,8 +166,9 @@ class PagedAllocator:
         return request
 
     def _match_and_load(self, input_ids: torch.Tensor) -> BaseCacheHandle:
-        """Match against a tiered cache and load the host-resident part into device pages taken
-        now (evicting as ``allocate`` would); returns the locked handle of what is on the device.
+        """Match against a tiered cache and start loading the host-resident part into device pages
+        taken now (evicting as ``allocate`` would); returns the locked handle of what is on the
+        device (in the cache's bookkeeping: the copy may still run, see ``loads_in_flight``).
 
         The host part is locked while pages are made for it (evicting writes other prefixes back
         and may drop host-resident ones: never these). Without pages, or when the copy fails,
@@ -179,7 +189,7 @@ class PagedAllocator:
             self.skipped_load_tokens += host_len
             return handle
         try:
-            cache.load_host_prefix(match.host_handle, expand_pages(pages, self.page_size))
+            cache.start_host_load(match.host_handle, expand_pages(pages, self.page_size))
         except TierCopyError as error:
             logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens",
                            error, host_len)
@@ -190,6 +200,40 @@ class PagedAllocator:
         cache.lock_handle(handle, unlock=True)
         self.host_hit_tokens += host_len
         return match.host_handle
+
+    # ------------------------------------------------------------------ pending loads
+    @property
+    def has_pending_loads(self) -> bool:
+        """Some live request's pages may still be copying from host memory."""
+        return bool(self._loads)
+
+    def loads_ready(self, request: Request) -> bool:
+        """Whether ``request``'s pages have all arrived (a forward over it would not wait for a
+        copy). A scheduler keeps the request out of its batches until then; never blocks."""
+        loads = self._loads.get(request.row)
+        if loads is None:
+            return True
+        if not all(load.ready() for load in loads):
+            return False
+        del self._loads[request.row]  # complete: nothing left to order
+        return True
+
+    def order_loads(self, rows: np.ndarray) -> None:
+        """Order every pending load of ``rows`` (shape ``[bs]``, int64, host) before what is queued
+        next on the current stream: call it before the forward over them. No host wait."""
+        loads = self._loads
+        if not loads:
+            return
+        batch = set(rows.tolist())
+        for row in [row for row in loads if row in batch]:
+            for load in loads.pop(row):
+                load.order_before()
+
+    def wait_for_loads(self) -> None:
+        """Block until every pending load has completed (a scheduler with nothing else to run)."""
+        for loads in self._loads.values():
+            for load in loads:
+                load.synchronize()
 
     def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> np.ndarray:
         """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages
@@ -368,6 +412,8 @@ class PagedAllocator:
         duplicate_end = max(int(result.cached_len), old_len)
         self.free_list.release(locations[old_len:duplicate_end:size])
         if finished:
+            for load in self._loads.pop(row, ()):  # its pages go back to the pool: later users wait for the copy
+                load.order_before()
             kept_end = max(duplicate_end, int(new_handle.cached_len))
             self.free_list.release(self._owned_page_starts(request, kept_end))
             request.handle = None

@@ -22,9 +22,15 @@ the gathers and scatters that touch the KV pool run on the current (compute) str
   (a step's sampled ids) waits for all of it (18-19 ms behind 1 GiB on an H200; ~0.3 ms paced).
 - ``read`` (host -> device): first every queued write of the pages it reads is issued (usually
   none is left: those pages were written long before); then the copy stream copies host pages
-  into a device staging buffer, the compute stream waits for that copy and scatters staging into
-  the destination pages: the transfer overlaps work already queued on the compute stream, and
-  everything queued after ``read`` (the prefill that reads the pages) sees the loaded bytes.
+  into a device staging buffer and a third stream, the *load stream*, scatters staging into the
+  destination pages once the compute stream has finished what was queued on it when ``read`` was
+  called (earlier users of those pages: the write-back gather of the pages it was just handed).
+  ``read(wait=True)`` makes the compute stream wait for the scatter, so everything queued after it
+  (the prefill that reads the pages) sees the loaded bytes; ``read(wait=False)`` returns the
+  scatter's event instead, and the compute stream runs on while the load copies (the caller
+  orders the event before the first forward that reads the pages). Staging is a ring of two
+  ``STAGING_BYTES`` buffers allocated once (a copy into a buffer waits for the scatter out of it):
+  loads queued back to back then need 128 MiB, not their whole size, of device memory.
 - Host pages are only ever touched by the copy stream, in the order the copies were issued (the
   worker issues writes in submission order, and a read waits until the writes of its pages are
   issued), so a host page released by one copy and taken by the next is never read and written
@@ -96,6 +102,10 @@ class HostKVPool:
         self.bytes_per_page = self._page_bytes(kv_buffer)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is the lowest page
         self._copy_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._load_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._ring: list[torch.Tensor] = []  # staging of loads (CUDA), allocated at the first load
+        self._ring_free: list[torch.cuda.Event | None] = [None, None]  # scatter out of each buffer done
+        self._ring_next = 0
         self._writes = PacedHostCopies(self._copy_stream) if self._is_cuda else None
         self.write_seconds = 0.0
         self.read_seconds = 0.0
@@ -161,6 +171,7 @@ class HostKVPool:
         if self._is_cuda:
             self._writes.issue_through()
             self._copy_stream.synchronize()
+            self._load_stream.synchronize()
 
     def write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
         """Copy device KV to host pages: token ``j`` of ``device_locations`` goes to token
@@ -182,16 +193,28 @@ class HostKVPool:
         finally:
             self.write_seconds += time.perf_counter() - started
 
-    def read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> None:
+    def read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor, *, wait: bool = True):
         """Copy host pages back into the device pool at ``device_locations`` (the layout and the
         argument forms of ``write``).
+
+        Args:
+            wait: order the copy before everything queued on the current stream from now on
+                (CUDA); with ``False`` the current stream runs on and the caller orders the
+                returned event before reading the pages.
+
+        Returns ``None`` when the copy is already ordered (``wait``, or a pool on the CPU, where it
+        is done), else a ``torch.cuda.Event`` recorded after it.
 
         Raises ``TierCopyError`` when a copy fails (the destination locations are then undefined;
         the host pages are unchanged).
         """
         started = time.perf_counter()
         try:
-            self._read(host_pages, device_locations)
+            done = self._read(host_pages, device_locations)
+            if done is not None and wait:
+                torch.cuda.current_stream(self.device).wait_event(done)
+                return None
+            return done
         except Exception as error:
             raise TierCopyError(f"host -> device copy of {len(host_pages)} pages failed: {error}") from error
         finally:
@@ -257,38 +280,60 @@ class HostKVPool:
                 staging[offset : offset + length].copy_(self.buffer[first : first + length], non_blocking=True)
             offset += length
 
-    def _read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> None:
-        index, per_page = self._device_index(device_locations)
+    def _read(self, host_pages: np.ndarray, device_locations: np.ndarray | torch.Tensor) -> torch.cuda.Event | None:
+        if not self._is_cuda:
+            index, per_page = self._device_index(device_locations)
+            for begin, end in self._chunks(len(host_pages)):
+                self._read_chunk_cpu(host_pages[begin:end], index[begin * per_page : end * per_page], per_page == 1)
+            return None
+        self._writes.issue_through_pages(host_pages)  # the writes of these pages go first
+        compute, copy_stream, load_stream = torch.cuda.current_stream(self.device), self._copy_stream, self._load_stream
+        if not self._ring:
+            ring_bytes = max(STAGING_BYTES, self.bytes_per_page)  # a chunk is at least one page
+            self._ring = [torch.empty(ring_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        load_stream.wait_stream(compute)  # the pages' earlier users, and a location tensor made there
+        if isinstance(device_locations, torch.Tensor) and device_locations.is_cuda:
+            device_locations.record_stream(load_stream)  # read there after the caller may have dropped it
+        with torch.cuda.stream(load_stream):
+            index, per_page = self._device_index(device_locations)
         for begin, end in self._chunks(len(host_pages)):
-            self._read_chunk(host_pages[begin:end], index[begin * per_page : end * per_page], per_page == 1)
+            slot = self._ring_next
+            self._ring_next = 1 - slot
+            count = end - begin
+            staging = self._ring[slot][: count * self.bytes_per_page].view(self.buffer.dtype).view(count, *self._page_shape)
+            with torch.cuda.stream(copy_stream):  # after every earlier copy of host pages
+                if self._ring_free[slot] is not None:
+                    copy_stream.wait_event(self._ring_free[slot])
+                self._copy_runs(host_pages[begin:end], staging, to_host=False)
+                copied = torch.cuda.Event()
+                copied.record(copy_stream)
+            load_stream.wait_event(copied)
+            with torch.cuda.stream(load_stream):
+                self._scatter(staging, index[begin * per_page : end * per_page], per_page == 1)
+                scattered = torch.cuda.Event()
+                scattered.record(load_stream)
+            self._ring_free[slot] = scattered
+        index.record_stream(load_stream)
+        return scattered
 
-    def _read_chunk(self, host_pages: np.ndarray, index: torch.Tensor, by_page: bool) -> None:
-        count = len(host_pages)
-        two, layers, page_size, heads, head_dim = self._page_shape
-        if by_page and not self._is_cuda:  # scatter each run of host pages straight into the pool
+    def _read_chunk_cpu(self, host_pages: np.ndarray, index: torch.Tensor, by_page: bool) -> None:
+        if by_page:  # scatter each run of host pages straight into the pool
             offset = 0
             for first, length in _runs(host_pages):
                 self._by_page.index_copy_(0, index[offset : offset + length], self._buffer_words[first : first + length])
                 offset += length
             return
-        if self._is_cuda:
-            self._writes.issue_through_pages(host_pages)  # the writes of these pages go first
-            compute = torch.cuda.current_stream(self.device)
-            copy_stream = self._copy_stream
-            with torch.cuda.stream(copy_stream):  # after every earlier copy of host pages
-                staging = torch.empty((count, *self._page_shape), dtype=self.buffer.dtype, device=self.device)
-                self._copy_runs(host_pages, staging, to_host=False)
-                loaded = torch.cuda.Event()
-                loaded.record(copy_stream)
-            compute.wait_event(loaded)
-            staging.record_stream(compute)
-        else:
-            staging = self.buffer[torch.from_numpy(np.ascontiguousarray(host_pages))]
+        self._scatter(self.buffer[torch.from_numpy(np.ascontiguousarray(host_pages))], index, by_page)
+
+    def _scatter(self, staging: torch.Tensor, index: torch.Tensor, by_page: bool) -> None:
+        """Write ``staging`` (``[m, 2, L, P, H, D]``) into the device pool at ``index`` (``m`` page
+        numbers, or ``m * P`` token locations), on the current stream."""
         if by_page:
             self._by_page.index_copy_(0, index, _as_words(staging))
-        else:
-            rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, count * page_size, heads, head_dim)
-            self._device_tokens.index_copy_(2, index, rows)
+            return
+        two, layers, page_size, heads, head_dim = self._page_shape
+        rows = staging.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, staging.shape[0] * page_size, heads, head_dim)
+        self._device_tokens.index_copy_(2, index, rows)
 
 
 def _as_words(tensor: torch.Tensor) -> torch.Tensor:

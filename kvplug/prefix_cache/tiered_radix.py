@@ -17,9 +17,12 @@ when its bytes would otherwise be lost. When host memory is short the least rece
 unlocked host-resident leaves are dropped (and, if that still cannot make room, the evicted node
 itself is dropped, as plain ``radix`` would).
 
-A hit on host-resident pages (``match_tiered``) is loaded back (``load_host_prefix``) into device
-pages the caller takes for it, before the prefill that reads them, and the nodes become
-device-resident. Their host pages stay as the node's *host copy* (``RadixNode.host_copy``): a
+A hit on host-resident pages (``match_tiered``) is loaded back (``load_host_prefix``, or
+``start_host_load`` for a host that keeps the request out of its batches until the copy is done)
+into device pages the caller takes for it, before the prefill that reads them, and the nodes become
+device-resident at once. While a started load copies, its nodes are *in flight*
+(``loads_in_flight``): a request whose match reaches them orders that load before its forwards
+too, so no forward reads a page before its bytes arrive. Their host pages stay as the node's *host copy* (``RadixNode.host_copy``): a
 cached prefix's K/V never changes, so when the node is evicted again it becomes host-resident on
 its copy with no write-back. In a multi-turn chat that halves the bytes moved per turn (each turn
 loads its context and, later, evicts it again; only the turn's new pages are written). Each node
@@ -56,6 +59,7 @@ from kvplug.interface import (
     BaseTieredPrefixCache,
     BlockRemoved,
     BlockStored,
+    HostLoad,
     InsertResult,
     InvalidArgumentError,
     MatchResult,
@@ -110,6 +114,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         self._host_protected = 0
         self._pending: dict[RadixNode, tuple[bytes, np.ndarray]] = {}  # write-backs not yet copied
         self._copies: dict[RadixNode, None] = {}  # device-resident nodes with a host copy (an ordered set)
+        self._in_flight: dict[RadixNode, HostLoad] = {}  # nodes a started load may still be writing
         self._host_copy_tokens = 0  # their tokens: tier_stats() runs every step, so no walk over them
         self._counters = dict(loads=0, loaded_tokens=0, loaded_bytes=0, write_backs=0, written_tokens=0,
                               written_bytes=0, host_dropped_tokens=0, reused_copy_tokens=0, copy_failures=0)
@@ -253,6 +258,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     def reset(self) -> None:
         self._host_candidates.clear()
+        self._in_flight.clear()  # their requests still order the loads before reading (allocator)
         self._pending.clear()
         self._copies.clear()
         self._host_copy_tokens = 0
@@ -269,6 +275,29 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     # ------------------------------------------------------------------ loading
     def load_host_prefix(self, host_handle: BaseCacheHandle, device_indices: torch.Tensor) -> BaseCacheHandle:
+        return self._load(host_handle, device_indices, wait=True).handle
+
+    def start_host_load(self, host_handle: BaseCacheHandle, device_indices: torch.Tensor) -> HostLoad:
+        return self._load(host_handle, device_indices, wait=False)
+
+    def loads_in_flight(self, handle: BaseCacheHandle) -> tuple[HostLoad, ...]:
+        in_flight = self._in_flight
+        if not in_flight:  # the common case, at every admission: one dict test
+            return ()
+        loads: list[HostLoad] = []
+        node = self._live_node(handle)
+        root = self._root
+        while node is not root:  # the path's depth in nodes, only while loads are in flight
+            load = in_flight.get(node)
+            if load is not None:
+                if load.ready():
+                    del in_flight[node]
+                elif not any(load is known for known in loads):
+                    loads.append(load)
+            node = node.parent
+        return tuple(loads)
+
+    def _load(self, host_handle: BaseCacheHandle, device_indices: torch.Tensor, *, wait: bool) -> HostLoad:
         node = self._live_node(host_handle)
         head = self._device_head(node)
         host_len = node.cached_len - head.cached_len
@@ -279,18 +308,31 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
                 f"got {device_indices.shape[0]}"
             )
         if host_len == 0:
-            return node
+            return HostLoad(node, None)
         device_bytes = tensor_bytes(device_indices, 0, host_len)
         check_location_values(as_int32(device_bytes))
         host_locations = as_int32(b"".join(_path_values(node, head)))
         host_pages = host_locations[:: self.page_size].astype(np.int64) // self.page_size
-        self._host_pool.read(host_pages, as_int32(device_bytes))  # TierCopyError: nothing changed
-        self._make_device_resident(node, head, device_bytes)
+        # TierCopyError: nothing changed
+        done = self._host_pool.read(host_pages, as_int32(device_bytes), wait=wait)
+        moved = self._make_device_resident(node, head, device_bytes)
+        load = HostLoad(node, done)
+        if done is not None:
+            self._forget_finished_loads()
+            for moving in moved:
+                self._in_flight[moving] = load
         counters = self._counters
         counters["loads"] += 1
         counters["loaded_tokens"] += host_len
         counters["loaded_bytes"] += len(host_pages) * self._host_pool.bytes_per_page
-        return node
+        return load
+
+    def _forget_finished_loads(self) -> None:
+        """Drop the in-flight entries of completed loads (and of nodes no longer in the tree)."""
+        in_flight = self._in_flight
+        if in_flight:
+            for node in [node for node, load in in_flight.items() if node.parent is None or load.ready()]:
+                del in_flight[node]
 
     # ------------------------------------------------------------------ tier moves
     def _device_head(self, node: RadixNode) -> RadixNode:
@@ -299,9 +341,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             node = node.parent
         return node
 
-    def _make_device_resident(self, node: RadixNode, head: RadixNode, device_bytes: bytes) -> None:
+    def _make_device_resident(self, node: RadixNode, head: RadixNode, device_bytes: bytes) -> list[RadixNode]:
         """Give the host-resident nodes from below ``head`` down to ``node`` the device locations
-        ``device_bytes`` (in path order); their host pages stay as their host copies."""
+        ``device_bytes`` (in path order); their host pages stay as their host copies. Returns
+        those nodes."""
         path = []
         walker = node
         while walker is not head:
@@ -330,6 +373,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         for moved in reversed(path):
             self._refresh(moved)
         self._refresh(head)
+        return path
 
     def _move_to_host(self, leaf: RadixNode, host_pages: np.ndarray) -> None:
         """``leaf`` (device-resident, unlocked, out of the device candidates) becomes host-resident
@@ -498,6 +542,9 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         if child.host_copy is not None:  # pages split at the same place: host copies are whole pages too
             upper.host_copy, child.host_copy = child.host_copy[:at_bytes], child.host_copy[at_bytes:]
             self._copies[upper] = None
+        load = self._in_flight.get(child)
+        if load is not None:  # both halves are written by the same copy
+            self._in_flight[upper] = load
         if child.on_host and self._split_refreshes_tail and child.host_heap_seq >= 0:
             self._host_candidates.add(child)
         return upper

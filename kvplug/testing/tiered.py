@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kvplug.interface import BaseTieredPrefixCache, KVPoolConfig, PrefixCacheConfig
+from kvplug.interface import BaseTieredPrefixCache, HostLoad, KVPoolConfig, PrefixCacheConfig
 from kvplug.testing.context import PrefixCacheFactory
 from kvplug.testing.prefix_cache import DEFAULT_PAGE_SIZES, prefix_cache_checks
 
@@ -96,8 +96,9 @@ class TieredKit:
         if locations:
             self.rows[:, :, torch.tensor(locations)] = -1.0
 
-    def match_and_load(self, tokens: list[int], free: list[int]) -> tuple[Any, list[int], int]:
-        """Match ``tokens``; load the host part into locations taken from the front of ``free``.
+    def match_and_load(self, tokens: list[int], free: list[int], *, start: bool = False) -> tuple[Any, list[int], int]:
+        """Match ``tokens``; load the host part into locations taken from the front of ``free``
+        (``start``: through ``start_host_load``, ordering the returned load before reading).
 
         Returns the locked handle, its locations, and how many tokens came from host memory.
         """
@@ -113,7 +114,18 @@ class TieredKit:
             cache.lock_handle(match.host_handle)
             targets = free[: match.host_len]
             del free[: match.host_len]
-            handle = cache.load_host_prefix(match.host_handle, torch.tensor(targets, dtype=torch.int32))
+            if start:
+                load = cache.start_host_load(match.host_handle, torch.tensor(targets, dtype=torch.int32))
+                assert isinstance(load, HostLoad), f"start_host_load returned {type(load).__name__}, not a HostLoad"
+                handle = load.handle
+                assert handle.cached_len == match.host_handle.cached_len, "a started load changed the prefix length"
+                in_flight = cache.loads_in_flight(handle)
+                assert isinstance(in_flight, tuple) and all(isinstance(one, HostLoad) for one in in_flight), (
+                    f"loads_in_flight must return a tuple of HostLoad, got {in_flight!r}"
+                )
+                load.order_before()
+            else:
+                handle = cache.load_host_prefix(match.host_handle, torch.tensor(targets, dtype=torch.int32))
             cache.lock_handle(match.handle, unlock=True)
         locations = handle.get_matched_indices().tolist()
         assert len(locations) == handle.cached_len, "get_matched_indices length != cached_len"
@@ -233,7 +245,7 @@ def randomised_tiered_run(kit: TieredKit, *, seed: int = 0, operations: int = 60
         elif kind == "match":
             if len(free) < len(tokens):
                 continue
-            handle, locations, _ = kit.match_and_load(tokens, free)
+            handle, locations, _ = kit.match_and_load(tokens, free, start=rng.random() < 0.5)
             kit.check_content(tokens, locations, what)
             if rng.random() < 0.5:
                 held.append(handle)

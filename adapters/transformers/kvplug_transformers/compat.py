@@ -36,7 +36,7 @@ _REQUIRED_ATTRIBUTES = {
 # methods of those classes the adapter replaces or calls (CUDA-graph decode)
 _REQUIRED_METHODS = {
     ("transformers.generation.continuous_batching.model_runner", "ModelRunner"): ("compute_batch", "warmup", "_sample"),
-    ("transformers.generation.continuous_batching.scheduler", "Scheduler"): ("add_waiting_request",),
+    ("transformers.generation.continuous_batching.scheduler", "Scheduler"): ("add_waiting_request", "_process_candidates"),
 }
 
 

@@ -18,7 +18,13 @@
    (``KVPlugPagedCache.check_waiting_request``): one bad request fails alone instead of stopping
    the batching worker for every request.
 
-Both are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
+5. ``Scheduler._process_candidates``, the scheduling pass both of transformers' schedulers run:
+   when it scheduled nothing while the kvplug cache kept host-tier hits waiting for their copies
+   (``KVPlugPagedCache.wait_for_deferred_loads``), it waits for the copies and runs the pass again
+   with those requests first; otherwise transformers would take the empty pass for a full cache
+   and fail.
+
+All are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
 --continuous-batching`` — goes through kvplug once installed. ``uninstall`` puts the originals back.
 """
@@ -41,6 +47,7 @@ class _Originals:
     compute_batch: Callable
     warmup: Callable
     add_waiting_request: Callable
+    process_candidates: Callable
 
 
 _lock = threading.Lock()
@@ -65,9 +72,11 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             _installed = _Originals(
                 modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
                 runner_class.compute_batch, runner_class.warmup, modules.scheduler.Scheduler.add_waiting_request,
+                modules.scheduler.Scheduler._process_candidates,
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
+        original_process_candidates = _installed.process_candidates
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
             cache = runner.cache
@@ -85,6 +94,20 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
                 check(state)
             original_add_waiting(scheduler, state)
 
+        def kvplug_process_candidates(scheduler: Any, candidates: list, *args: Any, **kwargs: Any) -> Any:
+            result = original_process_candidates(scheduler, candidates, *args, **kwargs)
+            wait = getattr(scheduler.cache, "wait_for_deferred_loads", None)
+            if result[0] or wait is None:
+                return result
+            deferred = wait()
+            if deferred:  # they hold their pages already: first, or a full pool may let nothing run
+                # an empty pass scheduled nothing, so running it again is what transformers
+                # itself does after offloading requests
+                ordered = [state for state in candidates if state.request_id in deferred]
+                ordered += [state for state in candidates if state.request_id not in deferred]
+                result = original_process_candidates(scheduler, ordered, *args, **kwargs)
+            return result
+
         def kvplug_warmup(runner: Any, model: Any) -> None:
             original_warmup(runner, model)
             capture = getattr(runner.cache, "capture_decode_graphs", None)
@@ -101,6 +124,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         runner_class.compute_batch = kvplug_compute_batch
         runner_class.warmup = kvplug_warmup
         modules.scheduler.Scheduler.add_waiting_request = kvplug_add_waiting_request
+        modules.scheduler.Scheduler._process_candidates = kvplug_process_candidates
         return modules
 
 
@@ -117,6 +141,7 @@ def uninstall_patches() -> None:
         modules.model_runner.ModelRunner.compute_batch = _installed.compute_batch
         modules.model_runner.ModelRunner.warmup = _installed.warmup
         modules.scheduler.Scheduler.add_waiting_request = _installed.add_waiting_request
+        modules.scheduler.Scheduler._process_candidates = _installed.process_candidates
         _installed = None
 
 

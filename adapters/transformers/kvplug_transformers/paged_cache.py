@@ -194,6 +194,13 @@ class KVPlugPagedCache:
         with self._ordered():  # admission writes the request's table row
             return n_blocks if self.steps.reserve(request_id, target) else None
 
+    def wait_for_deferred_loads(self) -> set[str]:
+        """A scheduling pass found nothing to run: wait for the prefixes still copying from the
+        host tier (``StepTracker.wait_for_deferred_loads``); returns the requests kept waiting for
+        them (none: the pass stands)."""
+        with self._ordered():
+            return self.steps.wait_for_deferred_loads()
+
     def free_blocks(self, request_id: str) -> None:
         with self._ordered():
             self.steps.finish(request_id)

@@ -22,6 +22,16 @@ an admission whose prefix lock would break it is declined (the request keeps wai
 is admitted to kvplug (row, lock, statistics) only once transformers schedules it or a prefix hit
 makes it active, so requests waiting for memory hold nothing.
 
+A prefix hit in the host-memory tier is copied back while other requests run: ``match`` admits
+the request (the load starts) but reports no hit while its pages are still copying
+(``KVBackend.loads_ready``), so transformers keeps it waiting and ``reserve`` refuses it; a later
+``match``, once the copy is done, reports the hit and the request joins a step. Only when nothing
+else could be scheduled does the scheduler wait for the copies (``wait_for_deferred_loads``,
+through the patched ``Scheduler._process_candidates``, which then schedules those requests first:
+they hold their pages already, and in a full pool nothing else may be able to run). A load then
+costs its running requests nothing, where loading at admission made every step behind it wait
+for the copy.
+
 Because a step is committed when it is launched, kvplug's lengths can run ahead of transformers'
 view by the step in flight: with async batching a request transformers finishes after seeing step
 N's token was already part of step N+1. ``finish`` then caches K/V up to the token step N sampled
@@ -50,9 +60,12 @@ class Tracked:
         request_id: transformers' id.
         request: the kvplug request (row, lengths, locked prefix).
         capacity: tokens transformers believes the request holds (its blocks x page size).
-        promised: pages of ``capacity`` kvplug has not allocated yet.
+        promised: pages of ``capacity`` kvplug has not allocated yet (while ``loading``: of the
+            rest of its prompt).
         forward_done: its last forward ran but produced no token to append, so those K/V may
             still be cached at finish.
+        loading: admitted, but its prefix is still copying from the host tier: transformers
+            keeps it waiting (``match`` reported no hit).
     """
 
     request_id: str
@@ -60,6 +73,7 @@ class Tracked:
     capacity: int
     promised: int = 0
     forward_done: bool = False
+    loading: bool = False
 
 
 class StepTracker:
@@ -79,6 +93,7 @@ class StepTracker:
         self._waiting_prompts: dict[str, list[int]] = {}
         self._declined: set[str] = set()
         self._on_stats = on_stats
+        self.deferred_admissions = 0  # hits kept waiting while their prefix copied from host memory
 
     def get(self, request_id: str) -> Tracked | None:
         return self._tracked.get(request_id)
@@ -117,11 +132,18 @@ class StepTracker:
         """A waiting request's cached prefix, in tokens. A hit admits it at once (row taken, prefix
         locked: transformers counts matched blocks as the request's); a miss only remembers the
         prompt for ``reserve``. A hit is declined (0) when no row is free or its lock would leave
-        promised pages uncovered."""
+        promised pages uncovered. A hit whose prefix is still copying from the host tier reports 0
+        until the copy is done (the request is admitted and keeps waiting meanwhile)."""
         self._declined.discard(request_id)
         self._waiting_prompts.pop(request_id, None)
-        if request_id in self._tracked:
-            raise InvalidArgumentError(f"request {request_id} is already running in kvplug; it cannot wait for a match")
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            if not tracked.loading:
+                raise InvalidArgumentError(f"request {request_id} is already running in kvplug; it cannot wait for a match")
+            if not self.backend.loads_ready(tracked.request):
+                return 0
+            tracked.loading = False
+            return tracked.request.matched_len
         if len(prompt_ids) > self.backend.max_seq_len:
             raise InvalidArgumentError(
                 f"request {request_id} has {len(prompt_ids)} prompt tokens; the kvplug cache was built with "
@@ -138,7 +160,31 @@ class StepTracker:
         if tracked is None:
             self._declined.add(request_id)  # transformers will now treat it as unmatched: keep it waiting
             return 0
+        if not self.backend.loads_ready(tracked.request) and self._promise_prompt(tracked):
+            tracked.loading = True  # reserve refuses it until a later match finds the copy done
+            self.deferred_admissions += 1
+            return 0
         return tracked.request.matched_len
+
+    def _promise_prompt(self, tracked: Tracked) -> bool:
+        """Promise the pages of the rest of ``tracked``'s prompt, so the pages it holds while it
+        waits for its copy never leave it unable to run; ``False`` (nothing changed) when the pool
+        cannot: the request then joins at once and its first forward waits for the copy on the
+        device, as if it had loaded at admission."""
+        pages = self._pages_short_of(tracked, tracked.request.prompt_len)
+        if pages - tracked.promised > self.unpromised_pages():
+            return False
+        self._set_promise(tracked, pages)
+        return True
+
+    def wait_for_deferred_loads(self) -> set[str]:
+        """Block until every admitted request's prefix has arrived; returns the requests that were
+        kept waiting for one (their next ``match`` reports the hit). For a scheduling pass that
+        found nothing else to run."""
+        deferred = {tracked.request_id for tracked in self._tracked.values() if tracked.loading}
+        if deferred:
+            self.backend.allocator.wait_for_loads()
+        return deferred
 
     def _cached_len(self, ids: torch.Tensor) -> int:
         """Tokens of ``ids`` cached in any tier: a prefix in host memory is a hit too, since
@@ -154,6 +200,8 @@ class StepTracker:
         missed; ``False`` (nothing changed) when the pool cannot cover every promise or no row
         is free."""
         tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.loading:
+            return False  # transformers sees a waiting request whose match missed: not yet
         if tracked is None:
             prompt = self._waiting_prompts.get(request_id)
             if prompt is None or request_id in self._declined:
