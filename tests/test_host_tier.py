@@ -558,12 +558,9 @@ def test_cuda_loads_run_behind_the_compute_stream_and_are_ordered_before_reads(p
     """Real asynchronous loads on CUDA: a load started while the compute stream is busy does not
     make it wait (the copy is still running when the host gets control back), and every forward
     (``prepare``) over a loading or sharing request reads the loaded bytes."""
+    # a load is not queued behind compute work queued after it: it completes while a long kernel
+    # runs, and the forward over it (queued after the kernel) reads the loaded bytes
     world = InFlightWorld(page_size, num_pages=40, host_pages=30, seed=3, device="cuda")
-    world.run(300)
-    stats = world.backend.stats()
-    assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0
-    assert not world.backend.allocator.has_pending_loads
-    # a load behind a long kernel: the start returns before the copy can finish
     backend = world.backend
     prefix = [5] * (4 * page_size)
     first = backend.admit(prefix + [1])
@@ -572,15 +569,25 @@ def test_cuda_loads_run_behind_the_compute_stream_and_are_ordered_before_reads(p
     world.rows[:, :, out] = _fingerprint_rows(prefix + [1], 0, first.device_len).cuda()
     backend.finish(first, computed=True)
     backend.prefix_cache.evict(backend.prefix_cache.size_info.evictable_size)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of compute-stream work
+    world.rows[:, :, out] = -1.0  # the freed pages are reused
     loading = backend.admit(prefix + [2])
-    assert loading.matched_len == 4 * page_size and not backend.loads_ready(loading)
+    assert loading.matched_len == 4 * page_size
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of compute-stream work, queued after the load
+    compute = torch.cuda.current_stream()
+    while not backend.loads_ready(loading):
+        assert not compute.query() or backend.loads_ready(loading), "the load waited for later compute work"
+    assert not compute.query(), "the load completed only after the kernel queued behind it"
     backend.allocate([loading])
     backend.prepare([loading], "prefill")
     locations = backend.page_table[loading.row, : loading.matched_len].long()
     assert torch.equal(world.rows[:, :, locations], _fingerprint_rows(prefix, 0, len(prefix)).cuda())
     backend.finish(loading)
+    # random workloads with real asynchronous loads
+    world = InFlightWorld(page_size, num_pages=40, host_pages=30, seed=3, device="cuda")
+    world.run(300)
+    stats = world.backend.stats()
+    assert stats.host_hit_tokens > 0 and stats.tier["write_backs"] > 0
+    assert not world.backend.allocator.has_pending_loads
 
 
 @pytest.mark.gpu

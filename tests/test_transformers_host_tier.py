@@ -103,11 +103,12 @@ class SlowCopy:
         self.polls_left = 0
 
 
-@pytest.mark.parametrize("polls", [1, 3, 1000])
-def test_hits_wait_outside_the_batch_while_their_prefix_copies_and_tokens_stay_exact(checkpoint, monkeypatch, polls):  # noqa: F811
+@pytest.mark.parametrize(("defer", "polls"), [(True, 1), (True, 3), (True, 1000), (False, 1000)])
+def test_loads_still_copying_are_ordered_before_their_steps_and_tokens_stay_exact(checkpoint, monkeypatch, defer, polls):  # noqa: F811
     """Loads that are still copying when the scheduler looks (``polls`` checks, 1000: until nothing
-    else can run): the request is kept out of the steps, joins once the copy is done (or the
-    scheduler waits for it when nothing else runs), and every token equals ``generate``'s."""
+    else can run). Deferred: the request is kept out of the steps, joins once the copy is done (or
+    the scheduler waits for it when nothing else runs). Not deferred: it joins at once and its
+    first step is ordered after the copy. Every token equals ``generate``'s."""
     from kvplug.interface import HostLoad
     from kvplug.prefix_cache.tiered_radix import TieredRadixPrefixCache
 
@@ -131,12 +132,14 @@ def test_hits_wait_outside_the_batch_while_their_prefix_copies_and_tokens_stay_e
 
     monkeypatch.setattr(TieredRadixPrefixCache, "start_host_load", slow_start_host_load)
     host = TransformersHost(max_seq_len=128, num_pages=8, page_size=16, max_running_reqs=4)
-    tokens, stats = _generate(model, host, prefix_cache="radix", host_memory="4MiB")
+    tokens, stats = _generate(model, host, prefix_cache="radix", host_memory="4MiB", defer_host_loads=defer)
     assert tokens == references
     assert stats.host_loads == len(copies) > 0 and stats.host_hit_tokens > 0
-    assert all(copy.queries > 0 for copy in copies)  # every hit was held back at least once
-    if polls == 1000:  # nothing else could run at some point: the scheduler waited for the copy
+    assert all(copy.queries > 0 for copy in copies)  # every hit was checked at admission
+    if defer and polls == 1000:  # nothing else could run at some point: the scheduler waited for the copy
         assert sum(copy.synchronized for copy in copies) > 0
+    if not defer:  # joined at once: each step over a loading request waited for its copy
+        assert all(copy.waits > 0 and copy.synchronized == 0 for copy in copies)
     assert all(copy.polls_left == 0 or copy.waits > 0 for copy in copies)  # never read before ordered
 
 

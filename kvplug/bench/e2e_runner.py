@@ -4,7 +4,8 @@ A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug in
 ``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
 CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager), ``:sync``
 (transformers' async batching off: each step waits for the previous one's outputs) or
-``:compile`` (the model torch.compiled before kvplug captures it), or ``native`` (transformers'
+``:compile`` (the model torch.compiled before kvplug captures it), ``:defer`` (a host-tier hit
+waits outside the steps until its copy is done: ``KVPlugSettings.defer_host_loads``), or ``native`` (transformers'
 own paged cache, with its default block sharing). ``+host`` after a kvplug cache (``radix+host``,
 ``radix+host:sync``) adds the host-memory tier of ``RunConfig.host_memory`` bytes. Every variant
 gets the same pool size in tokens, page size, requests per step and tokens per step, so only the
@@ -30,7 +31,7 @@ import numpy as np
 from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
 
 NATIVE = "native"
-VARIANT_OPTIONS = ("eager", "sync", "compile")  # 'radix:eager' and so on (module docstring)
+VARIANT_OPTIONS = ("eager", "sync", "compile", "defer")  # 'radix:eager' and so on (module docstring)
 HOST_TIER_SUFFIX = "+host"
 
 
@@ -183,7 +184,8 @@ class VariantRunner:
         config = self.config
         cache, _, option = self.variant.partition(":")
         if option and option not in VARIANT_OPTIONS:
-            raise ValueError(f"unknown variant option {option!r} in {self.variant!r}; expected eager, sync or compile")
+            raise ValueError(f"unknown variant option {option!r} in {self.variant!r}; "
+                             f"expected one of {', '.join(VARIANT_OPTIONS)}")
         host_memory = None
         if cache.endswith(HOST_TIER_SUFFIX):
             cache = cache.removesuffix(HOST_TIER_SUFFIX)
@@ -194,7 +196,8 @@ class VariantRunner:
                                 max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
                                 cuda_graphs=False if option == "eager" else None,
                                 overlap_schedule=False if option == "sync" else None,
-                                torch_compile=option == "compile", host_memory=host_memory)
+                                torch_compile=option == "compile", host_memory=host_memory,
+                                defer_host_loads=option == "defer")
         return host, host.installed_context()
 
     def _cb_config(self) -> Any:

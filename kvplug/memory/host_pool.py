@@ -233,9 +233,19 @@ class HostKVPool:
             locations = locations.astype(np.int64, copy=False)
             pages = locations[::size] // size
             if size == 1 or np.array_equal(locations, (pages[:, None] * size + np.arange(size)).reshape(-1)):
-                return torch.from_numpy(pages).to(self.device, non_blocking=True), 1
-            return torch.from_numpy(locations).to(self.device, non_blocking=True), size
+                return self._upload(pages), 1
+            return self._upload(locations), size
         return locations.to(self.device, non_blocking=True).long(), size
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` on the device, queued on the current stream. On CUDA through pinned memory:
+        an upload from pageable memory first waits for everything queued on the stream, which
+        would hold the caller (the scheduler) until the running forward ends. torch's pinned
+        allocator keeps the block until the copy is done."""
+        tensor = torch.from_numpy(values)
+        if self._is_cuda:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def _write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
         index, per_page = self._device_index(device_locations)

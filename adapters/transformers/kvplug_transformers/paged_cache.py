@@ -110,7 +110,7 @@ class KVPlugPagedCache:
             self.plan.describe(), settings.prefix_cache, self.backend.attention_name,
         )
         self._init_transformers_attributes(config, dtype, device)
-        self.steps = StepTracker(self.backend, on_stats=on_stats)
+        self.steps = StepTracker(self.backend, on_stats=on_stats, defer_loads=settings.defer_host_loads)
         self.decode_graphs: HostDecodeGraphs | None = graphs_for(self, settings)
 
     # ------------------------------------------------------------------ construction helpers

@@ -48,6 +48,13 @@ class KVPlugSettings:
         host_memory: a host-memory tier under the ``radix`` prefix cache: bytes or a size string
             (``"32GiB"``) of pinned host memory that keeps evicted prefixes and loads them back on
             a hit (``None``: no tier). Passed to the prefix cache as its ``host_memory`` option.
+        defer_host_loads: keep a request whose prefix is being copied back from the host tier
+            out of the steps until the copy is done, so the requests already running do not
+            wait for it. Off by default: the request joins at once and its first step waits for
+            the copy on the device. On the H200 long-context-chat benchmark (8 rows, each turn
+            loading 8k tokens) deferring was slower (1.49x vs 1.92x GPU-only throughput,
+            BENCHMARKS.md): a loading request holds a page-table row while it waits, and the
+            requests it lets run are too few to hide the copy.
     """
 
     prefix_cache: str = "radix"
@@ -65,6 +72,7 @@ class KVPlugSettings:
     overlap_schedule: bool | None = None
     torch_compile: bool = False
     host_memory: int | str | None = None
+    defer_host_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):
@@ -76,8 +84,9 @@ class KVPlugSettings:
         for name in ("cuda_graphs", "overlap_schedule"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.torch_compile, bool):
-            raise InvalidArgumentError(f"torch_compile must be True or False, got {self.torch_compile!r}")
+        for name in ("torch_compile", "defer_host_loads"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.torch_compile and self.cuda_graphs is False:
             raise InvalidArgumentError("torch_compile compiles the model kvplug captures in its decode graphs; "
                                        "it has no effect with cuda_graphs=False")

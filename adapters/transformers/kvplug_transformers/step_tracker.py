@@ -22,15 +22,16 @@ an admission whose prefix lock would break it is declined (the request keeps wai
 is admitted to kvplug (row, lock, statistics) only once transformers schedules it or a prefix hit
 makes it active, so requests waiting for memory hold nothing.
 
-A prefix hit in the host-memory tier is copied back while other requests run: ``match`` admits
+With ``defer_loads`` (``KVPlugSettings.defer_host_loads``) a prefix hit in the host-memory tier is
+copied back while other requests run: ``match`` admits
 the request (the load starts) but reports no hit while its pages are still copying
 (``KVBackend.loads_ready``), so transformers keeps it waiting and ``reserve`` refuses it; a later
 ``match``, once the copy is done, reports the hit and the request joins a step. Only when nothing
 else could be scheduled does the scheduler wait for the copies (``wait_for_deferred_loads``,
 through the patched ``Scheduler._process_candidates``, which then schedules those requests first:
 they hold their pages already, and in a full pool nothing else may be able to run). A load then
-costs its running requests nothing, where loading at admission made every step behind it wait
-for the copy.
+costs its running requests nothing, where joining at once makes the step it joins wait for the
+copy (on the device: ``KVBackend.prepare`` orders it; the default).
 
 Because a step is committed when it is launched, kvplug's lengths can run ahead of transformers'
 view by the step in flight: with async batching a request transformers finishes after seeing step
@@ -79,8 +80,10 @@ class Tracked:
 class StepTracker:
     """Maps transformers' per-request calls onto ``KVBackend`` (see module docstring)."""
 
-    def __init__(self, backend: KVBackend, on_stats: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, backend: KVBackend, on_stats: Callable[[Any], None] | None = None, *,
+                 defer_loads: bool = False) -> None:
         self.backend = backend
+        self.defer_loads = defer_loads
         self.page_size = backend.page_size
         self._tracked: dict[str, Tracked] = {}
         self._promised_total = 0
@@ -160,7 +163,7 @@ class StepTracker:
         if tracked is None:
             self._declined.add(request_id)  # transformers will now treat it as unmatched: keep it waiting
             return 0
-        if not self.backend.loads_ready(tracked.request) and self._promise_prompt(tracked):
+        if self.defer_loads and not self.backend.loads_ready(tracked.request) and self._promise_prompt(tracked):
             tracked.loading = True  # reserve refuses it until a later match finds the copy done
             self.deferred_admissions += 1
             return 0
