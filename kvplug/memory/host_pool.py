@@ -225,7 +225,7 @@ class HostKVPool:
         step = max(1, STAGING_BYTES // self.bytes_per_page)
         return [(begin, min(begin + step, count)) for begin in range(0, count, step)]
 
-    def _device_index(self, locations: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _device_index(self, locations: np.ndarray | torch.Tensor, *, pinned: bool = False) -> tuple[torch.Tensor, int]:
         """``locations`` as an index of the device pool: ``(device page numbers [m], 1)`` for a host
         array of whole pages, else ``(token locations [m * P], page_size)``; int64, on the device."""
         size = self.page_size
@@ -233,17 +233,21 @@ class HostKVPool:
             locations = locations.astype(np.int64, copy=False)
             pages = locations[::size] // size
             if size == 1 or np.array_equal(locations, (pages[:, None] * size + np.arange(size)).reshape(-1)):
-                return self._upload(pages), 1
-            return self._upload(locations), size
+                return self._upload(pages, pinned), 1
+            return self._upload(locations, pinned), size
         return locations.to(self.device, non_blocking=True).long(), size
 
-    def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """``values`` on the device, queued on the current stream. On CUDA through pinned memory:
-        an upload from pageable memory first waits for everything queued on the stream, which
-        would hold the caller (the scheduler) until the running forward ends. torch's pinned
-        allocator keeps the block until the copy is done."""
+    def _upload(self, values: np.ndarray, pinned: bool) -> torch.Tensor:
+        """``values`` on the device, queued on the current stream; ``pinned`` (CUDA): through
+        pinned memory (torch's pinned allocator keeps the block until the copy is done).
+
+        A load's index goes pinned: from pageable memory an upload first waits for everything
+        queued on its stream, which holds the scheduler until the loads before it are done. A
+        write-back's index goes pageable, on the compute stream: pinned, the 0 %-hit run
+        (write-backs only) was 6 % slower on the H200 (3.70 vs 3.49 s, 3 repeats each; 1.00x
+        with pageable uploads in the same benchmark before); why was not established."""
         tensor = torch.from_numpy(values)
-        if self._is_cuda:
+        if pinned and self._is_cuda:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
@@ -305,7 +309,7 @@ class HostKVPool:
         if isinstance(device_locations, torch.Tensor) and device_locations.is_cuda:
             device_locations.record_stream(load_stream)  # read there after the caller may have dropped it
         with torch.cuda.stream(load_stream):
-            index, per_page = self._device_index(device_locations)
+            index, per_page = self._device_index(device_locations, pinned=True)
         for begin, end in self._chunks(len(host_pages)):
             slot = self._ring_next
             self._ring_next = 1 - slot

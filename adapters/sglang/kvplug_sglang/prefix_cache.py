@@ -50,7 +50,8 @@ still be written by it (SGLang fences its own HiCache loads and write-backs on `
 for this reason: ``load_fence_stream`` / ``write_fence_stream``). So before any tier copy the
 current stream waits for ``forward_stream`` (``fence_stream``); that costs no GPU time (the next
 forward could not start before the running one ends anyway), but the host pool's pageable index
-uploads queued after it make this thread wait for the running forward (README: known cost). Without the overlap scheduler the
+uploads of write-backs queued after it make this thread wait for the running forward (README:
+known cost; a load's go through pinned memory). Without the overlap scheduler the
 forward runs on the scheduler's own stream and the fence waits on an idle stream. On the CPU every
 copy is synchronous.
 """
