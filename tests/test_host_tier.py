@@ -236,12 +236,16 @@ class TieredWorld:
             del self.prompts[request]
             self.backend.finish(request, computed=True)
 
+    def operate(self) -> None:
+        """One random operation."""
+        if self.rng.random() < 0.55:
+            self.admit()
+        else:
+            self.finish_one()
+
     def run(self, operations: int) -> None:
         for number in range(operations):
-            if self.rng.random() < 0.55:
-                self.admit()
-            else:
-                self.finish_one()
+            self.operate()
             try:
                 self.backend.check_integrity()
             except AssertionError as error:
@@ -399,22 +403,14 @@ class InFlightWorld(TieredWorld):
                 self.unstarted.remove(request)
             self.backend.finish(request, computed=not never_ran)
 
-    def run(self, operations: int) -> None:
-        for number in range(operations):
-            draw = self.rng.random()
-            if draw < 0.4:
-                self.admit()
-            elif draw < 0.7:
-                self.forward_one()
-            else:
-                self.finish_one()
-            try:
-                self.backend.check_integrity()
-            except AssertionError as error:
-                raise AssertionError(f"operation #{number}: {error}") from error
-        while self.prompts:
+    def operate(self) -> None:
+        draw = self.rng.random()
+        if draw < 0.4:
+            self.admit()
+        elif draw < 0.7:
+            self.forward_one()
+        else:
             self.finish_one()
-        self.backend.check_integrity()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

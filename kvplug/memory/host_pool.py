@@ -327,7 +327,6 @@ class HostKVPool:
                 scattered = torch.cuda.Event()
                 scattered.record(load_stream)
             self._ring_free[slot] = scattered
-        index.record_stream(load_stream)
         return scattered
 
     def _read_chunk_cpu(self, host_pages: np.ndarray, index: torch.Tensor, by_page: bool) -> None:
