@@ -1,9 +1,9 @@
 """The facade a host engine talks to: ``kvplug.create_backend(...)`` -> ``KVBackend`` (docs/design.md, section 4).
 
-One object owns the pool, page table + token pool, request rows, paged allocator, prefix cache
+One object owns the pool, page table + token pool, request table, paged allocator, prefix cache
 and attention backend, and exposes the request lifecycle::
 
-    request = backend.admit(prompt_ids)            # row, prefix match + lock, token ids
+    request = backend.admit(prompt_ids)            # row, prefix match + lock, token ids (host)
     backend.allocate([request])                    # pages for every known token (atomic)
     batch = backend.prepare([request], "prefill")  # AttentionBatch + backend metadata
     input_ids = backend.input_ids(batch)           # on the device, from the token pool
@@ -11,41 +11,51 @@ and attention backend, and exposes the request lifecycle::
     backend.append_tokens([request], next_ids)     # forward done; sampled id into the token pool
     step = backend.begin_decode(requests)          # decode: pages, batch, input ids in one call
     ... forward over step.batch (or graphs.run(step)); step.commit(next_ids); repeat
-    backend.finish(request)                        # prefix into the cache, tail freed, row freed
+    backend.finish(request, tokens=host_ids)       # prefix into the cache, tail freed, row freed
+
+Host first: every call but ``prepare`` / ``begin_decode`` / ``input_ids`` / ``forward`` is host
+bookkeeping only (the request table, the free list, the page table's host arrays, the prefix
+cache), so none of them waits for the device. The device tables get the host's writes in one
+staged upload per step, made by ``prepare`` / ``begin_decode`` (``PageTable.flush``). The prefix
+cache keys requests by token ids the host knows: the prompt, ids given as host values, and ids a
+host reports with ``record_tokens`` or ``finish(..., tokens=)``; sampled ids that stay on the device
+are not cached until the host reports them.
 
 Chunked prefill: ``allocate([request], [chunk_end])``, prepare, forward, then
 ``cache_unfinished(request)`` for every chunk but the last (which ends with ``append_tokens``).
-``allocate -> prepare(..., "decode") -> append_tokens`` still runs a decode step, call by call;
-``begin_decode`` / ``DecodeStep.commit`` is the same step at a third of the host time (one
-staging launch writes its pages, reads its input ids and takes the previous commit's ids).
+``prepare(requests, "decode")`` stages its batch the way ``begin_decode`` does (one decode path);
+``begin_decode`` / ``DecodeStep.commit`` is the same step with the pages taken in the same call.
 Every call validates before changing anything; a failed call leaves the backend unchanged.
+A backend is owned by one thread: drive it from the thread that schedules the host's steps.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvplug.attention.batch import build_attention_batch
-from kvplug.attention.decode_batch import build_decode_batch
-from kvplug.attention.decode_staging import DecodeStager, StagedDecodeBatch
+from kvplug.attention.decode_staging import DecodeStager
 from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
-from kvplug.backend_factory import BackendParts, create_backend
+from kvplug.backend_factory import BackendParts, build_parts
 from kvplug.backend_stats import BackendStats
 from kvplug.batch_lease import BatchLease, check_lease
 from kvplug.decode_step import DecodeStep
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
+from kvplug.memory.allocator import PrefixLookup
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
-from kvplug.memory.token_ids import as_token_ids
+from kvplug.memory.token_ids import as_token_ids, host_token_ids
 
 if TYPE_CHECKING:
     from kvplug.decode_graphs import DecodeGraphs
 
-__all__ = ["BackendStats", "BatchLease", "DecodeStep", "KVBackend", "ModelShape", "Request", "create_backend"]
+__all__ = [
+    "BackendStats", "BatchLease", "DecodeStep", "KVBackend", "ModelShape", "PrefixLookup", "Request", "create_backend",
+]
 
 # ForwardPhase(value) goes through Enum's lookup machinery, about 1 us: a dict for the usual spellings
 _PHASES: dict = {phase.value: phase for phase in ForwardPhase} | {phase: phase for phase in ForwardPhase}
@@ -58,7 +68,8 @@ class KVBackend:
         shape: the model's ``ModelShape``.
         pool: the KV pool (``BaseKVPool``); ``pool.k_cache(layer)`` etc.
         tables: ``PageTable``: ``tables.table`` is the page table, ``tables.token_pool`` the token pool.
-        prefix_cache: the ``BasePrefixCache``.
+        requests: the ``RequestTable`` (rows, liveness and lengths of running requests).
+        prefix_cache: the ``BasePrefixCache`` (host data).
         attention: the ``BaseAttentionBackend`` or ``None``; ``attention_name`` says which.
         allocator: the ``PagedAllocator``.
         graphs: the ``DecodeGraphs`` of ``decode_graphs`` (``None`` until then): decode steps
@@ -69,8 +80,8 @@ class KVBackend:
         self.shape = parts.shape
         self.pool = parts.pool
         self.tables = parts.tables
-        self.rows = parts.rows
         self.allocator = parts.allocator
+        self.requests = parts.allocator.states
         self.prefix_cache = parts.prefix_cache
         self.attention = parts.attention
         self.attention_name = parts.attention_name
@@ -80,10 +91,10 @@ class KVBackend:
         self._hit_tokens = 0
         self._admitted = 0
         self._finished = 0
-        # GPU tables: a decode batch's device fields come from a ring of slots (see DecodeStager),
-        # with the page lists the attention backend plans decode batches with, when it says so
+        # a decode batch's device fields come from a ring of slots (see DecodeStager), with the
+        # page lists the attention backend plans decode batches with, when it says so
         self.stager = DecodeStager(
-            self.tables.table, self.tables.token_pool, page_size=self.pool.page_size,
+            self.tables.table, self.tables._tokens, page_size=self.pool.page_size,
             page_list_size=getattr(self.attention, "decode_page_list_size", None),
         )
 
@@ -106,38 +117,44 @@ class KVBackend:
 
     @property
     def page_table(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device."""
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (staged writes made)."""
+        self.tables.flush()
         return self.tables.table
 
     @property
     def token_pool(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (a committed
-        decode step's ids are written first)."""
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (staged writes and
+        a committed decode step's ids are written first)."""
         return self.tables.token_pool
 
     @property
     def running_requests(self) -> list[Request]:
-        return self.allocator.live_requests
+        return self.requests.live_requests
 
     # ------------------------------------------------------------------ lifecycle
-    def admit(self, input_ids: torch.Tensor | Sequence[int]) -> Request:
+    def lookup(self, input_ids: torch.Tensor | Sequence[int]) -> PrefixLookup:
+        """How much of a prompt is cached, without admitting it or changing anything: an opaque
+        ``PrefixLookup`` (``cached_len``: tokens an admission would find cached, host tier
+        included) that ``admit`` takes in place of the ids, so a scheduler deciding on the
+        prompt matches it once. Host work only."""
+        return self.allocator.lookup(host_token_ids(input_ids))
+
+    def admit(self, input_ids: torch.Tensor | Sequence[int] | PrefixLookup, *, match: bool = True) -> Request:
         """Start a request: take a row, match and lock its longest cached prefix (at most
         ``len - 1`` tokens, so at least one token is computed), point the row at the match and
-        write the token ids into the token pool.
+        write the token ids into the token pool (host now; the device at the next ``prepare``).
 
         Args:
-            input_ids: shape ``[n]`` token ids, ``1 <= n <= max_seq_len``; a 1-D integer tensor
-                (any device; converted to int32 on the backend's device) or a list of ints.
+            input_ids: shape ``[n]`` token ids, ``1 <= n <= max_seq_len``; a list of ints, or a
+                1-D integer tensor or numpy array on the host (a GPU tensor is copied to the
+                host, which waits for queued device work); or a ``PrefixLookup`` of the prompt
+                (its match is used unless the cache changed since).
+            match: ``False`` skips the lookup (the host just learned that nothing is cached).
 
         Raises ``OutOfMemoryError`` when no row is free, ``InvalidArgumentError`` for bad ids.
         """
-        ids = as_token_ids(input_ids, self.device, check_values=True)
-        row = self.rows.allocate()
-        try:
-            request = self.allocator.open_request(row, ids)
-        except BaseException:
-            self.rows.free(row)
-            raise
+        ids = input_ids if isinstance(input_ids, PrefixLookup) else host_token_ids(input_ids)
+        request = self.allocator.open_request(self.requests.free_row(), ids, match=bool(match))
         self._admitted += 1
         self._queried_tokens += request.prompt_len
         self._hit_tokens += request.matched_len
@@ -159,27 +176,21 @@ class KVBackend:
 
     def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
         """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
-        of each) and let the attention backend plan it. ``phase``: ``"prefill"`` or ``"decode"``."""
+        of each) and let the attention backend plan it. ``phase``: ``"prefill"`` or ``"decode"``
+        (one new token each: staged as ``begin_decode`` stages). Makes the step's staged table
+        writes first."""
         if not isinstance(phase, (str, ForwardPhase)) or phase not in _PHASES:
             raise InvalidArgumentError(f"phase must be 'prefill', 'decode' or a ForwardPhase, got {phase!r}")
         phase = _PHASES[phase]
-        states = self.allocator.states
-        rows, row_starts = states.batch_rows(_request_list(requests))
-        if self.allocator.has_pending_loads:  # pages still copying from the host tier
-            self.allocator.order_loads(rows)
+        requests = _request_list(requests)
+        states = self.requests
+        rows, row_starts = states.batch_rows(requests)
         cached = states.cached_len[rows]
-        device_lens = states.device_len[rows]
-        check_new_tokens(rows, cached, device_lens, phase)
-        if phase is ForwardPhase.DECODE and not self.tables.uses_host_views:  # tables used through torch
-            tokens = self.tables.take_pending_tokens(row_starts + cached)
-            batch = self.stager.stage(rows, cached, tokens=tokens)
-        elif phase is ForwardPhase.DECODE:  # tables in host memory
-            self.tables.settle_tokens()
-            batch = build_decode_batch(
-                self.tables.table, rows, cached, flat_table=self.tables.flat_table, row_starts=row_starts
-            )
-        else:
-            batch = build_attention_batch(self.tables.table, rows, cached, device_lens, phase, validate=False)
+        check_new_tokens(rows, cached, states.device_len[rows], phase)
+        if phase is ForwardPhase.DECODE:
+            return self._stage_decode(requests, rows, row_starts, cached, None, None)[0]
+        self._before_forward(rows)
+        batch = build_attention_batch(self.tables.table, rows, cached, states.device_len[rows], phase, validate=False)
         batch.lease = BatchLease(states, states.generation, tuple(requests))
         if self.attention is not None:
             self.attention.prepare_metadata(batch)
@@ -198,51 +209,54 @@ class KVBackend:
         requests = _request_list(requests)
         if not requests:
             raise InvalidArgumentError("a decode step needs at least one request, got none")
-        states = self.allocator.states
+        states = self.requests
         rows, row_starts = states.batch_rows(requests)
         cached = states.cached_len[rows]
         if np.count_nonzero(states.num_tokens[rows] - cached - 1):
             reject_decode(rows, cached, states.num_tokens[rows], self.max_seq_len)
-        if self.allocator.has_pending_loads:  # pages still copying from the host tier
-            self.allocator.order_loads(rows)
-        graphs = self.graphs
-        graph_size = None if graphs is None else graphs.size_for(rows.size)
+        # the whole decode allocation rule: a request whose new token starts a page takes one
         pages = self.allocator.take_decode_pages(rows, cached)
-        cells = row_starts + cached
-        stamp = 0
-        if graph_size is not None or not self.tables.uses_host_views:
-            tokens = self.tables.take_pending_tokens(cells)
-            if graph_size is not None:
-                stamp = graphs.claim(graph_size)
-            batch = self.stager.stage(rows, cached, pages=pages, tokens=tokens, pad_to=graph_size)
-            input_ids, append_index = batch.input_ids, batch.append_index
-        else:
-            if pages is not None:
-                self.allocator.write_decode_pages(rows, cached, pages)
-            self.tables.settle_tokens()
-            batch = build_decode_batch(self.tables.table, rows, cached, flat_table=self.tables.flat_table,
-                                       row_starts=row_starts)
-            input_ids = torch.from_numpy(self.tables.token_pool.view(-1).numpy()[cells].astype(np.int32))
-            append_index = None
-        states.device_len[rows] = cached + 1
+        states.schedule(rows, cached + 1)
+        batch, graph_size, stamp = self._stage_decode(requests, rows, row_starts, cached, pages, self.graphs)
+        return DecodeStep(self.tables, states, batch, rows, cached, graph_size, stamp)
+
+    def _stage_decode(self, requests: Sequence[Request], rows: np.ndarray, row_starts: np.ndarray,
+                      cached: np.ndarray, pages: Any, graphs: "DecodeGraphs | None") -> tuple:
+        """The one decode staging: the step's staged writes and pending loads first, then one
+        staging launch (padded into a graph's buffers when ``graphs`` has a size that fits),
+        then attention's plan. Returns ``(batch, graph_size, stamp)``."""
+        # pending ids first: taken by this launch, or written before the staged host writes
+        tokens = self.tables.take_pending_tokens(row_starts + cached)
+        self._before_forward(rows)
+        graph_size = None if graphs is None else graphs.size_for(rows.size)
+        stamp = 0 if graph_size is None else graphs.claim(graph_size)
+        batch = self.stager.stage(rows, cached, pages=pages, tokens=tokens, pad_to=graph_size)
+        states = self.requests
         batch.lease = BatchLease(states, states.generation, requests if isinstance(requests, tuple) else tuple(requests))
         if self.attention is not None:
             if graph_size is not None and graphs.uses_cuda_graphs:
                 self.attention.prepare_for_replay(batch)
             else:
                 self.attention.prepare_metadata(batch)
-        return DecodeStep(self, batch.lease.requests, batch, input_ids, rows, cached, cells, append_index, graph_size,
-                          stamp)
+        return batch, graph_size, stamp
+
+    def _before_forward(self, rows: np.ndarray) -> None:
+        """What must reach the device before a forward over ``rows``: the step's staged table
+        writes (the one flush point) and the rows' pending host-tier loads."""
+        if self.allocator.has_pending_loads:  # pages still copying from the host tier
+            self.allocator.order_loads(rows)
+        self.tables.flush()
 
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
         """Token ids of the batch's new tokens, on the device: shape ``[num_tokens]``, int32.
 
-        A decode batch staged on GPU tables carries them (its staging launch read them): the
-        result is then a view of the batch's slot, valid as long as the batch's own tensors
-        (``ring_size`` decode steps); clone it to keep it longer. Otherwise they are gathered
-        from the token pool into a new tensor."""
-        if isinstance(batch, StagedDecodeBatch) and batch.input_ids is not None:
-            return batch.input_ids
+        A decode batch carries them (its staging launch read them): the result is then a view
+        of the batch's slot, valid as long as the batch's own tensors (``ring_size`` decode
+        steps); clone it to keep it longer. Otherwise they are gathered from the token pool into
+        a new tensor."""
+        input_ids = getattr(batch, "input_ids", None)
+        if input_ids is not None:
+            return input_ids
         if not isinstance(batch, AttentionBatch):
             raise InvalidArgumentError(f"expected an AttentionBatch from prepare(), got {type(batch).__name__}")
         if batch.is_decode:
@@ -262,7 +276,7 @@ class KVBackend:
         comparison per call while no request started or ended)."""
         if self.attention is None:
             raise InvalidArgumentError("this backend was created with attention=None; run attention in the host")
-        lease, states = batch.lease, self.allocator.states
+        lease, states = batch.lease, self.requests
         if lease is not None and (lease.generation != states.generation or lease.states is not states):
             check_lease(lease, states)
         return self.attention.forward(q, k, v, layer_id, batch)
@@ -272,12 +286,15 @@ class KVBackend:
         device_len``) and append one sampled token per request to the token pool (one write).
 
         Args:
-            token_ids: shape ``[bs]``, int32 (device tensor, stays on the device) or a list of ints.
+            token_ids: shape ``[bs]``, int32: a device tensor (stays on the device; its values
+                are not known to the host, so not cached until reported) or host values (a list
+                or CPU tensor: known, uploaded without a wait).
         """
-        states = self.allocator.states
+        states = self.requests
         rows, row_starts = states.batch_rows(_request_list(requests))
-        if (type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == self.device
-                and self.device.type != "cpu"):
+        on_host = not (isinstance(token_ids, torch.Tensor) and token_ids.device.type != "cpu")
+        if (not on_host and type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32
+                and token_ids.device == self.device):
             ids = token_ids  # the usual case, sampled ids on the GPU (dim checked below; values not: a sync)
         else:
             ids = as_token_ids(token_ids, self.device, allow_empty=True)
@@ -290,9 +307,31 @@ class KVBackend:
         if np.count_nonzero(not_ready) or (rows.size and num_tokens.max() >= self.tables.max_seq_len):
             reject_append(rows, cached, device_lens, num_tokens, not_ready, self.max_seq_len)
         # rows are live and num_tokens < max_seq_len <= row width: the flat index is in range
-        self.tables.write_flat(self.tables.token_pool, row_starts + num_tokens, ids)
-        states.cached_len[rows] = device_lens
-        states.num_tokens[rows] = num_tokens + 1
+        cells = row_starts + num_tokens
+        self.tables.write_flat(self.tables._tokens, cells, ids)
+        if on_host:
+            self.tables.host_tokens.reshape(-1)[cells] = host_token_ids(token_ids, allow_empty=True).numpy()
+        states.appended(rows, known=on_host)
+
+    def record_tokens(self, request: Request, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        """Tell kvplug the token ids ``request`` holds as the host knows them (its prompt first,
+        then what it sampled): ids sampled on the device become keys the prefix cache can keep.
+        Ids past ``num_tokens`` are ignored; the part kvplug already knows must agree.
+
+        Raises ``InvalidArgumentError`` (nothing changed) when they do not start with the ids
+        kvplug knows."""
+        self.allocator.check_live(request)
+        ids = host_token_ids(token_ids, allow_empty=True).numpy()
+        row, known = request.row, request.known_len
+        if ids.shape[0] < known or not np.array_equal(ids[:known], self.tables.host_token_ids(row, 0, known)):
+            raise InvalidArgumentError(
+                f"request in row {row}: the reported {ids.shape[0]} token ids do not start with the {known} ids "
+                "kvplug knows (the prompt, then host-known sampled ids)"
+            )
+        end = min(ids.shape[0], request.num_tokens)
+        if end > known:
+            self.tables.note_tokens(row, known, ids[known:end])
+            self.requests.know(row, end)
 
     def cache_unfinished(self, request: Request) -> None:
         """After a non-final prefill chunk's forward: mark it done and move the computed
@@ -301,20 +340,23 @@ class KVBackend:
         self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=False)
 
-    def finish(self, request: Request, *, computed: bool = False) -> None:
+    def finish(self, request: Request, *, computed: bool = False,
+               tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> None:
         """End a request: its page-aligned computed prefix goes into the prefix cache, every
         other page back to the free list, its row is freed.
 
         ``computed=True`` says the last allocated forward (tokens ``cached_len .. device_len``)
         ran though ``append_tokens`` was not called after it, so those tokens may be cached too.
         Leave it ``False`` when aborting before a forward ran: caching unwritten K/V would poison
-        the cache.
+        the cache. ``tokens``: the request's ids as the host knows them (``record_tokens``), so
+        sampled ids that stayed on the device are cached too.
         """
         self.allocator.check_live(request)
+        if tokens is not None:
+            self.record_tokens(request, tokens)
         if computed:
             self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=True)
-        self.rows.free(request.row)
         self._finished += 1
 
     @contextlib.contextmanager
@@ -363,7 +405,7 @@ class KVBackend:
             evicted_tokens=allocator.evicted_tokens,
             admitted_requests=self._admitted,
             finished_requests=self._finished,
-            running_requests=self.rows.num_live,
+            running_requests=self.requests.num_live,
             num_pages=self.num_pages,
             free_pages=free,
             cached_pages=allocator.num_cached_pages,
@@ -375,8 +417,6 @@ class KVBackend:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any memory invariant is broken (reads every live row)."""
-        self.rows.check_integrity()
-        assert self.rows.live_rows == {r.row for r in self.allocator.live_requests}, "rows and requests disagree"
         self.allocator.check_integrity()
         self.prefix_cache.check_integrity()
 
@@ -386,3 +426,68 @@ def _request_list(requests: Any) -> Sequence[Request]:
     if isinstance(requests, (list, tuple)):
         return requests
     raise InvalidArgumentError(f"expected a list of kvplug Requests, got {type(requests).__name__}")
+
+
+def create_backend(
+    model_config: ModelShape | Mapping[str, Any] | Any,
+    *,
+    page_size: int = 1,
+    num_pages: int | None = None,
+    memory_budget: int | str | None = None,
+    max_running_reqs: int = 256,
+    max_seq_len: int = 4096,
+    prefix_cache: Any = "radix",
+    attention: str | None = "auto",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    manager: Any = None,
+    validate: bool | None = None,
+    attention_options: Mapping[str, Any] | None = None,
+    prefix_cache_options: Mapping[str, Any] | None = None,
+) -> "KVBackend":
+    """Build a ``KVBackend``.
+
+    Args:
+        model_config: a ``ModelShape`` or a HF config (mapping or ``PretrainedConfig``).
+        page_size: tokens per page.
+        num_pages: usable pages; exactly one of ``num_pages`` / ``memory_budget`` is required.
+        memory_budget: bytes (or ``"40GiB"``) for the pool on this rank, dummy page included.
+        max_running_reqs: page-table rows for live requests.
+        max_seq_len: longest request in tokens (prompt + generated).
+        prefix_cache: a registered name (``"radix"``, ``"naive"``, a plugin's) or a
+            ``BasePrefixCache`` instance built for this device and page size.
+        attention: a registered name, ``"P,D"``, ``"auto"`` (flashinfer if importable on CUDA,
+            else triton on CUDA, else torch), or ``None`` for a memory-only backend whose host
+            runs attention itself over ``pool`` and ``page_table``.
+        device: where the pool and the device tables live (the prefix cache keeps host data).
+        dtype: KV dtype; defaults to the model's.
+        tp_size, tp_rank: tensor parallelism; the pool keeps this rank's KV heads.
+        manager: a ``kvplug.PluginManager``; the default one if ``None``.
+        validate: let the pool check every ``out_loc`` range (a device sync per store). ``None``:
+            on for CPU, off for CUDA.
+        attention_options: passed to the attention backend as ``AttentionConfig.options``.
+        prefix_cache_options: options of the prefix cache built by name (``PrefixCacheConfig.options``),
+            e.g. ``{"host_memory": "32GiB"}`` for ``radix`` with a host-memory tier, whose page pool
+            is then allocated next to the KV pool.
+    """
+    parts = build_parts(
+        model_config,
+        page_size=page_size,
+        num_pages=num_pages,
+        memory_budget=memory_budget,
+        max_running_reqs=max_running_reqs,
+        max_seq_len=max_seq_len,
+        prefix_cache=prefix_cache,
+        attention=attention,
+        device=device,
+        dtype=dtype,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        manager=manager,
+        validate=validate,
+        attention_options=attention_options,
+        prefix_cache_options=prefix_cache_options,
+    )
+    return KVBackend(parts)

@@ -1,11 +1,12 @@
-"""``create_backend``: assembling a ``KVBackend``'s components from a model shape and sizes."""
+"""``build_parts``: assembling a ``KVBackend``'s components from a model shape and sizes (the
+facade, ``kvplug.backend``, wires them; this module never imports it)."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -25,13 +26,9 @@ from kvplug.memory.allocator import PagedAllocator
 from kvplug.memory.capacity import num_pages_for_budget, parse_memory_size
 from kvplug.memory.model_shape import ModelShape, parse_dtype
 from kvplug.memory.page_table import PageTable
-from kvplug.memory.row_manager import RowManager
 from kvplug.memory.tensor_parallel import local_kv_heads, local_qo_heads
 
 logger = logging.getLogger("kvplug.backend")
-
-if TYPE_CHECKING:
-    from kvplug.backend import KVBackend
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,6 @@ class BackendParts:
     shape: ModelShape
     pool: BaseKVPool
     tables: PageTable
-    rows: RowManager
     allocator: PagedAllocator
     prefix_cache: BasePrefixCache
     attention: BaseAttentionBackend | None
@@ -60,73 +56,6 @@ def resolve_attention(name: str, device: torch.device, available: list[str]) -> 
                 break
     logger.debug("attention='auto' on %s resolved to %r", device, chosen)
     return chosen
-
-
-def create_backend(
-    model_config: ModelShape | Mapping[str, Any] | Any,
-    *,
-    page_size: int = 1,
-    num_pages: int | None = None,
-    memory_budget: int | str | None = None,
-    max_running_reqs: int = 256,
-    max_seq_len: int = 4096,
-    prefix_cache: Any = "radix",
-    attention: str | None = "auto",
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | str | None = None,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    manager: Any = None,
-    validate: bool | None = None,
-    attention_options: Mapping[str, Any] | None = None,
-    prefix_cache_options: Mapping[str, Any] | None = None,
-) -> "KVBackend":
-    """Build a ``KVBackend``.
-
-    Args:
-        model_config: a ``ModelShape`` or a HF config (mapping or ``PretrainedConfig``).
-        page_size: tokens per page.
-        num_pages: usable pages; exactly one of ``num_pages`` / ``memory_budget`` is required.
-        memory_budget: bytes (or ``"40GiB"``) for the pool on this rank, dummy page included.
-        max_running_reqs: page-table rows for live requests.
-        max_seq_len: longest request in tokens (prompt + generated).
-        prefix_cache: a registered name (``"radix"``, ``"naive"``, a plugin's) or a
-            ``BasePrefixCache`` instance built for this device and page size.
-        attention: a registered name, ``"P,D"``, ``"auto"`` (flashinfer if importable on CUDA,
-            else triton on CUDA, else torch), or ``None`` for a memory-only backend whose host
-            runs attention itself over ``pool`` and ``page_table``.
-        device: where the pool, tables and cache tensors live.
-        dtype: KV dtype; defaults to the model's.
-        tp_size, tp_rank: tensor parallelism; the pool keeps this rank's KV heads.
-        manager: a ``kvplug.PluginManager``; the default one if ``None``.
-        validate: let the pool check every ``out_loc`` range (a device sync per store). ``None``:
-            on for CPU, off for CUDA.
-        attention_options: passed to the attention backend as ``AttentionConfig.options``.
-        prefix_cache_options: options of the prefix cache built by name (``PrefixCacheConfig.options``),
-            e.g. ``{"host_memory": "32GiB"}`` for ``radix`` with a host-memory tier, whose page pool
-            is then allocated next to the KV pool.
-    """
-    from kvplug.backend import KVBackend
-
-    parts = build_parts(
-        model_config,
-        page_size=page_size,
-        num_pages=num_pages,
-        memory_budget=memory_budget,
-        max_running_reqs=max_running_reqs,
-        max_seq_len=max_seq_len,
-        prefix_cache=prefix_cache,
-        attention=attention,
-        device=device,
-        dtype=dtype,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        manager=manager,
-        validate=validate,
-        attention_options=attention_options,
-        prefix_cache_options=prefix_cache_options,
-    )
-    return KVBackend(parts)
 
 
 def build_parts(
@@ -162,11 +91,14 @@ def build_parts(
         raise InvalidArgumentError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise InvalidArgumentError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-    rows = RowManager(max_running_reqs)
+    if isinstance(max_running_reqs, bool) or not isinstance(max_running_reqs, int) or max_running_reqs < 1:
+        raise InvalidArgumentError(f"max_running_reqs must be a positive int, got {max_running_reqs!r}")
     num_pages = _num_pages(shape, kv_dtype, page_size, tp_size, num_pages, memory_budget)
     if attention is not None and not isinstance(attention, str):
         raise InvalidArgumentError(f"attention must be a backend name or None, got {attention!r}")
-    cache = _prefix_cache(prefix_cache, manager, device, page_size, prefix_cache_options or {})
+    # prefix caches keep host data whatever the pool's device (SPEC section 3): matching,
+    # inserting and evicting never wait for the device
+    cache = _prefix_cache(prefix_cache, manager, page_size, prefix_cache_options or {})
 
     pool_options = {"validate": device.type != "cuda" if validate is None else bool(validate)}
     pool_config = KVPoolConfig(
@@ -212,7 +144,7 @@ def build_parts(
         "kvplug backend: %d pages x %d tokens on %s (%s), prefix cache %s, attention %s",
         num_pages, page_size, device, kv_dtype, type(cache).__name__, name,
     )
-    return BackendParts(shape, pool, tables, rows, allocator, cache, backend, name)
+    return BackendParts(shape, pool, tables, allocator, cache, backend, name)
 
 
 def _num_pages(
@@ -230,16 +162,19 @@ def _num_pages(
     return num_pages_for_budget(sized.kv_bytes_per_token(tp_size), page_size, parse_memory_size(budget))
 
 
-def _prefix_cache(
-    spec: Any, manager: Any, device: torch.device, page_size: int, options: Mapping[str, Any]
-) -> BasePrefixCache:
+def _prefix_cache(spec: Any, manager: Any, page_size: int, options: Mapping[str, Any]) -> BasePrefixCache:
     if isinstance(spec, BasePrefixCache):
         if options:
             raise InvalidArgumentError(f"prefix_cache_options {dict(options)} need a prefix cache name, got an instance")
+        cache_device = getattr(spec, "device", None)
+        if cache_device is not None and torch.device(cache_device).type != "cpu":
+            raise InvalidArgumentError(
+                f"prefix cache instances keep host data: build it with device='cpu', got one on {cache_device}"
+            )
         cache_page_size = getattr(spec, "page_size", page_size)
         if cache_page_size != page_size:
             raise InvalidArgumentError(f"prefix cache page_size {cache_page_size} != backend page_size {page_size}")
         return spec
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"prefix_cache must be a registered name or a BasePrefixCache, got {spec!r}")
-    return manager.create_prefix_cache(spec, device=device, page_size=page_size, **options)
+    return manager.create_prefix_cache(spec, device="cpu", page_size=page_size, **options)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvplug.interface import InvalidArgumentError
-from kvplug.memory.request import ROW_MASK, RequestStates
+from kvplug.memory.request import ROW_MASK, RequestTable
 
 
 class BatchLease(NamedTuple):
@@ -22,18 +22,18 @@ class BatchLease(NamedTuple):
     ``forward`` refuses it once one of them was finished (its pages may have been handed out).
 
     Attributes:
-        states: the backend's ``RequestStates`` (a batch of another backend is refused).
+        states: the backend's ``RequestTable`` (a batch of another backend is refused).
         generation: ``states.generation`` at ``prepare``: while it is unchanged no request started
             or ended, and nothing needs checking.
         requests: the requests, in batch order.
     """
 
-    states: RequestStates
+    states: RequestTable
     generation: int
     requests: tuple
 
 
-def check_lease(lease: BatchLease, states: RequestStates) -> None:
+def check_lease(lease: BatchLease, states: RequestTable) -> None:
     """Raise unless every request of the lease is still live in ``states`` (the slow path, taken
     only when a request started or ended since the batch was prepared)."""
     if lease.states is not states:

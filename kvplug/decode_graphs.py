@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from kvplug.attention.graph_padding import default_batch_sizes, padded_size
-from kvplug.batch_lease import check_lease
+from kvplug.batch_lease import BatchLease, check_lease
 from kvplug.decode_step import DecodeStep
 from kvplug.interface import InvalidArgumentError
 
@@ -140,8 +140,8 @@ class DecodeGraphs:
         backend = self.backend
         empty = np.empty(0, dtype=np.int64)
         batch = backend.stager.stage(empty, empty, pad_to=size)
-        return DecodeStep(backend, (), batch, batch.input_ids, empty, empty, empty, batch.append_index, size,
-                          self.claim(size))
+        batch.lease = BatchLease(backend.requests, backend.requests.generation, ())
+        return DecodeStep(backend.tables, backend.requests, batch, empty, empty, size, self.claim(size))
 
     def _capture_one(self, step: DecodeStep, pool: Any) -> tuple[Any, torch.Tensor]:
         side = torch.cuda.Stream(self.backend.device)
@@ -165,7 +165,7 @@ class DecodeGraphs:
         """``forward_fn``'s output for ``step``'s live requests (its first ``step.num_live``
         rows): a replay when the step was staged for a graph (a view of graph memory that the
         next replay of the size overwrites: copy it to keep it), else ``forward_fn(step)``."""
-        if not isinstance(step, DecodeStep) or step._backend is not self.backend:
+        if not isinstance(step, DecodeStep) or step._states is not self.backend.requests:
             raise InvalidArgumentError("run() takes a DecodeStep of this backend (from begin_decode)")
         size = step.graph_size
         if size is None:

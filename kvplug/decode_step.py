@@ -5,27 +5,23 @@ cross a page boundary), stages the step's batch and input ids (into a CUDA graph
 buffers when the backend has graphs for the batch size, padded with the dummy request) and plans
 attention; it returns a ``DecodeStep``. The host runs its forward over ``step.batch`` (or
 ``DecodeGraphs.run(step)``), samples, and calls ``step.commit(token_ids)``: the forward's K/V
-count as cached and each sampled id becomes its request's next token. The ids are handed to the
-page table as pending tokens (``PageTable.defer_tokens``): the next step over the same requests
-writes them in its staging launch and reads them as its input ids; any other access of the token
-pool writes them first. A step is committed once; nothing else carries state from one call to
-the next.
+count as cached and each sampled id becomes its request's next token. Device ids are handed to
+the page table as pending tokens (``PageTable.defer_tokens``): the next step over the same
+requests writes them in its staging launch and reads them as its input ids. A step is committed
+once; nothing else carries state from one call to the next.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from kvplug.interface import AttentionBatch, InvalidArgumentError
-from kvplug.memory.page_table import PendingTokens
-from kvplug.memory.request import Request
-from kvplug.memory.token_ids import as_token_ids
-
-if TYPE_CHECKING:
-    from kvplug.backend import KVBackend
+from kvplug.memory.page_table import PageTable, PendingTokens
+from kvplug.memory.request import RequestTable
+from kvplug.memory.token_ids import as_token_ids, host_token_ids
 
 
 class DecodeStep:
@@ -48,34 +44,30 @@ class DecodeStep:
 
     __slots__ = (
         "requests", "batch", "input_ids", "graph_size", "committed", "stamp",
-        "_backend", "_rows", "_generation", "_cached", "_cells", "_append_index",
+        "_tables", "_states", "_rows", "_generation", "_cached",
     )
 
     def __init__(
         self,
-        backend: "KVBackend",
-        requests: tuple[Request, ...],
+        tables: PageTable,
+        states: RequestTable,
         batch: AttentionBatch,
-        input_ids: torch.Tensor,
         rows: np.ndarray,
         cached: np.ndarray,
-        cells: np.ndarray,
-        append_index: torch.Tensor | None,
         graph_size: int | None = None,
         stamp: int = 0,
     ) -> None:
-        self.requests = requests
+        self.requests = batch.lease.requests
         self.batch = batch
-        self.input_ids = input_ids
+        self.input_ids = batch.input_ids
         self.graph_size = graph_size
         self.committed = False
         self.stamp = stamp
-        self._backend = backend
+        self._tables = tables
+        self._states = states
         self._rows = rows
-        self._generation = backend.allocator.states.generation  # which requests were live
+        self._generation = states.generation  # which requests were live
         self._cached = cached
-        self._cells = cells
-        self._append_index = append_index
 
     @property
     def positions(self) -> torch.Tensor:
@@ -97,28 +89,28 @@ class DecodeStep:
         later ``begin_decode`` refuses them).
 
         Args:
-            token_ids: shape ``[num_live]``, int32 (a device tensor stays on the device and is
-                read in stream order later: do not modify it in place before the next step is
-                staged) or a list of ints.
+            token_ids: shape ``[num_live]``, int32: a device tensor stays on the device and is
+                read in stream order later (do not modify it in place before the next step is
+                staged); host values (a list or CPU tensor) are also known to the host side.
 
         Raises ``InvalidArgumentError`` (nothing changed) for a second commit, ids of the wrong
         shape, or when a request of the step was finished or moved on since it was staged.
         """
-        backend = self._backend
+        tables, states = self._tables, self._states
         if self.committed:
             raise InvalidArgumentError("this decode step is already committed")
-        if (type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == backend.device
-                and backend.device.type != "cpu"):
-            # sampled ids on the GPU: values are not read here (a sync); CPU ids are range-checked below
+        device = tables.device
+        on_host = not (isinstance(token_ids, torch.Tensor) and token_ids.device.type != "cpu")
+        if not on_host and type(token_ids) is torch.Tensor and token_ids.dtype is torch.int32 and token_ids.device == device:
+            # sampled ids on the GPU: values are not read here (a sync); host ids are range-checked
             ids = token_ids if token_ids.is_contiguous() else token_ids.contiguous()
         else:
-            ids = as_token_ids(token_ids, backend.device, allow_empty=True)
+            ids = as_token_ids(token_ids, device, allow_empty=True)
         rows, cached = self._rows, self._cached
         if ids.dim() != 1 or ids.shape[0] != rows.size:
             raise InvalidArgumentError(
                 f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
             )
-        states = backend.allocator.states
         # the same requests are live while no request started or ended (the usual case); else
         # each request's key says whether it is still the one staged
         finished = states.generation != self._generation and np.count_nonzero(
@@ -130,24 +122,26 @@ class DecodeStep:
                 "before finishing its requests"
             )
         self.committed = True
-        next_position = cached + 1
-        states.cached_len[rows] = next_position
-        tables = backend.tables
-        if next_position.max() + 1 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
-            keep = np.flatnonzero(next_position + 1 <= tables.max_seq_len)
-            states.num_tokens[rows[keep]] = next_position[keep] + 1
+        cells = rows * tables.row_width + cached + 1  # where each sampled id goes
+        stored = None
+        if cached.max() + 2 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
+            stored = cached + 2 <= tables.max_seq_len
+            keep = np.flatnonzero(stored)
             if keep.size:
-                tables.write_flat(tables.token_pool, self._cells[keep] + 1, ids[torch.from_numpy(keep).to(ids.device)])
-            return
-        states.num_tokens[rows] = next_position + 1
-        if self._append_index is None or tables.uses_host_views:
-            tables.write_flat(tables.token_pool, self._cells + 1, ids)
+                tables.write_flat(tables._tokens, cells[keep], ids[torch.from_numpy(keep).to(ids.device)])
+        elif tables.uses_host_views:
+            tables.write_flat(tables._tokens, cells, ids)
         else:
             # the next step's staging launch writes them (and reads them as its input ids)
-            append_index = self._append_index
+            append_index = self.batch.append_index
             if append_index.shape[0] != rows.size:  # padded for a graph: the live requests come first
                 append_index = append_index[: rows.size]
-            tables.defer_tokens(PendingTokens(self._cells + 1, append_index, ids))
+            tables.defer_tokens(PendingTokens(cells, append_index, ids))
+        if on_host:
+            values = host_token_ids(token_ids, allow_empty=True).numpy()
+            target = cells if stored is None else cells[stored]
+            tables.host_tokens.reshape(-1)[target] = values if stored is None else values[stored]
+        states.decoded(rows, cached, stored, known=on_host)
 
     def __repr__(self) -> str:
         return (

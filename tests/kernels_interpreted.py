@@ -43,7 +43,7 @@ def check_decode_step(page_size: int, list_size: int | None, with_pages: bool) -
         pages = None
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(2048)[:bs], -1).astype(np.int32)
-            pages = NewPages(page_slot, storage)
+            pages = NewPages(np.where(page_slot >= 0, storage.numpy()[page_slot], -1).astype(np.int32))
         else:
             cached = np.minimum(cached + rng.integers(0, page_size, bs), width - 1)
         values = None if step % 2 else torch.from_numpy(rng.integers(0, 1 << 17, bs).astype(np.int32))

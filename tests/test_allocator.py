@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -409,15 +410,15 @@ def test_check_integrity_catches_a_page_owned_twice_and_a_misaligned_free_list()
     allocator.allocate([request], [8])
     allocator.check_integrity()
     free = allocator.free_list._free
-    allocator.free_list._free = torch.cat([free[:-1], allocator.page_table.table[0, :1]])  # a live page is "free"
+    allocator.free_list._free = np.concatenate([free[:-1], allocator.page_table.host_table[0, :1]])  # a live page is "free"
     with pytest.raises(AssertionError, match="owned twice"):
         allocator.check_integrity()
-    allocator.free_list._free = torch.cat([free[:-1], free[-1:] + 1])
+    allocator.free_list._free = np.concatenate([free[:-1], free[-1:] + 1])
     with pytest.raises(AssertionError, match="multiple of page_size"):
         allocator.check_integrity()
     allocator.free_list._free = free[:-1]
     with pytest.raises(AssertionError, match="conservation"):
         allocator.check_integrity()
-    allocator.free_list._free = torch.cat([free[:-1], torch.tensor([32], dtype=torch.int32)])
+    allocator.free_list._free = np.concatenate([free[:-1], np.array([32], dtype=np.int32)])
     with pytest.raises(AssertionError, match="dummy page"):
         allocator.check_integrity()

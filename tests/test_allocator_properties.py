@@ -79,7 +79,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(base=st.integers(0, 2), cut=st.integers(0, 40), extra=st.lists(st.integers(0, VOCAB - 1), max_size=8))
     def admit(self, base, cut, extra):
         prompt = (SHARED_PREFIXES[base][:cut] + extra)[: MAX_SEQ_LEN - 1] or [0]
-        if self.backend.rows.num_free == 0:
+        if self.backend.requests.num_live == self.backend.max_running_reqs:
             with pytest.raises(OutOfMemoryError):
                 self.backend.admit(prompt)
             return

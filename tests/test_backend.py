@@ -246,7 +246,7 @@ def test_misuse_is_rejected_before_anything_changes(manager):
     backend.finish(request)
     with pytest.raises(InvalidArgumentError, match="not live"):
         backend.finish(request)
-    assert backend.rows.num_free == 4
+    assert backend.requests.num_live == 0
     backend.check_integrity()
 
 
@@ -557,3 +557,66 @@ def test_gpu_path_decode_steps_stay_exact_under_prefix_hits_and_evictions(manage
         backend.check_integrity()
     stats = backend.stats()
     assert stats.evicted_tokens > 0 and stats.cache_hit_tokens > 0
+
+
+# ---------------------------------------------------------------------- host-known ids, lookups
+
+
+def test_only_host_known_ids_are_cached_until_the_host_reports_them(manager):
+    """Sampled ids that stay on the device (emulated: the table forgets they were known) are not
+    keys of the prefix cache; ``finish(tokens=...)`` reports them and they are cached."""
+    backend = make_backend(manager, page_size=4)
+    for report in (False, True):
+        prompt = [50 + int(report)] + list(range(1, 8))  # 8 ids: two pages
+        request = backend.admit(prompt)
+        run_prefill(backend, request, sampled=9)
+        for sampled in (10, 11, 12, 13):
+            step = backend.begin_decode([request])
+            step.commit([sampled])
+        backend.requests.know(request.row, request.prompt_len)  # as if every sampled id stayed on a GPU
+        assert request.known_len == 8 and request.cached_len == 12
+        generated = [9, 10, 11, 12, 13]
+        backend.finish(request, tokens=prompt + generated if report else None)
+        follow_up = backend.admit(prompt + generated + [99])
+        assert follow_up.matched_len == (12 if report else 8)
+        backend.finish(follow_up)
+    backend.check_integrity()
+
+
+def test_record_tokens_refuses_ids_that_contradict_the_known_ones(manager):
+    backend = make_backend(manager, page_size=4)
+    request = backend.admit([1, 2, 3, 4, 5])
+    before = request.lengths()
+    for wrong in ([1, 2, 3], [1, 2, 3, 4, 6]):
+        with pytest.raises(InvalidArgumentError, match="do not start with"):
+            backend.record_tokens(request, wrong)
+        assert request.lengths() == before
+    backend.record_tokens(request, [1, 2, 3, 4, 5, 6, 7])  # past num_tokens: ignored
+    assert request.known_len == 5
+    backend.finish(request)
+
+
+def test_a_lookup_is_matched_once_and_again_only_after_the_cache_changed(manager, monkeypatch):
+    backend = make_backend(manager, page_size=4)
+    first = backend.admit(list(range(9)))
+    run_prefill(backend, first)
+    backend.finish(first)
+    calls = []
+    original = backend.prefix_cache.match_prefix
+    monkeypatch.setattr(backend.prefix_cache, "match_prefix", lambda ids: calls.append(len(ids)) or original(ids))
+    lookup = backend.lookup(list(range(9)) + [100])
+    assert lookup.cached_len == 8 and calls == [9]
+    request = backend.admit(lookup)  # the lookup's match: no second one
+    assert request.matched_len == 8 and calls == [9]
+    backend.finish(request)  # inserts: later lookups are stale
+    stale = backend.lookup(list(range(9)) + [101])
+    other = backend.admit([7, 7, 7, 7, 7])
+    run_prefill(backend, other)
+    backend.finish(other)
+    again = backend.admit(stale)
+    assert again.matched_len == 8 and calls == [9, 9, 4, 9]
+    unmatched = backend.admit(list(range(9)) + [102], match=False)
+    assert unmatched.matched_len == 0 and calls == [9, 9, 4, 9, 0]
+    backend.finish(again)
+    backend.finish(unmatched)
+    backend.check_integrity()

@@ -59,7 +59,7 @@ def test_staged_page_lists_equal_the_rows_they_describe(page_size, list_size, wi
         deferred = None
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(512)[:bs], -1).astype(np.int32)
-            deferred = NewPages(page_slot, storage)
+            deferred = NewPages(np.where(page_slot >= 0, storage.numpy()[page_slot], -1).astype(np.int32))
         batch = stager.stage(rows, cached, pages=deferred)
         assert isinstance(batch, StagedDecodeBatch) and batch.page_lists.view_page_size == list_size
         indices, indptr, last = reference_page_lists(table, rows, cached + 1, list_size)
@@ -67,9 +67,9 @@ def test_staged_page_lists_equal_the_rows_they_describe(page_size, list_size, wi
         assert batch.page_lists.indptr.tolist() == indptr.tolist()
         assert batch.page_lists.last_page_len.tolist() == last
         if with_pages:  # the lists hold each new page where it starts the last view page
-            growing = deferred.page_slot >= 0
+            growing = deferred.page_start >= 0
             last_entries = batch.page_lists.indices[torch.from_numpy(indptr[1:] - 1)]
-            expected = storage[torch.from_numpy(deferred.page_slot[growing]).long()] // list_size
+            expected = torch.from_numpy(deferred.page_start[growing]) // list_size
             assert torch.equal(last_entries[torch.from_numpy(growing)], expected)
 
 

@@ -64,7 +64,7 @@ def test_kernel_writes_new_pages_like_the_torch_path(page_size):
     num_rows, width = 301, 4096
     kernel_table = torch.randint(0, 1 << 28, (num_rows, width), dtype=torch.int32, device="cuda")
     torch_table = kernel_table.clone()
-    storage = (torch.randperm(4096, device="cuda") * page_size).to(torch.int32)
+    storage = (torch.randperm(4096) * page_size).to(torch.int32).numpy()
     kernel_stager = DecodeStager(kernel_table, torch.zeros_like(kernel_table), page_size=page_size, use_kernel=True)
     torch_stager = DecodeStager(torch_table, torch.zeros_like(torch_table), page_size=page_size, use_kernel=False)
     for bs in (1, 7, 256, 300, 7):
@@ -72,14 +72,14 @@ def test_kernel_writes_new_pages_like_the_torch_path(page_size):
         cached = rng.integers(0, width // page_size, bs) * page_size
         cached[0] = width - 1 if page_size > 1 else cached[0]  # a page reaching past the row's end
         page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(4096)[:bs], -1).astype(np.int32)
-        pages = NewPages(page_slot, storage)
+        pages = NewPages(np.where(page_slot >= 0, storage[page_slot], -1).astype(np.int32))
         by_kernel = kernel_stager.stage(rows, cached, pages=pages)
         by_torch = torch_stager.stage(rows, cached, pages=pages)
         assert torch.equal(kernel_table, torch_table), bs
         for name in ("out_loc", "table_rows", "cached_lens", "device_lens", "append_index"):
             assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), name
         growing = torch.from_numpy(page_slot >= 0).cuda()
-        assert torch.equal(by_kernel.out_loc[growing], storage[torch.from_numpy(page_slot[page_slot >= 0]).long().cuda()])
+        assert torch.equal(by_kernel.out_loc[growing], torch.from_numpy(pages.page_start[page_slot >= 0]).cuda())
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -114,7 +114,7 @@ def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages
     torch_table = kernel_table.clone()
     kernel_tokens = torch.randint(0, 1 << 17, (num_rows, width), dtype=torch.int32, device="cuda")
     torch_tokens = kernel_tokens.clone()
-    storage = (torch.randperm(8192, device="cuda") * page_size).to(torch.int32)
+    storage = (torch.randperm(8192) * page_size).to(torch.int32).numpy()
     stagers = [
         DecodeStager(table, tokens, page_size=page_size, page_list_size=list_size, use_kernel=use_kernel)
         for table, tokens, use_kernel in ((kernel_table, kernel_tokens, True), (torch_table, torch_tokens, False))
@@ -127,7 +127,7 @@ def test_kernel_page_lists_equal_the_torch_path(page_size, list_size, with_pages
         pages = None
         if with_pages:
             page_slot = np.where(rng.random(bs) < 0.6, rng.permutation(8192)[:bs], -1).astype(np.int32)
-            pages = NewPages(page_slot, storage)
+            pages = NewPages(np.where(page_slot >= 0, storage[page_slot], -1).astype(np.int32))
         # odd steps carry pending tokens (written into the token pool; they are the input ids)
         values = torch.randint(0, 1 << 17, (bs,), dtype=torch.int32, device="cuda") if step % 2 else None
         pad_to = bs + 3 if step % 3 == 2 else None  # staged into a graph's fixed buffer, dummy-padded

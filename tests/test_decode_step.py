@@ -78,8 +78,9 @@ def test_a_commit_is_written_by_the_next_launch_or_by_any_other_reader_first(man
     # a finished request's row reused by an admission: the pending id goes in before the new prompt
     backend.finish(c, computed=True)
     d = backend.admit([7, 7, 7])
-    assert d.row == c.row and writes == ["settle", "settle"]
-    assert backend.token_pool[d.row, :3].tolist() == [7, 7, 7]
+    assert d.row == c.row and writes == ["settle"]  # the admission only wrote the host arrays
+    assert backend.token_pool[d.row, :3].tolist() == [7, 7, 7]  # the flush: pending id first, then the prompt
+    assert writes == ["settle", "settle"]
     assert backend.token_pool[b.row, b.num_tokens - 1] == 41
     backend.check_integrity()
 
@@ -114,9 +115,8 @@ def test_staged_pages_are_clipped_at_the_row_end():
 
     table = torch.arange(4 * 12, dtype=torch.int32).view(4, 12)
     stager = DecodeStager(table, torch.zeros_like(table), page_size=5, use_kernel=False)
-    storage = torch.tensor([500, 600, 700], dtype=torch.int32)
     rows, cached = np.array([2, 0, 1]), np.array([10, 5, 3])
-    batch = stager.stage(rows, cached, pages=NewPages(np.array([1, 2, -1], dtype=np.int32), storage))
+    batch = stager.stage(rows, cached, pages=NewPages(np.array([600, 700, -1], dtype=np.int32)))
     assert table[2, 10:].tolist() == [600, 601]  # clipped: the row ends after two cells
     assert table[0, 5:10].tolist() == [700, 701, 702, 703, 704] and table[0, 10:].tolist() == [10, 11]
     assert table[1].tolist() == list(range(12, 24))  # no page: untouched

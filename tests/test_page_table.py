@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvplug.interface import InvalidArgumentError, OutOfMemoryError
 from kvplug.memory.page_table import PageTable, align_up
 from kvplug.memory.ragged import expand_pages, ragged_coordinates
-from kvplug.memory.row_manager import RowManager
+from kvplug.memory.request import RequestTable
 
 CPU = torch.device("cpu")
 
@@ -94,21 +94,37 @@ def test_bad_calls_raise_and_change_nothing(case):
 
 
 @pytest.mark.parametrize("host_views", [True, False])
-def test_per_step_writes_agree_between_numpy_and_torch_paths(host_views):
-    """``write_flat`` and ``write_pages`` (numpy views on the CPU, torch ops as on a GPU) write
-    exactly what a per-cell reference writes, and the flat table views the same memory."""
+def test_host_writes_reach_the_device_tables_in_one_flush(host_views):
+    """Locations and prompt ids are written into the host arrays at once; the device tables (the
+    same memory on a CPU pool, separate ones staged as on a GPU otherwise) equal a per-cell
+    reference after ``flush``, and device-valued token writes skip the host."""
     table = PageTable(4, 64, dummy_location=100, device=CPU, host_views=host_views)
-    assert isinstance(table.flat_table, np.ndarray) == host_views
+    assert table.mirrored != host_views
     expected = table.table.clone()
-    table.write_flat(table.table, np.array([0 * 64 + 3, 2 * 64 + 63]), i32(7, 8))
-    expected[0, 3], expected[2, 63] = 7, 8
-    table.write_flat(table.token_pool, np.array([1 * 64 + 5]), i32(9))
-    table.write_pages(np.array([1 * 4 + 2, 3 * 4 + 0]), i32(32, 48), 16)  # rows 1 and 3, pages 2 and 0
+    table.write_row_pages(np.array([1, 3]), np.array([32, 0]), np.array([1, 1]), i32(32, 48).numpy(), 16)
     expected[1, 32:48] = torch.arange(32, 48, dtype=torch.int32)
     expected[3, 0:16] = torch.arange(48, 64, dtype=torch.int32)
-    assert torch.equal(table.table, expected)
-    assert table.token_pool[1, 5] == 9 and int(table.token_pool.count_nonzero()) == 1
-    assert torch.equal(torch.as_tensor(table.flat_table), table.table.view(-1))
+    table.write_locations(0, 3, i32(7, 8))
+    expected[0, 3:5] = i32(7, 8)
+    table.write_tokens(2, 0, i32(4, 5, 6))
+    assert torch.equal(torch.from_numpy(table.host_table), expected)
+    assert table.host_tokens[2, :4].tolist() == [4, 5, 6, 0]
+    assert table.has_staged_writes == table.mirrored
+    table.flush()
+    assert not table.has_staged_writes
+    assert torch.equal(table.table, expected) and table.token_pool[2, :3].tolist() == [4, 5, 6]
+    table.write_flat(table.token_pool, np.array([1 * 64 + 5]), i32(9))
+    assert table.token_pool[1, 5] == 9 and int(table.token_pool.count_nonzero()) == 4
+    assert table.host_tokens[1, 5] == (0 if table.mirrored else 9)  # device values skip the host arrays
+
+
+def test_staged_writes_of_one_row_merge_into_one_range_and_keep_the_last_value():
+    table = PageTable(2, 32, dummy_location=100, device=CPU, host_views=False)
+    table.write_locations(0, 0, i32(1, 2, 3))
+    table.write_locations(0, 1, i32(9))  # rewritten before the flush: the host value wins
+    table.write_locations(0, 10, i32(4))
+    table.flush()
+    assert table.table[0, :11].tolist() == [1, 9, 3, 0, 0, 0, 0, 0, 0, 0, 4]
 
 
 def test_host_views_need_cpu_memory():
@@ -162,13 +178,38 @@ def test_expand_pages_turns_page_starts_into_token_locations():
     assert expand_pages(i32(3, 1), 1).tolist() == [3, 1]
 
 
-# ---------------------------------------------------------------------- row manager
+# ---------------------------------------------------------------------- request table rows
 
 
-def test_row_manager_hands_out_every_row_once_then_runs_out():
-    rows = RowManager(3)
+class _Rows:
+    """The request table's row transitions as a row manager (open a request in the free row it
+    names, close it again)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.table = RequestTable(num_rows)
+        self.requests: dict[int, object] = {}
+
+    def allocate(self) -> int:
+        row = self.table.free_row()
+        self.requests[row] = self.table.open(row, 1, 0, None)
+        return row
+
+    def free(self, row) -> None:
+        request = self.requests.get(row) if isinstance(row, int) and not isinstance(row, bool) else None
+        if request is None or not self.table.is_live(request):
+            raise InvalidArgumentError(f"row {row!r} is not live")
+        self.table.close(request)
+        del self.requests[row]
+
+    @property
+    def live_rows(self) -> set[int]:
+        return {request.row for request in self.table.live_requests}
+
+
+def test_request_table_hands_out_every_row_once_then_runs_out():
+    rows = _Rows(3)
     taken = [rows.allocate() for _ in range(3)]
-    assert sorted(taken) == [0, 1, 2] and rows.num_free == 0
+    assert sorted(taken) == [0, 1, 2] and rows.table.num_live == 3
     with pytest.raises(OutOfMemoryError, match="max_running_reqs=3"):
         rows.allocate()
     rows.free(taken[1])
@@ -176,22 +217,36 @@ def test_row_manager_hands_out_every_row_once_then_runs_out():
 
 
 @pytest.mark.parametrize("bad", [3, -1, True, "0", 1.0])
-def test_row_manager_rejects_bad_rows_without_changing_state(bad):
-    rows = RowManager(3)
-    rows.allocate()
-    state = (rows.num_free, rows.live_rows)
+def test_request_table_refuses_bad_rows_without_changing_state(bad):
+    table = RequestTable(3)
+    table.open(table.free_row(), 1, 0, None)
+    state = (table.num_live, table.generation)
     with pytest.raises(InvalidArgumentError):
-        rows.free(bad)
-    with pytest.raises(InvalidArgumentError, match="double free"):
-        rows.free(2)
-    assert (rows.num_free, rows.live_rows) == state
-    rows.check_integrity()
+        table.open(bad, 1, 0, None)
+    with pytest.raises(InvalidArgumentError, match="already belongs"):
+        table.open(0, 1, 0, None)
+    assert (table.num_live, table.generation) == state
+    table.check_integrity()
+
+
+def test_a_closed_request_keeps_its_final_lengths_and_its_row_is_reused():
+    table = RequestTable(2, row_width=32)
+    first = table.open(table.free_row(), 5, 2, None)
+    table.schedule(np.array([first.row]), np.array([5]))
+    table.computed(np.array([first.row]))
+    table.close(first)
+    second = table.open(table.free_row(), 3, 0, None)
+    assert second.row == first.row and first.finished and not second.finished
+    assert first.lengths()["cached_len"] == 5 and second.cached_len == 0
+    with pytest.raises(InvalidArgumentError, match="not live"):
+        table.rows_of([first])
+    table.check_integrity()
 
 
 class RowMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.rows = RowManager(5)
+        self.rows = _Rows(5)
         self.live: set[int] = set()
 
     @rule()
@@ -220,8 +275,8 @@ class RowMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_the_model(self):
-        assert self.rows.live_rows == self.live and self.rows.num_free == 5 - len(self.live)
-        self.rows.check_integrity()
+        assert self.rows.live_rows == self.live and self.rows.table.num_live == len(self.live)
+        self.rows.table.check_integrity()
 
 
 TestRowMachine = RowMachine.TestCase

@@ -27,7 +27,7 @@ HOST_FIELDS: tuple[tuple[str, int, int], ...] = (
     ("rows", 1, 0),  # table rows (padding: the dummy row)
     ("cached", 1, 0),  # cached lengths = the new tokens' positions
     ("device", 1, 0),  # device lengths = cached + 1
-    ("page_slot", 1, 0),  # index into the free list's tensor of a new page, or -1
+    ("page_slot", 1, 0),  # first location of a new page, or -1
     ("indptr", 1, 1),  # page-list CSR offsets (``indptr[0] == 0``)
     ("last_page_len", 1, 0),  # tokens in each request's last page-list page
 )
@@ -194,12 +194,12 @@ def derive_with_torch(
     flat_tokens: torch.Tensor,
     row_width: int,
     page_size: int,
-    storage: torch.Tensor | None,
+    with_pages: bool,
     pending_tokens: torch.Tensor | None,
 ) -> None:
-    """What the decode-step kernel does, in torch ops (CPU tables used through torch, or no
-    Triton), after the upload: with ``storage`` (new pages), first each page slot's page into the
-    table at its request's cached length, clipped to the row; then token index, out_loc and
+    """What the decode-step kernel does, in torch ops (CPU tables, or no Triton), after the
+    upload: ``with_pages``, first each new page (its first location in the ``page_slot`` field)
+    into the table at its request's cached length, clipped to the row; then token index, out_loc and
     append index; then the input ids - with ``pending_tokens`` (the previous step's committed
     ids, one per live request, bound for each request's token cell) written into the token pool
     first.
@@ -207,14 +207,13 @@ def derive_with_torch(
     Args:
         flat_table: shape ``[rows * row_width]``, int32, device; the page table, flat.
         flat_tokens: shape ``[rows * row_width]``, int32, device; the token pool, flat.
-        storage: int32, device; the free list's tensor the page slots index.
         pending_tokens: shape ``[live]``, int32, device, contiguous; ``live <= n`` (padding last).
     """
-    if storage is not None:
+    if with_pages:
         slots = views.page_slot
         growing = (slots >= 0).nonzero().squeeze(1)
         starts = views.rows[growing].long() * row_width + views.cached[growing]
-        pages = storage[slots[growing].long()]
+        pages = slots[growing]
         offsets = torch.arange(page_size, device=flat_table.device)
         inside = (views.cached[growing, None] + offsets) < row_width
         cells = (starts[:, None] + offsets)[inside]

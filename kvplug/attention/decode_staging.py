@@ -130,9 +130,9 @@ class DecodeStager:
         Args:
             table_rows: shape ``[live]``, integers, host (numpy); live rows, distinct.
             cached_lens: shape ``[live]``, integers, host (numpy); ``0 <= cached_len < row_width``.
-            pages: the new pages of the step's requests (``page_slot`` of shape ``[live]``):
-                each goes into the table at its request's ``cached_len`` before ``out_loc`` (and
-                the page lists) are read.
+            pages: the new pages of the step's requests (``page_start`` of shape ``[live]``,
+                a page's first location or -1): each goes into the table at its request's
+                ``cached_len`` before ``out_loc`` (and the page lists) are read.
             tokens: shape ``[live]``, int32, device, contiguous; token ids that belong at each
                 request's token cell (``row * row_width + cached_len``) but are not in the token
                 pool yet (the previous step's commit): written there in this step's launch, and
@@ -159,7 +159,7 @@ class DecodeStager:
             host.cached[live:] = 0
         np.add(host.cached, 1, out=host.device)  # int32 to int32: no cast
         if pages is not None:
-            host.page_slot[:live] = pages.page_slot
+            host.page_slot[:live] = pages.page_start
             if live != n:
                 host.page_slot[live:] = -1
         list_size = self.page_list_size
@@ -169,7 +169,7 @@ class DecodeStager:
             total_pages = write_page_list_arrays(host.device, list_size, host.page_ends, last, host.cached)
             if self._list_capacity[slot] < total_pages and self._bind_kernel is not None:
                 self._grow_list_buffer(slot, total_pages)
-        self._derive(views, slot, n, None if pages is None else pages.storage, tokens)
+        self._derive(views, slot, n, pages is not None, tokens)
         if list_size is not None:
             if self._list_builder is not None:
                 indices = self._list_builder.build(views.rows, host.device_lens).indices
@@ -210,37 +210,31 @@ class DecodeStager:
             if views_slot == slot:
                 views.launches.clear()
 
-    def _derive(
-        self, views: SlotViews, slot: int, n: int, storage: torch.Tensor | None, tokens: torch.Tensor | None
-    ) -> None:
+    def _derive(self, views: SlotViews, slot: int, n: int, with_pages: bool, tokens: torch.Tensor | None) -> None:
         """The batch fields in the device buffer, token index, out_loc, append index and input ids
-        (and page lists) from the host buffer; with ``storage`` (new pages), first each page
-        slot's page into the table at its request's cached length; with ``tokens``, those ids
-        into the token pool first. Then the step number goes to ``progress``. The kernel reads
-        the pinned host buffer in place; the torch path copies it."""
+        (and page lists) from the host buffer; ``with_pages``: first each new page (the host
+        buffer's ``page_slot`` field holds its first location) into the table at its request's
+        cached length; with ``tokens``, those ids into the token pool first. Then the step
+        number goes to ``progress``. The kernel reads the pinned host buffer in place; the torch
+        path copies it."""
         if self._bind_kernel is None:
-            kind = "page_lists" if self.page_list_size is not None else ("pages" if storage is not None else "plain")
+            kind = "page_lists" if self.page_list_size is not None else ("pages" if with_pages else "plain")
             views.uploads[kind].copy_(views.host.uploads[kind], non_blocking=True)
             derive_with_torch(
-                views, self._flat_table, self._flat_tokens, self.page_table.shape[1], self.page_size, storage, tokens
+                views, self._flat_table, self._flat_tokens, self.page_table.shape[1], self.page_size, with_pages, tokens
             )
             self.progress.report(views.step)
             return
-        kind = (storage is not None, tokens is not None)
+        kind = (with_pages, tokens is not None)
         launch = views.launches.get(kind)
         if launch is None:
             page_lists = None if self.page_list_size is None else (self._list_buffers[slot], self.page_list_size)
             launch = views.launches[kind] = self._bind_kernel(
                 views.whole, views.host.whole, views.append_index, views.offsets, self.page_table, self._flat_tokens,
-                n, self.page_size, self.progress.tensor, with_pages=storage, with_tokens=tokens,
+                n, self.page_size, self.progress.tensor, with_pages=with_pages, with_tokens=tokens,
                 page_lists=page_lists,
             )
-        if storage is None:
-            if tokens is None:
-                launch()
-            else:
-                launch(tokens, tokens.shape[0])
-        elif tokens is None:
-            launch(storage)
+        if tokens is None:
+            launch()
         else:
-            launch(storage, tokens, tokens.shape[0])
+            launch(tokens, tokens.shape[0])

@@ -132,16 +132,11 @@ def timed_attribute(owner: Any, name: str, sink: list[int]) -> Iterator[None]:
 
 
 def sub_phase_targets(backend) -> dict[str, list[tuple[Any, str]]]:
-    """Where the sub-phases live: (object, attribute) pairs wrapped for timing. The decode batch
-    is built by ``kvplug.backend.build_decode_batch`` (tables in host memory) or the backend's
-    ``DecodeStager`` (tables used through torch, a GPU's)."""
-    import kvplug.backend as backend_module
-
-    builders = [(backend_module, "build_decode_batch")]
-    stager = getattr(backend, "stager", None)
-    if stager is not None:
-        builders.append((stager, "stage"))
-    return {"table_write": [(backend.allocator, "_write_pages")], "batch_build": builders}
+    """Where the sub-phases live: (object, attribute) pairs wrapped for timing. A decode step's
+    new pages are noted in the host table by ``PageTable.record_decode_pages`` (the staging
+    launch writes the device's); its batch is built by the backend's ``DecodeStager`` (one
+    decode path on every device)."""
+    return {"table_write": [(backend.tables, "record_decode_pages")], "batch_build": [(backend.stager, "stage")]}
 
 
 def run_case(bs: int, page_size: int, sizes: dict, steps: int, args: argparse.Namespace) -> list[dict]:

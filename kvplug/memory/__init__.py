@@ -18,7 +18,7 @@ _LAZY_NAMES = {
     "PageTable": "kvplug.memory.page_table",
     "PagedAllocator": "kvplug.memory.allocator",
     "Request": "kvplug.memory.request",
-    "RowManager": "kvplug.memory.row_manager",
+    "RequestTable": "kvplug.memory.request",
 }
 
 __all__ = sorted(_LAZY_NAMES)

@@ -1,29 +1,30 @@
 """The paged allocator: hands out whole pages, records them token by token in the page table.
 
-The free list holds the first token location of every free page (docs/design.md, section 1 "Paged allocation").
-Growing a request from ``allocated_len`` to ``device_len`` takes pages ``allocated_len / P ..
-ceil(device_len / P)``; a batch's pages are expanded to token locations and written into the page
-table in one scattered write. In decode only requests crossing a page boundary grow, by one page
-each: one numpy pass finds them and their pages go straight to their page-sized table slots.
-``take_decode_pages`` does the same for a staged decode step but returns the pages instead of
-writing them: the step's staging launch writes them (on a GPU host an upload, an add and a
-scatter, 25-54 us of host time, half a step). On shortage the prefix cache evicts the missing
+Everything here is host bookkeeping: the free list, the page table's host arrays and the prefix
+cache are host data, so no call waits for the device; the device tables learn of new locations
+through the page table's one staged write per step (``PageTable.flush``).
+
+The free list holds the first token location of every free page (docs/design.md, section 1
+"Paged allocation"). Growing a request from ``allocated_len`` to ``device_len`` takes pages
+``allocated_len / P .. ceil(device_len / P)``. In decode only requests crossing a page boundary
+grow, by one page each: ``take_decode_pages`` finds them and returns their pages for the step's
+staging launch, which writes them on the device. On shortage the prefix cache evicts the missing
 pages; when even that cannot cover the batch, ``OutOfMemoryError`` is raised before anything
 changes.
 
-Giving pages back: a finished request's computed page-aligned prefix goes into the prefix cache
-(``cache_request``); a prefix the cache already holds (another request inserted it meanwhile)
-leaves duplicate pages behind, which are freed; every other page goes to the free list. Frees
-may be batched with ``lazy_free`` so a scheduling step concatenates the free list once.
+Giving pages back: a finished request's computed, host-known, page-aligned prefix goes into the
+prefix cache (``cache_request``); a prefix the cache already holds (another request inserted it
+meanwhile) leaves duplicate pages behind, which are freed; every other page goes to the free list.
+Frees may be batched with ``lazy_free`` so pages given back during a scheduling step are not
+handed out again within it.
 
 Host-memory tier (a ``BaseTieredPrefixCache``): ``open_request`` also takes device pages for the
 host-resident part of a match and starts the cache's load into them (see ``_match_and_load``). The
 copy runs behind the compute stream; the request's *pending loads* (its own, and any still in
 flight that its match reaches) are kept by row until ``order_loads`` orders them before the first
 forward over the row (``KVBackend.prepare`` / ``begin_decode`` call it), or until they complete
-(``loads_ready``, which a scheduler polls to keep the request out of its batches meanwhile), or
-until the request finishes (its pages may be handed out again). A load that cannot get pages, or
-whose copy fails, is skipped: the request computes those tokens and nothing is lost.
+(``loads_ready``), or until the request finishes (its pages may be handed out again). A load that
+cannot get pages, or whose copy fails, is skipped: the request computes those tokens.
 
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
@@ -50,24 +51,41 @@ from kvplug.interface import (
 from kvplug.memory.free_list import FreeList
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
-from kvplug.memory.ragged import HostInts, expand_pages, host_ints
-from kvplug.memory.request import Request, RequestStates
+from kvplug.memory.ragged import HostInts, host_ints
+from kvplug.memory.request import Request, RequestTable
 
 logger = logging.getLogger(__name__)
 
 
 class NewPages(NamedTuple):
-    """Pages a decode step's requests take, from the free list, not yet in the page table (the
+    """Pages a decode step's requests take from the free list, not yet on the device (the
     staging launch writes each at its request's cached length).
 
     Attributes:
-        page_slot: shape ``[bs]``, int32, host; per request, the index in ``storage`` of its new
-            page's first location, or -1 when it takes none.
-        storage: int32, device; the free list's tensor the pages were taken from (kept alive here).
+        page_start: shape ``[bs]``, int32, host; per request, the first location of its new
+            page, or -1 when it takes none.
     """
 
-    page_slot: np.ndarray
-    storage: torch.Tensor
+    page_start: np.ndarray
+
+
+class PrefixLookup(NamedTuple):
+    """What ``PagedAllocator.lookup`` found for a prompt, unlocked: an opaque result a host may
+    look at (``cached_len``) before it admits the prompt with it, so the prompt is matched once.
+
+    Attributes:
+        input_ids: shape ``[n]``, int32, cpu; the prompt.
+        cached_len: tokens the admission would find cached (on the device, plus those a tiered
+            cache holds in host memory).
+        match: the cache's ``MatchResult`` (a ``TieredMatchResult`` for a tiered cache).
+        epoch: the allocator's cache epoch when it was made; an admission after the cache
+            changed matches again.
+    """
+
+    input_ids: torch.Tensor
+    cached_len: int
+    match: object
+    epoch: int
 
 
 class PagedAllocator:
@@ -77,11 +95,12 @@ class PagedAllocator:
     Args:
         num_pages: pages that can be handed out (the pool's, dummy page excluded).
         page_size: tokens per page.
-        page_table: the table rows are written into; its device is the allocator's.
-        prefix_cache: where finished prefixes go and where evictions come from (same page size).
+        page_table: the table rows are written into.
+        prefix_cache: where finished prefixes go and where evictions come from (same page size;
+            host data: it is given and returns CPU tensors).
 
     Attributes:
-        states: per-row lengths of live requests (``Request`` objects are views of it).
+        states: the ``RequestTable`` (``Request`` objects are views of it).
         evicted_tokens: tokens evicted from the prefix cache so far.
         tiered: the prefix cache has a host-memory tier (``BaseTieredPrefixCache``).
         host_hit_tokens: tokens loaded from the host tier into admitted requests so far.
@@ -95,16 +114,17 @@ class PagedAllocator:
         self.page_table = page_table
         self.prefix_cache = prefix_cache
         self.device = page_table.device
-        self.states = RequestStates(page_table.max_running_reqs, page_table.row_width)
-        self.free_list = FreeList(num_pages, page_size, self.device)
-        self._live: dict[int, Request] = {}
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
-        self._no_page_slots: dict[int, np.ndarray] = {}
+        self.states = RequestTable(page_table.max_running_reqs, page_table.row_width)
+        self.free_list = FreeList(num_pages, page_size)
+        self._no_pages: dict[int, np.ndarray] = {}
         self._loads: dict[int, tuple[HostLoad, ...]] = {}  # row -> loads to order before its forwards
         self.evicted_tokens = 0
         self.host_hit_tokens = 0
         self.skipped_load_tokens = 0
         self.tiered = isinstance(prefix_cache, BaseTieredPrefixCache)
+        # NOTE: bumped by every call that may change what the cache matches (insert, evict,
+        # a load), so a PrefixLookup made before it is matched again instead of trusted
+        self._epoch = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -122,50 +142,88 @@ class PagedAllocator:
 
     @property
     def free_page_starts(self) -> torch.Tensor:
-        """A copy of the free list: shape ``[num_free_pages]``, int32, device, multiples of page_size."""
-        return self.free_list.snapshot()
+        """A copy of the free list: shape ``[num_free_pages]``, int32, cpu, multiples of page_size."""
+        return torch.from_numpy(self.free_list.snapshot())
 
     @property
     def live_requests(self) -> list[Request]:
-        return list(self._live.values())
+        return self.states.live_requests
 
     # ------------------------------------------------------------------ request lifecycle
-    def open_request(self, row: int, input_ids: torch.Tensor) -> Request:
-        """Match ``input_ids`` against the prefix cache, lock the match, point the row at it and
-        write ``input_ids`` into the row's token pool (``cache_request`` reads them back).
+    def lookup(self, input_ids: torch.Tensor) -> PrefixLookup:
+        """Match ``input_ids`` (shape ``[n]``, int32, cpu; ``n >= 1``) without locking or
+        changing anything: at most ``n - 1`` tokens, as ``open_request`` would."""
+        self._check_prompt(input_ids)
+        query = input_ids[: int(input_ids.shape[0]) - 1]
+        if self.tiered:
+            match = self.prefix_cache.match_tiered(query)
+            cached = int(match.handle.cached_len) + int(match.host_len)
+        else:
+            match = self.prefix_cache.match_prefix(query)
+            cached = int(match.handle.cached_len)
+        return PrefixLookup(input_ids, cached, match, self._epoch)
+
+    def open_request(self, row: int, input_ids: torch.Tensor | PrefixLookup, *, match: bool = True) -> Request:
+        """Match the prompt against the prefix cache, lock the match, point the row at it and
+        write the ids into the row's tokens (host now, device at the next flush).
 
         At most ``len(input_ids) - 1`` tokens are matched, so the first forward computes at least
         one token (the one whose logits sample the next token).
 
         Args:
-            row: a request row the caller owns (not live in this allocator).
-            input_ids: shape ``[n]``, int32, device; ``1 <= n <= max_seq_len``.
+            row: a free request row.
+            input_ids: shape ``[n]``, int32, cpu; ``1 <= n <= max_seq_len``; or a
+                ``PrefixLookup`` of the prompt (its match is used while the cache is unchanged).
+            match: ``False`` admits without a lookup (the host just found nothing cached).
         """
-        if row in self._live:
+        lookup = input_ids if isinstance(input_ids, PrefixLookup) else None
+        if lookup is not None:
+            input_ids = lookup.input_ids
+            if lookup.epoch != self._epoch:
+                lookup = None  # the cache changed since: match again
+        n = self._check_prompt(input_ids)
+        self.page_table.check_row(row, allow_dummy=False)
+        if self.states.key[row] >= 0:
             raise InvalidArgumentError(f"row {row} already belongs to a live request")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-            raise InvalidArgumentError(f"input_ids must be a 1-D int32 tensor, got {input_ids!r:.80}")
+        query = input_ids[: n - 1]
+        cache = self.prefix_cache
+        if not match:
+            query = query[:0]
+        if self.tiered:
+            handle = self._match_and_load(query if lookup is None else None, lookup.match if lookup else None)
+        else:
+            handle = (cache.match_prefix(query) if lookup is None else lookup.match).handle
+            cache.lock_handle(handle)
+        matched = int(handle.cached_len)
+        try:
+            locations = handle.get_matched_indices() if matched else None
+            if locations is not None and (not isinstance(locations, torch.Tensor) or locations.device.type != "cpu"):
+                raise InvalidArgumentError(
+                    f"prefix cache {type(cache).__name__} returned matched indices on "
+                    f"{getattr(locations, 'device', type(locations).__name__)}; prefix caches keep host data (cpu)"
+                )
+            self.page_table.write_tokens(row, 0, input_ids)
+            if locations is not None:
+                self.page_table.write_locations(row, 0, locations)
+        except BaseException:
+            cache.lock_handle(handle, unlock=True)
+            raise
+        if self.tiered:
+            loads = cache.loads_in_flight(handle)
+            if loads:
+                self._loads[row] = loads
+        return self.states.open(row, n, matched, handle)
+
+    def _check_prompt(self, input_ids: object) -> int:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.int32 \
+                or input_ids.device.type != "cpu":
+            raise InvalidArgumentError(f"input_ids must be a 1-D int32 CPU tensor, got {input_ids!r:.80}")
         n = int(input_ids.shape[0])
         if not 1 <= n <= self.page_table.max_seq_len:
             raise InvalidArgumentError(f"a request needs 1 to max_seq_len={self.page_table.max_seq_len} tokens, got {n}")
-        self.page_table.check_row(row, allow_dummy=False)
-        if self.tiered:
-            handle = self._match_and_load(input_ids[: n - 1])
-            loads = self.prefix_cache.loads_in_flight(handle)
-            if loads:
-                self._loads[row] = loads
-        else:
-            handle = self.prefix_cache.match_prefix(input_ids[: n - 1]).handle
-            self.prefix_cache.lock_handle(handle)
-        matched = int(handle.cached_len)
-        self.page_table.write_tokens(row, 0, input_ids)
-        if matched:
-            self.page_table.write_locations(row, 0, handle.get_matched_indices())
-        request = Request(self.states, row, n, matched, handle)
-        self._live[row] = request
-        return request
+        return n
 
-    def _match_and_load(self, input_ids: torch.Tensor) -> BaseCacheHandle:
+    def _match_and_load(self, input_ids: torch.Tensor | None, match: object = None) -> BaseCacheHandle:
         """Match against a tiered cache and start loading the host-resident part into device pages
         taken now (evicting as ``allocate`` would); returns the locked handle of what is on the
         device (in the cache's bookkeeping: the copy may still run, see ``loads_in_flight``).
@@ -175,7 +233,8 @@ class PagedAllocator:
         the request keeps the device-resident match and computes the rest.
         """
         cache = self.prefix_cache
-        match = cache.match_tiered(input_ids)
+        if match is None:
+            match = cache.match_tiered(input_ids)
         handle = match.handle
         cache.lock_handle(handle)
         host_len = int(match.host_len)
@@ -188,12 +247,13 @@ class PagedAllocator:
             cache.lock_handle(match.host_handle, unlock=True)
             self.skipped_load_tokens += host_len
             return handle
+        self._epoch += 1  # loading makes host-resident nodes device-resident
         try:
-            cache.start_host_load(match.host_handle, expand_pages(pages, self.page_size))
+            cache.start_host_load(match.host_handle, torch.from_numpy(_expand(pages, self.page_size)))
         except TierCopyError as error:
             logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens",
                            error, host_len)
-            self.free_list.release(pages.clone(), immediately=True)
+            self.free_list.release(pages, immediately=True)
             cache.lock_handle(match.host_handle, unlock=True)
             self.skipped_load_tokens += host_len
             return handle
@@ -230,21 +290,22 @@ class PagedAllocator:
                 load.order_before()
 
     def wait_for_loads(self) -> None:
-        """Block until every pending load has completed (a scheduler with nothing else to run)."""
+        """Block until every pending load has completed (a scheduler with nothing else to run):
+        the one documented wait of the tier."""
         for loads in self._loads.values():
             for load in loads:
                 load.synchronize()
 
     def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> np.ndarray:
         """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages
-        that takes, in one table write. Returns the requests' rows (``states.batch_rows``).
+        that takes. Returns the requests' rows (``states.batch_rows``).
 
         Evicts from the prefix cache when the free list is short. Raises ``OutOfMemoryError``
         (saying how many pages were needed and how many are available) or
         ``InvalidArgumentError`` with nothing changed.
         """
         states = self.states
-        rows, row_starts = states.batch_rows(requests)
+        rows = states.batch_rows(requests).rows
         num_tokens = states.num_tokens[rows]
         lengths = num_tokens  # cached_len <= num_tokens always holds: nothing to check
         if new_device_lens is not None:
@@ -262,22 +323,21 @@ class PagedAllocator:
                     f"num_tokens={num_tokens[i]}] (token ids known), got {lengths[i]}"
                 )
         allocated = states.allocated_len[rows]
-        growth = lengths - allocated
-        # only requests growing past their last page need pages (in decode: about 1 in page_size)
-        growing = (growth > 0).nonzero()[0]
+        growing = (lengths > allocated).nonzero()[0]
         if growing.size:
-            if growing.size != rows.size:
-                self._grow(rows[growing], row_starts[growing], allocated[growing], growth[growing])
-            else:
-                self._grow(rows, row_starts, allocated, growth)
-        states.device_len[rows] = lengths
+            grow_rows = rows[growing]
+            needs = -(-(lengths[growing] - allocated[growing]) // self.page_size)
+            pages = self._take_pages(int(needs.sum()), int(grow_rows.size))
+            self.page_table.write_row_pages(grow_rows, allocated[growing], needs, pages, self.page_size)
+            states.reserve(grow_rows, allocated[growing] + needs * self.page_size)
+        states.schedule(rows, lengths)
         return rows
 
     def take_decode_pages(self, rows: np.ndarray, cached: np.ndarray) -> NewPages | None:
-        """A decode step's pages, taken but not written: each request whose new token (at
-        ``cached[i]``) starts a page gets one, and its ``allocated_len`` grows by a page; the
-        caller's staging launch writes them into the table (``DecodeStager.stage``). ``None``
-        when no request crosses a page boundary.
+        """A decode step's pages, taken but not written on the device: each request whose new
+        token (at ``cached[i]``) starts a page gets one (noted in the host table), and its
+        ``allocated_len`` grows by a page; the caller's staging launch writes them into the
+        device table (``DecodeStager.stage``). ``None`` when no request crosses a page boundary.
 
         Args:
             rows: shape ``[bs]``, int64, host; live rows (``states.batch_rows``).
@@ -292,59 +352,32 @@ class PagedAllocator:
         count = int(growing.size)
         if not count:
             return None
-        self._make_room(count, count)
-        storage, start = self.free_list.take_positions(count)
+        pages = self._take_pages(count, count)
         if count == rows.size:  # every request starts a page (page size 1: every step)
-            page_slot = np.arange(start, start + count, dtype=np.int32)
-            self.states.allocated_len[rows] = allocated + self.page_size
+            page_start = pages.copy()
+            grow_rows, columns = rows, cached
         else:
-            page_slot = self._page_slots_template(rows.size).copy()
-            page_slot[growing] = np.arange(start, start + count, dtype=np.int32)
-            self.states.allocated_len[rows[growing]] = allocated[growing] + self.page_size
-        return NewPages(page_slot, storage)
+            page_start = self._no_pages_template(rows.size).copy()
+            page_start[growing] = pages
+            grow_rows, columns = rows[growing], cached[growing]
+        self.page_table.record_decode_pages(grow_rows, columns, pages, self.page_size)
+        self.states.reserve(grow_rows, columns + self.page_size)
+        return NewPages(page_start)
 
-    def write_decode_pages(self, rows: np.ndarray, cached: np.ndarray, pages: NewPages) -> None:
-        """Write ``take_decode_pages``' pages into the table here (a caller without a staging
-        launch): each at its request's cached length (``rows``, ``cached`` as given there)."""
-        growing = (pages.page_slot >= 0).nonzero()[0]
-        slots = torch.from_numpy(pages.page_slot[growing].astype(np.int64)).to(self.device)
-        self._write_pages(rows[growing] * self.page_table.row_width + cached[growing], pages.storage[slots])
-
-    def _page_slots_template(self, size: int) -> np.ndarray:
+    def _no_pages_template(self, size: int) -> np.ndarray:
         """shape ``[size]``, int32, host, all -1 (read-only; a copy is cheaper than ``np.full``)."""
-        template = self._no_page_slots.get(size)
+        template = self._no_pages.get(size)
         if template is None:
-            template = self._no_page_slots[size] = np.full(size, -1, dtype=np.int32)
+            template = self._no_pages[size] = np.full(size, -1, dtype=np.int32)
             template.flags.writeable = False
         return template
 
-    def _grow(self, rows: np.ndarray, row_starts: np.ndarray, allocated: np.ndarray, growth: np.ndarray) -> None:
-        """Give each request row ``rows[i]`` (flat start ``row_starts[i]``) the pages that grow it
-        from ``allocated[i]`` tokens (whole pages) by ``growth[i] >= 1`` tokens; all shape
-        ``[g]``, int64, host. Raises ``OutOfMemoryError`` before changing anything."""
-        size = self.page_size
-        # flat table index of each request's first new cell (a page start)
-        first_cells = row_starts + allocated
-        if int(growth.max()) <= size:  # one new page each (decode)
-            self._write_pages(first_cells, self._take_pages(int(rows.size), int(rows.size)))
-            self.states.allocated_len[rows] = allocated + size
-            return
-        needs = -(-growth // size)
-        total = int(needs.sum())
-        pages = self._take_pages(total, int(rows.size))
-        # new page k is page (k - share_begin) of its request's new pages
-        share_begin = np.cumsum(needs) - needs
-        page_cells = np.repeat(first_cells - share_begin * size, needs) + np.arange(0, total * size, size)
-        self._write_pages(page_cells, pages)
-        self.states.allocated_len[rows] = allocated + needs * size
-
     def mark_computed(self, requests: Sequence[Request]) -> None:
         """The forward over ``requests`` ran: their K/V up to ``device_len`` is in the pool."""
-        rows = self.states.rows_of(requests)
-        self.states.cached_len[rows] = self.states.device_len[rows]
+        self.states.computed(self.states.rows_of(requests))
 
     # ------------------------------------------------------------------ internals
-    def _take_pages(self, count: int, num_requests: int) -> torch.Tensor:
+    def _take_pages(self, count: int, num_requests: int) -> np.ndarray:
         self._make_room(count, num_requests)
         return self.free_list.take(count)
 
@@ -362,50 +395,38 @@ class PagedAllocator:
                     f"= {self.num_free_pages + evictable} (of {self.num_pages})"
                     + (f", plus {pending} pending lazy frees" if pending else "")
                 )
+            self._epoch += 1
             evicted = self.prefix_cache.evict(shortage * self.page_size)
-            self.evicted_tokens += int(evicted.shape[0])
+            if not isinstance(evicted, torch.Tensor) or evicted.device.type != "cpu":
+                raise InvalidArgumentError(
+                    f"prefix cache {type(self.prefix_cache).__name__}.evict returned "
+                    f"{getattr(evicted, 'device', type(evicted).__name__)}; prefix caches keep host data (cpu)"
+                )
+            locations = evicted.numpy()
+            self.evicted_tokens += int(locations.shape[0])
             # a cache holds whole pages, so each evicted page shows up once by its first location
-            self.free_list.release(evicted[evicted % self.page_size == 0], immediately=True)
-
-    def _write_pages(self, page_cells: np.ndarray, pages: torch.Tensor) -> None:
-        """Record new pages in the table, in one scattered write.
-
-        Args:
-            page_cells: shape ``[n]``, int64, host; flat table index where each page's first
-                location goes (``row * row_width + page number * page_size``).
-            pages: shape ``[n]``, int32, device; first token locations of the pages.
-        """
-        size, width = self.page_size, self.page_table.row_width
-        if size == 1:
-            self.page_table.write_flat(self.page_table.table, page_cells, pages)
-        elif width % size == 0:  # rows are whole pages: one page-sized slot per new page
-            self.page_table.write_pages(page_cells // size, pages, size)
-        else:
-            # the last page of a request may reach past a row that page_size does not divide;
-            # it is owned whole, but only columns inside the row are recorded
-            inside = ((page_cells % width)[:, None] + self._page_offsets < width).reshape(-1)
-            flat_index = (page_cells[:, None] + self._page_offsets).reshape(-1)[inside]
-            locations = expand_pages(pages, size)
-            self.page_table.write_flat(self.page_table.table, flat_index, locations[torch.from_numpy(inside).to(self.device)])
+            self.free_list.release(locations[locations % self.page_size == 0], immediately=True)
 
     # ------------------------------------------------------------------ giving pages back
     def cache_request(self, request: Request, *, finished: bool) -> None:
-        """Move ``request``'s computed page-aligned prefix into the prefix cache.
+        """Move ``request``'s computed page-aligned prefix (as far as the host knows its ids)
+        into the prefix cache.
 
         The cache may already hold part of it (another request inserted it meanwhile): those
         duplicate pages are freed. Unfinished (between prefill chunks): the request keeps its
         tail pages, locks the new handle and its row is pointed at the cache's pages.
         Finished: every page the cache did not take goes back to the free list and the request
-        stops being live (its row is the caller's to free).
+        ends (its row is free).
         """
         self.check_live(request)
-        size, row = self.page_size, request.row
-        aligned = request.cached_len // size * size
+        size, row, table = self.page_size, request.row, self.page_table
+        aligned = min(request.cached_len, request.known_len) // size * size
         old_handle = request.handle
-        token_ids = self.page_table.read_tokens(row, 0, aligned)
-        # the cache may keep the tensor it is given; the row itself will be overwritten later
-        locations = self.page_table.locations(row, 0, aligned).clone()
-        result = self.prefix_cache.insert_prefix(token_ids, locations)
+        # copies: the cache may keep the tensors it is given, and the row will be rewritten
+        token_ids = torch.from_numpy(table.host_token_ids(row, 0, aligned).copy())
+        locations = table.host_locations(row, 0, aligned).copy()
+        self._epoch += 1
+        result = self.prefix_cache.insert_prefix(token_ids, torch.from_numpy(locations))
         new_handle = result.handle
         self.prefix_cache.lock_handle(old_handle, unlock=True)
         old_len = int(old_handle.cached_len)
@@ -415,35 +436,36 @@ class PagedAllocator:
             for load in self._loads.pop(row, ()):  # its pages go back to the pool: later users wait for the copy
                 load.order_before()
             kept_end = max(duplicate_end, int(new_handle.cached_len))
-            self.free_list.release(self._owned_page_starts(request, kept_end))
-            request.handle = None
-            request.finished = True
-            request._detach()
-            del self._live[row]
+            end = min(request.allocated_len, table.row_width)
+            self.free_list.release(table.host_locations(row, kept_end, end)[::size])
+            self.states.close(request)
             return
         self.prefix_cache.lock_handle(new_handle)
         if duplicate_end > old_len:
             cached = new_handle.get_matched_indices()[old_len:duplicate_end]
-            self.page_table.write_locations(row, old_len, cached)
-        request.handle = new_handle
+            table.write_locations(row, old_len, cached)
+        self.states.rehandle(request, new_handle)
 
     def check_live(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"expected a kvplug Request, got {type(request).__name__}")
-        if request.finished or self._live.get(request.row) is not request:
+        if not self.states.is_live(request):
             raise InvalidArgumentError(f"request in row {request.row} is not live (finished, or not from this allocator)")
 
     def lazy_free(self) -> contextlib.AbstractContextManager[None]:
-        """Collect frees made inside the block and apply them at its end (one concatenation per
-        scheduling step). Pages freed inside are not allocatable until the outermost block exits."""
+        """Collect frees made inside the block and apply them at its end. Pages freed inside
+        are not allocatable until the outermost block exits."""
         return self.free_list.lazy()
-
-    def _owned_page_starts(self, request: Request, begin: int) -> torch.Tensor:
-        """First locations of the pages ``request`` owns from token ``begin`` (page-aligned) on."""
-        end = min(request.allocated_len, self.page_table.row_width)
-        return self.page_table.table[request.row, begin:end:self.page_size]
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless every page has exactly one owner (see module docstring)."""
+        self.states.check_integrity()
         check_allocator(self, self.free_list.snapshot(include_pending=True))
+
+
+def _expand(page_starts: np.ndarray, page_size: int) -> np.ndarray:
+    """Token locations of whole pages: shape ``[len * page_size]``, int32, host."""
+    if page_size == 1:
+        return np.ascontiguousarray(page_starts, dtype=np.int32)
+    return (page_starts[:, None] + np.arange(page_size, dtype=np.int32)).reshape(-1)

@@ -1,21 +1,30 @@
-"""``PageTable``: the two int32 tables of docs/design.md (section 1), one row per running request, and every access
-to them.
+"""``PageTable``: the two int32 tables of docs/design.md (section 1), one row per running request,
+kept on the host first and staged to the device.
 
 ``table[r, j]`` is the pool *token location* of request ``r``'s ``j``-th token, whatever the page
 size; ``token_pool[r, j]`` is that token's id. Both are ``[max_running_reqs + 1,
-align_up(max_seq_len, 32)]`` on the pool's device (rows padded to 128 bytes). The last row belongs
-to the dummy request: its table row points at the dummy page and is never written afterwards.
+align_up(max_seq_len, 32)]`` (rows padded to 128 bytes). The last row belongs to the dummy
+request: its table row points at the dummy page and is never written afterwards.
 
-Every method but ``write_flat`` and ``write_pages`` (the per-step paths for indices kvplug derived
-itself) validates rows and column ranges on the host before touching a tensor, so a bad call
-raises ``InvalidArgumentError`` and changes nothing.
+Host first: every location kvplug hands out, and every token id a host gives it, is written into
+host arrays (``host_table``, ``host_tokens``) at once; the prefix cache, the allocator and the
+integrity checks read those, so no bookkeeping call waits for the device. The device tables
+(``table``, ``token_pool``) learn of host writes through **one staged write per step**: each write
+marks its row's dirty column range, and ``flush`` uploads every dirty range through one pinned
+buffer (one copy, one scatter) - ``KVBackend.prepare`` / ``begin_decode`` call it before the
+forward that reads them. On a CPU pool the device tables *are* the host arrays (``mirrored`` is
+``False``) and nothing is staged. Two kinds of value never pass through the host: a decode step's
+new pages (its staging launch writes them on the device; ``record_decode_pages`` notes them
+here) and sampled token ids (``defer_tokens`` below).
 
-Pending tokens: a decode step's commit (``kvplug.decode_step``) hands the table its sampled ids
-without writing them - the next decode step's staging launch writes them and takes them as its
-input ids, sparing a scatter and a gather per step on a GPU host. The write is the table's to
-make: ``take_pending_tokens`` gives it to that launch when the next step covers exactly the same
-cells, and every other access of the token pool (each method below, the ``token_pool``
-property) makes it first. Nothing outside this class sees a token pool without it.
+Pending tokens: a decode step's commit (``kvplug.decode_step``) hands the table its sampled ids,
+on the device, without writing them - the next decode step's staging launch writes them and takes
+them as its input ids. ``take_pending_tokens`` gives them to that launch when the next step
+covers exactly the same cells; ``flush`` writes them otherwise (before the staged host writes,
+which may reuse a finished request's cells).
+
+Every checked method validates rows and column ranges on the host before touching an array, so a
+bad call raises ``InvalidArgumentError`` and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ import torch
 
 from kvplug.interface import InvalidArgumentError
 from kvplug.memory.ragged import HostInts, host_ints, ragged_coordinates
-from kvplug.tensor_checks import check_int32_vector
 
 ROW_ALIGNMENT = 32  # int32 entries: 128 bytes
+TABLE, TOKENS = 0, 1  # the two planes of the tables' one storage
 
 __all__ = ["ROW_ALIGNMENT", "PageTable", "PendingTokens", "align_up"]
 
@@ -53,21 +62,23 @@ class PendingTokens(NamedTuple):
 
 
 class PageTable:
-    """Page table + token pool (see the module docstring).
+    """Page table + token pool, host first (see the module docstring).
 
     Args:
         max_running_reqs: request rows (the dummy row comes on top).
         max_seq_len: longest request, in tokens.
         dummy_location: first token location of the pool's dummy page.
-        device: where both tables live (the pool's device).
-        host_views: make the per-step writes through numpy views (a third of torch's host cost);
-            ``None``: whenever the tables are in CPU memory. ``False`` on the CPU runs the torch
-            path a GPU table takes (for tests).
+        device: where the device tables live (the pool's device).
+        host_views: whether the device tables are the host arrays' memory; ``None``: whenever
+            the device is the CPU. ``False`` on the CPU keeps separate tables and stages writes
+            to them as on a GPU (for tests).
 
     Attributes:
-        table: shape ``[max_running_reqs + 1, row_width]``, int32, device; token locations.
+        host_table, host_tokens: shape ``[max_running_reqs + 1, row_width]``, int32, numpy; the
+            host arrays every bookkeeping read uses.
+        table: same shape, int32, device; token locations (complete after ``flush``).
         token_pool: same shape, int32, device; token ids, initialised to 0 (a valid id, so
-            padded slots read a harmless input); a property that writes pending tokens first.
+            padded slots read a harmless input); a property that flushes first.
     """
 
     def __init__(
@@ -82,44 +93,79 @@ class PageTable:
         for name, value in (("max_running_reqs", max_running_reqs), ("max_seq_len", max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        device = torch.device(device)
+        if host_views and device.type != "cpu":
+            raise InvalidArgumentError(f"host_views needs tables in CPU memory, not on {device}")
         self.max_running_reqs = max_running_reqs
         self.max_seq_len = max_seq_len
         self.row_width = align_up(max_seq_len, ROW_ALIGNMENT)
         self.dummy_row = max_running_reqs
         self.dummy_location = dummy_location
         shape = (max_running_reqs + 1, self.row_width)
-        self.table = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.table[self.dummy_row].fill_(dummy_location)
-        self._tokens = torch.zeros(shape, dtype=torch.int32, device=device)
+        host = np.zeros((2, *shape), dtype=np.int32)
+        host[TABLE, self.dummy_row] = dummy_location
+        self.host_table, self.host_tokens = host[TABLE], host[TOKENS]
+        self._host_flat = host.reshape(-1)
+        self.mirrored = device.type != "cpu" or host_views is False
+        storage = torch.from_numpy(host)
+        if self.mirrored:
+            storage = storage.to(device) if device.type != "cpu" else storage.clone()
+        self._storage_flat = storage.view(-1)
+        self.table, self._tokens = storage[TABLE], storage[TOKENS]
         self.device = self.table.device
+        self._plane = (max_running_reqs + 1) * self.row_width  # flat offset of the token plane
+        # (plane, row) -> [first, end) columns written on the host since the last flush
+        self._dirty: dict[tuple[int, int], list[int]] = {}
         self._pending: PendingTokens | None = None
-        # flat views for the per-step scattered writes (a view costs ~1 us to make); in CPU memory
-        # they are numpy views, whose scattered writes cost a third of torch's
-        self._flat_table = self.table.view(-1)
         self._flat_tokens = self._tokens.view(-1)
-        self._on_host = self.device.type == "cpu" if host_views is None else bool(host_views)
-        if self._on_host and self.device.type != "cpu":
-            raise InvalidArgumentError(f"host_views needs tables in CPU memory, not on {self.device}")
-        if self._on_host:
-            self._flat_table, self._flat_tokens = self._flat_table.numpy(), self._flat_tokens.numpy()
-        # page size -> (the table viewed as page-sized slots, 0 .. page_size - 1), made on first use
-        self._page_views: dict[int, tuple] = {}
+        self._pin = self.device.type == "cuda"
 
     @property
     def token_pool(self) -> torch.Tensor:
-        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (pending tokens written)."""
-        self.settle_tokens()
+        """shape ``[max_running_reqs + 1, row_width]``, int32, device; complete (flushed)."""
+        self.flush()
         return self._tokens
 
     @property
-    def flat_table(self) -> torch.Tensor | np.ndarray:
-        """``table.view(-1)``: shape ``[(max_running_reqs + 1) * row_width]``, int32; a numpy view
-        when the per-step path uses host views (``build_decode_batch`` then gathers on the host)."""
-        return self._flat_table
+    def uses_host_views(self) -> bool:
+        """The device tables are the host arrays (a CPU pool): nothing is ever staged."""
+        return not self.mirrored
+
+    # ------------------------------------------------------------------ the one staged write
+    def flush(self) -> None:
+        """Make the device tables complete: pending tokens first (a finished request's cells
+        may have been reused since), then every host write since the last flush, in one upload
+        and one scatter. No host wait (the upload is from pinned memory)."""
+        if self._pending is not None:
+            self.settle_tokens()
+        if not self._dirty:
+            return
+        dirty, self._dirty = self._dirty, {}
+        keys = np.array(list(dirty), dtype=np.int64).reshape(-1, 2)
+        spans = np.array(list(dirty.values()), dtype=np.int64).reshape(-1, 2)
+        starts = keys[:, 0] * self._plane + keys[:, 1] * self.row_width + spans[:, 0]
+        lengths = spans[:, 1] - spans[:, 0]
+        _, offsets = ragged_coordinates(np.zeros_like(starts), starts, lengths)
+        n = offsets.shape[0]
+        buffer = torch.empty(3 * n, dtype=torch.int32, pin_memory=self._pin)
+        array = buffer.numpy()
+        array[: 2 * n].view(np.int64)[:] = offsets
+        array[2 * n :] = self._host_flat[offsets]
+        on_device = buffer.to(self.device, non_blocking=True)
+        self._storage_flat.index_copy_(0, on_device[: 2 * n].view(torch.int64), on_device[2 * n :])
+
+    def _mark(self, plane: int, row: int, start: int, end: int) -> None:
+        if not self.mirrored or end <= start:
+            return
+        span = self._dirty.get((plane, row))
+        if span is None:
+            self._dirty[(plane, row)] = [start, end]
+        else:
+            span[0], span[1] = min(span[0], start), max(span[1], end)
 
     @property
-    def uses_host_views(self) -> bool:
-        return self._on_host
+    def has_staged_writes(self) -> bool:
+        return bool(self._dirty) or self._pending is not None
 
     # ------------------------------------------------------------------ pending tokens
     def defer_tokens(self, pending: PendingTokens) -> None:
@@ -147,96 +193,125 @@ class PageTable:
         pending = self._pending
         if pending is not None:
             self._pending = None
-            if self._on_host:
-                self._flat_tokens[pending.flat_index] = pending.values.numpy()
-            else:
-                self._flat_tokens.scatter_(0, pending.device_index, pending.values)
+            self._flat_tokens.scatter_(0, pending.device_index, pending.values)
 
     # ------------------------------------------------------------------ per-step writes (unchecked)
     def write_flat(self, target: torch.Tensor, flat_index: np.ndarray, values: torch.Tensor) -> None:
-        """``target.view(-1)[flat_index] = values`` with no checks: the per-step path for indices
-        kvplug derived itself from validated rows and lengths.
+        """``target.view(-1)[flat_index] = values`` on the device with no checks: the per-step
+        path for device values at indices kvplug derived itself (sampled ids into the token
+        pool). The host arrays do not see these values.
 
         Args:
-            target: ``table`` or ``token_pool``.
+            target: ``token_pool`` (or another device tensor of the table's shape).
             flat_index: shape ``[n]``, int64, host; ``row * row_width + column``, distinct.
             values: shape ``[n]``, int32, device.
         """
-        if target is self.table:
-            flat = self._flat_table
-        elif target is self._tokens:
+        if target is self._tokens:
             self.settle_tokens()
-            flat = self._flat_tokens
+            target = self._flat_tokens
         else:
-            target.view(-1)[index_on_device(flat_index, self.device)] = values
-            return
-        if self._on_host:
-            flat[flat_index] = values.numpy()
-        else:  # scatter_ is the cheapest scattered write on the host side; indices are distinct
-            flat.scatter_(0, index_on_device(flat_index, self.device), values)
+            target = target.view(-1)
+        index = torch.from_numpy(flat_index)
+        target.scatter_(0, index if self.device.type == "cpu" else index.to(self.device, non_blocking=True), values)
 
-    def write_pages(self, page_index: np.ndarray, page_starts: torch.Tensor, page_size: int) -> None:
-        """Record whole pages with no checks: the allocator's per-step write. For a page size
-        ``P`` that divides ``row_width``, slot ``page_index[i]`` of ``table.view(-1, P)`` gets
-        ``page_starts[i] + 0 .. P - 1``.
+    def write_row_pages(self, rows: np.ndarray, first_columns: np.ndarray, page_counts: np.ndarray,
+                        pages: np.ndarray, page_size: int) -> None:
+        """Record new pages, ``page_counts[i]`` of them for row ``rows[i]`` from column
+        ``first_columns[i]`` (a page boundary) on, clipped to the row: the allocator's write.
 
         Args:
-            page_index: shape ``[n]``, int64, host; ``row * (row_width // P) + page number``, distinct.
-            page_starts: shape ``[n]``, int32, device; first token location of each page.
+            rows, first_columns, page_counts: shape ``[g]``, int64, host.
+            pages: shape ``[sum(page_counts)]``, int32, host; first locations, in row order.
         """
-        cached = self._page_views.get(page_size)
-        if cached is None:
-            offsets = torch.arange(page_size, dtype=torch.int32, device=self.device)
-            cached = self._page_views[page_size] = (
-                self._flat_table.reshape(-1, page_size), offsets.numpy() if self._on_host else offsets
-            )
-        view, offsets = cached
-        if self._on_host:
-            view[page_index] = page_starts.numpy()[:, None] + offsets
-        else:
-            view.index_copy_(0, index_on_device(page_index, self.device), page_starts.view(-1, 1) + offsets)
+        width = self.row_width
+        columns = page_counts * page_size
+        row_index, column_index = ragged_coordinates(rows, first_columns, columns)
+        locations = np.repeat(pages, page_size) + np.tile(np.arange(page_size, dtype=np.int32), pages.shape[0])
+        inside = column_index < width
+        if not inside.all():
+            row_index, column_index, locations = row_index[inside], column_index[inside], locations[inside]
+        self.host_table[row_index, column_index] = locations
+        if self.mirrored:
+            ends = np.minimum(first_columns + columns, width)
+            for row, start, end in zip(rows.tolist(), first_columns.tolist(), ends.tolist()):
+                self._mark(TABLE, row, start, end)
+
+    def record_decode_pages(self, rows: np.ndarray, columns: np.ndarray, pages: np.ndarray, page_size: int) -> None:
+        """Note in the host table the pages a decode step's staging launch writes on the device
+        (``rows``, ``columns``: shape ``[g]``, int64, host; ``pages``: shape ``[g]``, int32,
+        host; each page from its column on, clipped to the row)."""
+        offsets = np.arange(page_size, dtype=np.int64)
+        cells = columns[:, None] + offsets
+        inside = cells < self.row_width
+        values = pages[:, None].astype(np.int64) + offsets
+        self.host_table[np.broadcast_to(rows[:, None], cells.shape)[inside], cells[inside]] = values[inside]
 
     # ------------------------------------------------------------------ page table (checked)
     def locations(self, row: int, start: int, end: int) -> torch.Tensor:
         """Token locations of ``row``'s tokens ``start .. end - 1``: shape ``[end - start]``,
-        int32, device; a view (copy it before the row can change)."""
+        int32, cpu; a view of the host table (copy it before the row can change)."""
         self._check_range(row, start, end, allow_dummy=True)
-        return self.table[row, start:end]
+        return torch.from_numpy(self.host_table[row, start:end])
 
-    def write_locations(self, row: int, start: int, locations: torch.Tensor) -> None:
-        """Write ``locations`` (shape ``[n]``, int32, device) at ``row``'s columns ``start .. start + n - 1``."""
-        self._check_values(locations, "locations")
-        self._check_range(row, start, start + locations.shape[0])
-        self.table[row, start : start + locations.shape[0]] = locations
+    def host_locations(self, row: int, start: int, end: int) -> np.ndarray:
+        """``locations`` as a numpy view, unchecked (kvplug's own derived ranges)."""
+        return self.host_table[row, start:end]
 
-    def scatter_locations(self, flat_index: HostInts, locations: torch.Tensor) -> None:
-        """One scattered write of many rows' locations (the allocator's per-batch write).
+    def write_locations(self, row: int, start: int, locations: torch.Tensor | np.ndarray) -> None:
+        """Write ``locations`` (shape ``[n]``, int32, host: a CPU tensor or numpy array) at
+        ``row``'s columns ``start .. start + n - 1``; staged to the device."""
+        values = self._host_values(locations, "locations")
+        end = start + values.shape[0]
+        self._check_range(row, start, end)
+        self.host_table[row, start:end] = values
+        if not self.mirrored:
+            return
+        self._mark(TABLE, row, start, end)
+
+    def scatter_locations(self, flat_index: HostInts, locations: torch.Tensor | np.ndarray) -> None:
+        """One scattered write of many rows' locations (checked).
 
         Args:
             flat_index: shape ``[n]``, int64, host; ``row * row_width + column`` inside the
                 request rows (the dummy row, which comes last, is out of range).
-            locations: shape ``[n]``, int32, device.
+            locations: shape ``[n]``, int32, host.
         """
-        self._check_values(locations, "locations")
+        values = self._host_values(locations, "locations")
         flat_index = host_ints(flat_index, "flat_index")
         limit = self.max_running_reqs * self.row_width
-        if flat_index.shape != locations.shape or (flat_index.size and (flat_index.min() < 0 or flat_index.max() >= limit)):
+        if flat_index.shape != values.shape or (flat_index.size and (flat_index.min() < 0 or flat_index.max() >= limit)):
             raise InvalidArgumentError(
-                f"flat_index must match locations ({tuple(locations.shape)}) and lie in [0, {limit}), got shape "
+                f"flat_index must match locations ({tuple(values.shape)}) and lie in [0, {limit}), got shape "
                 f"{flat_index.shape}"
             )
-        self.write_flat(self.table, flat_index, locations)
+        self.host_table.reshape(-1)[flat_index] = values
+        for row, column in zip((flat_index // self.row_width).tolist(), (flat_index % self.row_width).tolist()):
+            self._mark(TABLE, row, column, column + 1)
 
     # ------------------------------------------------------------------ token pool (checked)
-    def write_tokens(self, row: int, start: int, token_ids: torch.Tensor) -> None:
-        """Write ``token_ids`` (shape ``[n]``, int32, device) at ``row``'s positions ``start .. start + n - 1``."""
-        self._check_values(token_ids, "token_ids")
-        self._check_range(row, start, start + token_ids.shape[0])
-        self.settle_tokens()
-        self._tokens[row, start : start + token_ids.shape[0]] = token_ids
+    def write_tokens(self, row: int, start: int, token_ids: torch.Tensor | np.ndarray) -> None:
+        """Write ``token_ids`` (shape ``[n]``, int32, host) at ``row``'s positions ``start ..
+        start + n - 1``: into the host arrays now, staged to the device token pool."""
+        values = self._host_values(token_ids, "token_ids")
+        end = start + values.shape[0]
+        self._check_range(row, start, end)
+        if not self.mirrored:
+            self.settle_tokens()  # a pending id may be bound for one of these cells
+        self.host_tokens[row, start:end] = values
+        self._mark(TOKENS, row, start, end)
+
+    def note_tokens(self, row: int, start: int, token_ids: np.ndarray) -> None:
+        """Record on the host ids the device token pool already holds (a host's copy of sampled
+        ids; ``token_ids``: shape ``[n]``, int32, numpy), unchecked: nothing is staged."""
+        self.host_tokens[row, start : start + token_ids.shape[0]] = token_ids
+
+    def host_token_ids(self, row: int, start: int, end: int) -> np.ndarray:
+        """Host-known token ids of ``row``'s positions ``start .. end - 1`` (a numpy view, unchecked)."""
+        return self.host_tokens[row, start:end]
 
     def append_tokens(self, rows: HostInts, positions: HostInts, token_ids: torch.Tensor) -> None:
-        """One token per request in one scattered write (decode: sampled ids stay on the device).
+        """One token per request in one scattered device write (decode: sampled ids stay on the
+        device; the host arrays do not see them).
 
         Args:
             rows: shape ``[bs]``, ints, host; request rows.
@@ -244,7 +319,7 @@ class PageTable:
             token_ids: shape ``[bs]``, int32, device.
         """
         rows_host, positions_host = host_ints(rows, "rows"), host_ints(positions, "positions")
-        self._check_values(token_ids, "token_ids")
+        self._check_device_values(token_ids, "token_ids")
         if not rows_host.shape == positions_host.shape == tuple(token_ids.shape):
             raise InvalidArgumentError(
                 f"rows, positions and token_ids must have one entry per request, got lengths "
@@ -253,12 +328,14 @@ class PageTable:
         self._check_rows(rows_host, allow_dummy=False)
         if positions_host.size and (positions_host.min() < 0 or positions_host.max() >= self.row_width):
             raise InvalidArgumentError(f"positions must lie in [0, {self.row_width}), got {positions_host.tolist()}")
+        self.flush()
         self.write_flat(self._tokens, rows_host * self.row_width + positions_host, token_ids)
 
     def read_tokens(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Token ids of ``row``'s positions ``start .. end - 1``: shape ``[end - start]``, int32, device (a view)."""
+        """Token ids of ``row``'s positions ``start .. end - 1`` in the device token pool: shape
+        ``[end - start]``, int32, device (a view; reading it on the host of a GPU pool waits)."""
         self._check_range(row, start, end, allow_dummy=True)
-        self.settle_tokens()
+        self.flush()
         return self._tokens[row, start:end]
 
     def gather_tokens(self, rows: HostInts, starts: HostInts, ends: HostInts) -> torch.Tensor:
@@ -278,9 +355,11 @@ class PageTable:
                 f"and ends {ends_host.tolist()}"
             )
         row_index, column_index = ragged_coordinates(rows_host, starts_host, lengths)
-        flat_index = row_index * self.row_width + column_index
-        self.settle_tokens()
-        return self._tokens.view(-1)[index_on_device(flat_index, self.device)]
+        flat_index = torch.from_numpy(row_index * self.row_width + column_index)
+        self.flush()
+        if self.device.type != "cpu":
+            flat_index = flat_index.to(self.device, non_blocking=True)
+        return self._flat_tokens[flat_index]
 
     def gather_tokens_at(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids at device-side coordinates, with no host round trip (not validated: both
@@ -293,7 +372,7 @@ class PageTable:
         Returns:
             shape ``[n]``, int32, device.
         """
-        self.settle_tokens()
+        self.flush()
         return self._tokens[token_rows.long(), positions.long()]
 
     # ------------------------------------------------------------------ validation
@@ -316,11 +395,26 @@ class PageTable:
                 f"columns [{start}, {end}) must satisfy 0 <= start <= end <= row width {self.row_width}"
             )
 
-    def _check_values(self, values: torch.Tensor, name: str) -> None:
-        check_int32_vector(values, self.device, name)
+    @staticmethod
+    def _host_values(values: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
+        """``values`` as a 1-D int32 numpy array, or ``InvalidArgumentError``: host data only."""
+        if isinstance(values, np.ndarray):
+            if values.ndim != 1 or values.dtype != np.int32:
+                raise InvalidArgumentError(f"{name} must be shape [n], int32, got {values.shape}, {values.dtype}")
+            return values
+        if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.dtype != torch.int32:
+            raise InvalidArgumentError(
+                f"{name} must be shape [n], int32, on the host, got "
+                f"{getattr(values, 'shape', None)}, {getattr(values, 'dtype', type(values).__name__)}"
+            )
+        if values.device.type != "cpu":
+            raise InvalidArgumentError(f"{name} must be host data (the page table is kept on the host), got {values.device}")
+        return values.numpy()
 
-
-def index_on_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host index array as a device tensor (no copy on CPU; one host-to-device copy otherwise)."""
-    index_tensor = torch.from_numpy(index)
-    return index_tensor if device.type == "cpu" else index_tensor.to(device, non_blocking=True)
+    def _check_device_values(self, values: torch.Tensor, name: str) -> None:
+        if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.dtype != torch.int32:
+            raise InvalidArgumentError(
+                f"{name} must be shape [n], int32, got {getattr(values, 'shape', None)}, {getattr(values, 'dtype', None)}"
+            )
+        if values.device != self.device:
+            raise InvalidArgumentError(f"{name} must be on {self.device}, got {values.device}")

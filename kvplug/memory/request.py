@@ -1,7 +1,9 @@
-"""The memory state of running requests: per-row length arrays, and ``Request`` views onto them.
+"""Request state, owned by one object: ``RequestTable`` (rows, liveness, lengths), and ``Request``
+views onto it.
 
 Host-neutral: a host adapter keeps one ``Request`` per sequence it runs and passes it back to
-``KVBackend`` methods; it reads the lengths but never writes them.
+``KVBackend`` methods; it reads the lengths but never writes them. Nothing but the transitions of
+``RequestTable`` below writes a length, a row's liveness or a request's handle.
 
 Lengths (all in tokens) of a live request::
 
@@ -14,13 +16,18 @@ Lengths (all in tokens) of a live request::
 - ``device_len``: tokens the next forward covers; it writes K/V for ``cached_len .. device_len - 1``.
 - ``allocated_len``: tokens that have a location in the table row (a multiple of the page size).
 - ``num_tokens``: token ids written into the token pool (prompt plus appended tokens).
+- ``known_len``: token ids the host knows (the prompt, and sampled ids given as host values or
+  through ``KVBackend.record_tokens``): only those can be keys of the prefix cache.
 
-The lengths live in numpy arrays indexed by row (``RequestStates``), so batch operations over
-hundreds of requests are a handful of vector operations plus one pass to collect row keys. That
-pass (about 10 us at 256 requests) is skipped when a call names the same requests, in the same
-order, as the previous one and no request was admitted or finished since: decode steps over a
-steady batch (``begin_decode`` and its ``commit``, or ``allocate``, ``prepare`` and
-``append_tokens``) then pay it once per change of the running batch.
+The transitions, in a request's order: ``open`` (admission: a row, the match), ``reserve``
+(pages: ``allocated_len``), ``schedule`` (``device_len``), ``computed`` (the forward ran:
+``cached_len = device_len``), ``appended`` / ``decoded`` (a sampled token became the next one),
+``know`` (host ids), ``rehandle`` (the locked prefix moved into the cache), ``close``.
+
+The lengths live in numpy arrays indexed by row, so batch transitions over hundreds of requests
+are a handful of vector operations plus one pass to collect row keys. That pass is skipped when a
+call names the same requests, in the same order, as the previous one and no request was opened or
+closed since (``batch_rows``' memo).
 """
 
 from __future__ import annotations
@@ -30,10 +37,10 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from kvplug.interface import BaseCacheHandle, InvalidArgumentError
+from kvplug.interface import BaseCacheHandle, InvalidArgumentError, OutOfMemoryError
 
-LENGTH_FIELDS = ("cached_len", "device_len", "allocated_len", "num_tokens")
-# the high bits of every request key in the process (see RequestStates.claim); 2**31 keys a row
+LENGTH_FIELDS = ("cached_len", "device_len", "allocated_len", "num_tokens", "known_len")
+# the high bits of every request key in the process (see RequestTable.open); 2**31 keys a row
 _KEY_SERIALS = itertools.count(1)
 ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
@@ -52,50 +59,64 @@ class BatchRows(NamedTuple):
     row_starts: np.ndarray
 
 
-class RequestStates:
-    """Host-side arrays ``[num_rows]``, int64, one entry per page-table row.
+class RequestTable:
+    """The one owner of request state: which rows are live, by which request, at which lengths.
 
-    ``key[row]`` identifies the live request in ``row`` (``generation << 32 | row``; -1 when the
-    row is free), so a stale ``Request`` whose row was reused is told apart from the new one.
-    ``key`` changes only through ``claim`` and ``release``.
+    Arrays ``[num_rows]``, int64, one entry per page-table row (read them; the transitions write
+    them). ``key[row]`` identifies the live request in ``row`` (``serial << 32 | row``; -1 when
+    the row is free), so a stale ``Request`` whose row was reused is told apart from the new one.
 
     Args:
-        num_rows: request rows.
+        num_rows: request rows (``max_running_reqs``).
         row_width: columns of a table row (for ``BatchRows.row_starts``).
     """
 
     def __init__(self, num_rows: int, row_width: int = 1) -> None:
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
+            raise InvalidArgumentError(f"max_running_reqs must be a positive int, got {num_rows!r}")
         self.num_rows = num_rows
         self.row_width = row_width
         self.cached_len = np.zeros(num_rows, dtype=np.int64)
         self.device_len = np.zeros(num_rows, dtype=np.int64)
         self.allocated_len = np.zeros(num_rows, dtype=np.int64)
         self.num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.known_len = np.zeros(num_rows, dtype=np.int64)
         self.key = np.full(num_rows, -1, dtype=np.int64)
+        self._live: dict[int, Request] = {}
+        # a stack popped from the end: low rows first keeps the live part of the table compact
+        self._free_rows = list(range(num_rows - 1, -1, -1))
         self._generation = 0
-        # rows_of's memo: the last validated request list, its rows, and the generation they were
-        # validated at (any claim or release bumps it, which invalidates the memo)
+        # batch_rows' memo: the last validated request list, its rows, and the generation they were
+        # validated at (any open or close bumps it, which invalidates the memo)
         self._memo_requests: list | None = None
         self._memo_rows = BatchRows(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         self._memo_generation = -1
 
+    # ------------------------------------------------------------------ reading
     @property
     def generation(self) -> int:
-        """Bumped by every ``claim`` and ``release``: unchanged means the same requests are live."""
+        """Bumped by every ``open`` and ``close``: unchanged means the same requests are live."""
         return self._generation
 
-    def claim(self, row: int) -> int:
-        """Give ``row`` a fresh key (a new request starts there) and return it. Keys come from one
-        counter per process, so a ``Request`` of another backend never matches a key here."""
-        self._generation += 1
-        key = next(_KEY_SERIALS) << ROW_BITS | row
-        self.key[row] = key
-        return key
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
 
-    def release(self, row: int) -> None:
-        """``row``'s request is gone: its key no longer matches any ``Request``."""
-        self._generation += 1
-        self.key[row] = -1
+    @property
+    def live_requests(self) -> list["Request"]:
+        return list(self._live.values())
+
+    def is_live(self, request: object) -> bool:
+        return isinstance(request, Request) and not request.finished and self._live.get(request.row) is request
+
+    def free_row(self) -> int:
+        """The row the next ``open`` should take; ``OutOfMemoryError`` when every row is live."""
+        if not self._free_rows:
+            raise OutOfMemoryError(
+                f"no free page-table row: all max_running_reqs={self.num_rows} rows are in use; "
+                "finish a request first or raise max_running_reqs"
+            )
+        return self._free_rows[-1]
 
     def rows_of(self, requests: Sequence["Request"]) -> np.ndarray:
         """Rows of ``requests`` (shape ``[bs]``, int64, read-only), checking each is live and
@@ -126,6 +147,8 @@ class RequestStates:
             bad = next((r for r in requests if not isinstance(r, Request)), None)
             raise InvalidArgumentError(f"expected a sequence of kvplug Requests, got {type(bad).__name__}") from None
         rows = keys & ROW_MASK
+        if rows.size and rows.max() >= self.num_rows:
+            raise InvalidArgumentError("a request is not from this backend")
         stale = self.key[rows] != keys
         if stale.any():
             row = int(rows[np.flatnonzero(stale)[0]])
@@ -133,6 +156,93 @@ class RequestStates:
         if rows.size > 1 and np.bincount(rows, minlength=1).max() > 1:
             raise InvalidArgumentError(f"a request appears twice in one call: rows {rows.tolist()}")
         return rows
+
+    # ------------------------------------------------------------------ transitions
+    def open(self, row: int, prompt_len: int, matched_len: int, handle: BaseCacheHandle) -> "Request":
+        """A request starts in free ``row``: its prompt's ids are known and ``matched_len`` of
+        them are cached (by ``handle``, locked)."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.num_rows:
+            raise InvalidArgumentError(f"row must be a request row, an int in [0, {self.num_rows}), got {row!r}")
+        if row in self._live:
+            raise InvalidArgumentError(f"row {row} already belongs to a live request")
+        if self._free_rows and self._free_rows[-1] == row:
+            self._free_rows.pop()
+        else:
+            self._free_rows.remove(row)
+        self._generation += 1
+        key = next(_KEY_SERIALS) << ROW_BITS | row
+        self.key[row] = key
+        for name, value in zip(LENGTH_FIELDS, (matched_len, matched_len, matched_len, prompt_len, prompt_len)):
+            getattr(self, name)[row] = value
+        request = Request(self, row, key, prompt_len, matched_len, handle)
+        self._live[row] = request
+        return request
+
+    def reserve(self, rows: np.ndarray, allocated: np.ndarray) -> None:
+        """Rows ``rows`` now hold locations for ``allocated`` tokens (whole pages)."""
+        self.allocated_len[rows] = allocated
+
+    def schedule(self, rows: np.ndarray, device_lens: np.ndarray) -> None:
+        """The next forward over ``rows`` covers tokens up to ``device_lens``."""
+        self.device_len[rows] = device_lens
+
+    def computed(self, rows: np.ndarray) -> None:
+        """The forward over ``rows`` ran: their K/V up to ``device_len`` is in the pool."""
+        self.cached_len[rows] = self.device_len[rows]
+
+    def appended(self, rows: np.ndarray, *, known: bool) -> None:
+        """A forward over every known token ran and one sampled id per row was appended
+        (``known``: given as host values)."""
+        num_tokens = self.num_tokens[rows]
+        self.cached_len[rows] = self.device_len[rows]
+        self.num_tokens[rows] = num_tokens + 1
+        if known:
+            self._extend_known(rows, num_tokens)
+
+    def decoded(self, rows: np.ndarray, cached: np.ndarray, stored: np.ndarray | None, *, known: bool) -> None:
+        """A decode step over ``rows`` (cached lengths ``cached``) ran: one more token each is
+        cached, and the sampled ids become the next tokens of the rows ``stored`` (a mask;
+        ``None``: all) - a row at ``max_seq_len`` keeps its K/V but stores no token."""
+        self.cached_len[rows] = cached + 1
+        target = rows if stored is None else rows[stored]
+        self.num_tokens[target] = (cached + 2) if stored is None else (cached[stored] + 2)
+        if known:
+            self._extend_known(target, (cached + 1) if stored is None else (cached[stored] + 1))
+
+    def _extend_known(self, rows: np.ndarray, before: np.ndarray) -> None:
+        """Ids at ``before`` became known where the host knew every id up to there."""
+        contiguous = self.known_len[rows] == before
+        self.known_len[rows[contiguous]] = before[contiguous] + 1
+
+    def know(self, row: int, known_len: int) -> None:
+        """The host knows ``row``'s first ``known_len`` ids (``<= num_tokens``)."""
+        self.known_len[row] = known_len
+
+    def rehandle(self, request: "Request", handle: BaseCacheHandle | None) -> None:
+        """``request``'s locked prefix is now ``handle`` (``None``: nothing locked)."""
+        request._handle = handle
+
+    def close(self, request: "Request") -> None:
+        """``request`` ended: it keeps its final lengths privately and its row is free."""
+        row = request.row
+        request._detach({name: int(getattr(self, name)[row]) for name in LENGTH_FIELDS})
+        self._generation += 1
+        self.key[row] = -1
+        del self._live[row]
+        self._free_rows.append(row)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Every row is free or live exactly once, and keys agree with the live requests."""
+        free = self._free_rows
+        assert len(free) == len(set(free)), "a row is free twice"
+        assert not set(self._live).intersection(free), "a row is both free and live"
+        assert len(free) + len(self._live) == self.num_rows, "a row went missing"
+        assert sorted(int(row) for row in (self.key >= 0).nonzero()[0]) == sorted(self._live), "keys and live rows disagree"
+        for row, request in self._live.items():
+            assert self.key[row] == request.key, f"row {row}: key differs from its request's"
+            assert (self.cached_len[row] <= self.device_len[row] <= self.num_tokens[row]
+                    and self.known_len[row] <= self.num_tokens[row]), f"row {row}: lengths out of order"
 
 
 class Request:
@@ -143,32 +253,47 @@ class Request:
         prompt_len: tokens given at admission.
         matched_len: tokens found in the prefix cache at admission.
         handle: the locked prefix-cache handle (``None`` once finished).
-        finished: set by ``finish``; a finished request may not be used again.
+        finished: set when it ends; a finished request may not be used again.
     """
 
-    __slots__ = ("row", "key", "prompt_len", "matched_len", "handle", "finished", "_states", "_index")
+    __slots__ = ("row", "key", "prompt_len", "matched_len", "_handle", "_table", "_final")
 
-    def __init__(self, states: RequestStates, row: int, prompt_len: int, matched_len: int, handle: BaseCacheHandle):
+    def __init__(self, table: RequestTable, row: int, key: int, prompt_len: int, matched_len: int,
+                 handle: BaseCacheHandle) -> None:
         self.row = row
-        self.key = states.claim(row)
+        self.key = key
         self.prompt_len = prompt_len
         self.matched_len = matched_len
-        self.handle: BaseCacheHandle | None = handle
-        self.finished = False
-        self._states = states
-        self._index = row
-        for name, value in zip(LENGTH_FIELDS, (matched_len, matched_len, matched_len, prompt_len)):
-            getattr(states, name)[row] = value
+        self._handle: BaseCacheHandle | None = handle
+        self._table = table
+        self._final: dict[str, int] | None = None
 
-    cached_len = property(lambda self: int(self._states.cached_len[self._index]), doc="tokens with K/V in the pool")
-    device_len = property(lambda self: int(self._states.device_len[self._index]), doc="tokens the next forward covers")
-    allocated_len = property(lambda self: int(self._states.allocated_len[self._index]), doc="tokens with a location")
-    num_tokens = property(lambda self: int(self._states.num_tokens[self._index]), doc="token ids in the token pool")
+    def _length(name: str, doc: str) -> property:  # noqa: N805 - a helper run while the class body is built
+        def get(self: "Request") -> int:
+            final = self._final
+            return int(getattr(self._table, name)[self.row]) if final is None else final[name]
+
+        return property(get, doc=doc)
+
+    cached_len = _length("cached_len", "tokens with K/V in the pool")
+    device_len = _length("device_len", "tokens the next forward covers")
+    allocated_len = _length("allocated_len", "tokens with a location")
+    num_tokens = _length("num_tokens", "token ids in the token pool")
+    known_len = _length("known_len", "token ids the host knows")
+    del _length
+
+    @property
+    def handle(self) -> BaseCacheHandle | None:
+        return self._handle
+
+    @property
+    def finished(self) -> bool:
+        return self._final is not None
 
     @property
     def prefix_len(self) -> int:
         """Tokens whose pages belong to the prefix cache (locked by ``handle``)."""
-        return 0 if self.handle is None else int(self.handle.cached_len)
+        return 0 if self._handle is None else int(self._handle.cached_len)
 
     @property
     def extend_len(self) -> int:
@@ -179,13 +304,9 @@ class Request:
         """All lengths at once (for logging and tests)."""
         return {name: getattr(self, name) for name in (*LENGTH_FIELDS, "prefix_len")}
 
-    def _detach(self) -> None:
-        """Keep the final lengths privately and release the row's entry (called on finish)."""
-        private = RequestStates(1)
-        for name in LENGTH_FIELDS:
-            getattr(private, name)[0] = getattr(self, name)
-        self._states.release(self.row)
-        self._states, self._index = private, 0
+    def _detach(self, final: dict[str, int]) -> None:
+        self._final = final
+        self._handle = None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={value}" for name, value in self.lengths().items())

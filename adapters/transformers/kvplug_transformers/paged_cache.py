@@ -275,6 +275,7 @@ class KVPlugPagedCache:
         if state._new_tokens_limit > room:
             state._new_tokens_limit = room
             state.max_new_tokens = room
+        self.steps.remember(state)
 
     def capture_decode_graphs(self, model: Any) -> None:
         """Capture the decode graphs now (transformers' warm-up), when graphs are on; otherwise

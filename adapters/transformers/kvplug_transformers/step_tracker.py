@@ -43,14 +43,21 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
-from kvplug.backend import DecodeStep, KVBackend
+from kvplug.backend import DecodeStep, KVBackend, PrefixLookup
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError, OutOfMemoryError
 from kvplug.memory.request import Request
+
+
+class _Waiting(NamedTuple):
+    """A request ``match`` did not admit: its prompt's lookup, and whether it found nothing."""
+
+    lookup: PrefixLookup
+    matched_nothing: bool
 
 
 @dataclass(eq=False)
@@ -93,7 +100,8 @@ class StepTracker:
         self._decode_step: DecodeStep | None = None  # the step's, when it is decode-only
         self._available: int | None = None  # available_pages, until the backend changes
         self._step_committed = False
-        self._waiting_prompts: dict[str, list[int]] = {}
+        self._waiting_prompts: dict[str, _Waiting] = {}
+        self._states: dict[str, Any] = {}  # request id -> transformers' RequestState (remember)
         self._declined: set[str] = set()
         self._on_stats = on_stats
         self.deferred_admissions = 0  # hits kept waiting while their prefix copied from host memory
@@ -132,35 +140,42 @@ class StepTracker:
 
     # ------------------------------------------------------------------ scheduling
     def match(self, request_id: str, prompt_ids: list[int]) -> int:
-        """A waiting request's cached prefix, in tokens. A hit admits it at once (row taken, prefix
-        locked: transformers counts matched blocks as the request's); a miss only remembers the
-        prompt for ``reserve``. A hit is declined (0) when no row is free or its lock would leave
-        promised pages uncovered. A hit whose prefix is still copying from the host tier reports 0
-        until the copy is done (the request is admitted and keeps waiting meanwhile)."""
+        """A waiting request's cached prefix, in tokens. The prompt is matched once
+        (``KVBackend.lookup``, whose result the admission takes): a hit admits the request at
+        once (row taken, prefix locked: transformers counts matched blocks as the request's); a
+        miss only remembers the lookup for ``reserve``, which admits without matching again. A
+        hit is declined (0) when no row is free or its lock would leave promised pages
+        uncovered. A hit whose prefix is still copying from
+        the host tier reports 0 until the copy is done (the request is admitted and keeps waiting
+        meanwhile)."""
         self._declined.discard(request_id)
         self._waiting_prompts.pop(request_id, None)
         tracked = self._tracked.get(request_id)
         if tracked is not None:
             if not tracked.loading:
-                raise InvalidArgumentError(f"request {request_id} is already running in kvplug; it cannot wait for a match")
-            if not self.backend.loads_ready(tracked.request):
+                # transformers sent a running request back to waiting (it recomputes what it
+                # lost): its kvplug request ends, its computed prefix cached, and it starts over
+                self._release(tracked)
+            elif not self.backend.loads_ready(tracked.request):
                 return 0
-            tracked.loading = False
-            return tracked.request.matched_len
+            else:
+                tracked.loading = False
+                return tracked.request.matched_len
         if len(prompt_ids) > self.backend.max_seq_len:
             raise InvalidArgumentError(
                 f"request {request_id} has {len(prompt_ids)} prompt tokens; the kvplug cache was built with "
                 f"max_seq_len={self.backend.max_seq_len}"
             )
-        ids = torch.tensor(prompt_ids[:-1], dtype=torch.int32, device=self.backend.device)
-        if self._cached_len(ids) == 0:
-            self._waiting_prompts[request_id] = prompt_ids
+        lookup = self.backend.lookup(prompt_ids)
+        if lookup.cached_len == 0:  # nothing cached: reserve admits it without a second lookup
+            self._waiting_prompts[request_id] = _Waiting(lookup, matched_nothing=True)
             return 0
-        tracked = self._admit(request_id, prompt_ids)
-        if tracked is not None and self.unpromised_pages() < 0:
-            self._release(tracked)  # its lock made cached pages unevictable that promises count on
-            tracked = None
+        tracked = self._admit(request_id, lookup)
         if tracked is None:
+            self._declined.add(request_id)  # no free row: transformers keeps it waiting
+            return 0
+        if self.unpromised_pages() < 0:
+            self._release(tracked)  # its lock made cached pages unevictable that promises count on
             self._declined.add(request_id)  # transformers will now treat it as unmatched: keep it waiting
             return 0
         if self.defer_loads and not self.backend.loads_ready(tracked.request) and self._promise_prompt(tracked):
@@ -189,15 +204,6 @@ class StepTracker:
             self.backend.allocator.wait_for_loads()
         return deferred
 
-    def _cached_len(self, ids: torch.Tensor) -> int:
-        """Tokens of ``ids`` cached in any tier: a prefix in host memory is a hit too, since
-        admitting the request loads it (and ``reserve`` must not find a hit ``match`` missed)."""
-        cache = self.backend.prefix_cache
-        if self.backend.allocator.tiered:
-            match = cache.match_tiered(ids)
-            return int(match.handle.cached_len) + int(match.host_len)
-        return int(cache.match_prefix(ids).handle.cached_len)
-
     def reserve(self, request_id: str, capacity: int) -> bool:
         """Promise the request pages up to ``capacity`` tokens, admitting it first if ``match``
         missed; ``False`` (nothing changed) when the pool cannot cover every promise or no row
@@ -206,12 +212,12 @@ class StepTracker:
         if tracked is not None and tracked.loading:
             return False  # transformers sees a waiting request whose match missed: not yet
         if tracked is None:
-            prompt = self._waiting_prompts.get(request_id)
-            if prompt is None or request_id in self._declined:
+            waiting = self._waiting_prompts.get(request_id)
+            if waiting is None or request_id in self._declined:
                 return False
             if -(-capacity // self.page_size) > self.unpromised_pages():
                 return False
-            tracked = self._admit(request_id, prompt)
+            tracked = self._admit(request_id, waiting.lookup, match=not waiting.matched_nothing)
             if tracked is None:
                 return False
             del self._waiting_prompts[request_id]
@@ -222,9 +228,9 @@ class StepTracker:
         tracked.capacity = max(tracked.capacity, capacity)
         return True
 
-    def _admit(self, request_id: str, prompt_ids: list[int]) -> Tracked | None:
+    def _admit(self, request_id: str, lookup: PrefixLookup, *, match: bool = True) -> Tracked | None:
         try:
-            request = self.backend.admit(prompt_ids)
+            request = self.backend.admit(lookup, match=match)
         except OutOfMemoryError:
             return None  # every row runs a request: transformers keeps this one waiting
         finally:
@@ -359,7 +365,13 @@ class StepTracker:
         self._report()
 
     # ------------------------------------------------------------------ ending requests
+    def remember(self, state: Any) -> None:
+        """transformers' ``RequestState`` of a request about to wait: at finish its host-side ids
+        (prompt and generated tokens) tell kvplug which sampled ids to cache."""
+        self._states[state.request_id] = state
+
     def finish(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
         self._waiting_prompts.pop(request_id, None)
         self._declined.discard(request_id)
         tracked = self._tracked.get(request_id)
@@ -368,6 +380,7 @@ class StepTracker:
             self._report()
 
     def finish_all(self) -> None:
+        self._states.clear()
         self._waiting_prompts.clear()
         self._declined.clear()
         for tracked in list(self._tracked.values()):
@@ -380,7 +393,14 @@ class StepTracker:
         self._set_promise(tracked, 0)
         del self._tracked[tracked.request_id]
         self._backend_changed()
-        self.backend.finish(tracked.request, computed=tracked.forward_done)
+        request = tracked.request
+        state = self._states.get(tracked.request_id)
+        if state is not None and request.num_tokens > request.known_len:
+            try:  # the ids transformers sampled, as it saw them on the host
+                self.backend.record_tokens(request, state.initial_tokens + state.generated_tokens)
+            except InvalidArgumentError:
+                pass  # its prompt was rewritten (a soft reset): cache only what kvplug knows
+        self.backend.finish(request, computed=tracked.forward_done)
 
     def _report(self) -> None:
         if self._on_stats is not None:

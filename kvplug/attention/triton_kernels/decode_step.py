@@ -11,8 +11,8 @@ input ids (the token pool at the new token's cell). Field offsets come from
 pinned memory (``StepProgress``): every read of earlier steps' host buffers precedes this launch
 on the stream. Bound through ``FastLauncher.bind``, a step costs one launch of host time.
 
-With new pages (``PagedAllocator.take_decode_pages``) the host also writes a page slot per
-request (an index into the free list's tensor, or -1): the kernel first writes that page into
+With new pages (``PagedAllocator.take_decode_pages``) the host also writes, per request, the
+first location of its new page (or -1): the kernel first writes that page into
 the table, token by token from the request's cached length (a decode step's new page starts
 there), clipped to the row, and takes ``out_loc`` from it - the allocator's table write, without
 its upload and scatter.
@@ -43,7 +43,7 @@ from kvplug.kernels.launch import FastLauncher
 
 @triton.jit
 def _batch_fields(
-    slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, tokens_ptr, values_ptr, progress_ptr, batch_size, row_width,
+    slot_ptr, host_ptr, append_ptr, table_ptr, tokens_ptr, values_ptr, progress_ptr, batch_size, row_width,
     num_values, h_rows, h_cached, h_device, h_page_slot, d_rows, d_cached, d_device, d_token_index, d_out_loc,
     d_input_ids, program, PAGE_SIZE: tl.constexpr, PAGE_P2: tl.constexpr, HAS_PAGES: tl.constexpr,
     HAS_APPENDS: tl.constexpr, BLOCK: tl.constexpr,
@@ -60,9 +60,8 @@ def _batch_fields(
     cell = rows.to(tl.int64) * row_width + cached
     location = tl.load(table_ptr + cell, mask=mask, other=0)
     if HAS_PAGES:
-        page_slot = tl.load(host_ptr + h_page_slot + request, mask=mask, other=-1)
-        growing = mask & (page_slot >= 0)
-        page = tl.load(pages_ptr + page_slot, mask=growing, other=0)
+        page = tl.load(host_ptr + h_page_slot + request, mask=mask, other=-1)
+        growing = mask & (page >= 0)
         offsets = tl.arange(0, PAGE_P2)
         write = growing[:, None] & (offsets[None, :] < PAGE_SIZE) & (cached[:, None] + offsets[None, :] < row_width)
         tl.store(table_ptr + cell[:, None] + offsets[None, :], page[:, None] + offsets[None, :], mask=write)
@@ -86,7 +85,7 @@ def _batch_fields(
 
 @triton.jit
 def _page_list(
-    host_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits, job, h_rows, h_cached,
+    host_ptr, table_ptr, indices_ptr, batch_size, row_width, list_splits, job, h_rows, h_cached,
     h_page_slot, h_indptr, HAS_PAGES: tl.constexpr, LIST_PAGE_SIZE: tl.constexpr, LIST_BLOCK: tl.constexpr,
 ):
     # job = request * list_splits + split: the split's strided blocks of the request's pages
@@ -101,10 +100,10 @@ def _page_list(
     new_location = 0
     if HAS_PAGES:
         # a page this launch writes: the other programs' table store is not ordered before
-        # this load, so it comes from the free list (it starts the request's last view page)
-        page_slot = tl.load(host_ptr + h_page_slot + request)
-        new_location = tl.load(pages_ptr + page_slot, mask=page_slot >= 0, other=0)
-        fresh_page = tl.where(page_slot >= 0, cached // LIST_PAGE_SIZE, -1)
+        # this load, so it comes from the host buffer (it starts the request's last view page)
+        page = tl.load(host_ptr + h_page_slot + request)
+        new_location = tl.where(page >= 0, page, 0)
+        fresh_page = tl.where(page >= 0, cached // LIST_PAGE_SIZE, -1)
     copy_page_list(
         row_base, indices_ptr, start, own_pages, split, list_splits, fresh_page, new_location, LIST_PAGE_SIZE,
         LIST_BLOCK,
@@ -120,7 +119,6 @@ def _decode_step_kernel(
     host_ptr,
     append_ptr,
     table_ptr,
-    pages_ptr,
     tokens_ptr,
     values_ptr,
     num_values,
@@ -155,13 +153,13 @@ def _decode_step_kernel(
     field_programs = tl.cdiv(batch_size, BLOCK)
     if program < field_programs:
         _batch_fields(
-            slot_ptr, host_ptr, append_ptr, table_ptr, pages_ptr, tokens_ptr, values_ptr, progress_ptr, batch_size,
+            slot_ptr, host_ptr, append_ptr, table_ptr, tokens_ptr, values_ptr, progress_ptr, batch_size,
             row_width, num_values, h_rows, h_cached, h_device, h_page_slot, d_rows, d_cached, d_device,
             d_token_index, d_out_loc, d_input_ids, program, PAGE_SIZE, PAGE_P2, HAS_PAGES, HAS_APPENDS, BLOCK,
         )
     elif LIST_PAGE_SIZE > 0:
         _page_list(
-            host_ptr, table_ptr, pages_ptr, indices_ptr, batch_size, row_width, list_splits,
+            host_ptr, table_ptr, indices_ptr, batch_size, row_width, list_splits,
             program - field_programs, h_rows, h_cached, h_page_slot, h_indptr, HAS_PAGES, LIST_PAGE_SIZE, LIST_BLOCK,
         )
 
@@ -180,7 +178,7 @@ def bind_decode_step(
     page_size: int,
     progress: torch.Tensor,
     *,
-    with_pages: torch.Tensor | None = None,
+    with_pages: bool = False,
     with_tokens: torch.Tensor | None = None,
     page_lists: tuple[torch.Tensor, int] | None = None,
 ) -> Callable[..., None]:
@@ -188,10 +186,10 @@ def bind_decode_step(
     (and page lists), bound once per slot, batch size and page-list buffer (each call then costs
     the launch).
 
-    Called with the per-step values, in this order: the step's pages tensor (``with_pages``: the
-    new pages are written into the table first), then the previous step's committed token ids
-    and their count (``with_tokens``: written into the token pool at the first ``count``
-    requests' token cells, and they are those requests' input ids).
+    Called with the per-step values: the previous step's committed token ids and their count
+    (``with_tokens``: written into the token pool at the first ``count`` requests' token cells,
+    and they are those requests' input ids). ``with_pages``: the host buffer's ``page_slot``
+    field holds new pages' first locations, written into the table first.
 
     Args:
         slot: shape ``[device_size(batch_size)]``, int32, cuda; the slot's device buffer
@@ -205,7 +203,6 @@ def bind_decode_step(
         page_size: tokens per page.
         progress: shape ``[1]``, int32, pinned host memory (device-accessible); each launch
             writes the uploaded step number there.
-        with_pages: int32, cuda; an example of the free-list tensor the page slots index.
         with_tokens: shape ``[<= batch_size]``, int32, cuda, contiguous; an example of the ids.
         page_lists: ``(indices, S)``: also write each request's CSR page list for a view of
             ``S`` tokens a page into ``indices`` (int32, cuda, large enough for every step this
@@ -221,22 +218,19 @@ def bind_decode_step(
     grid = (field_programs + (batch_size * list_splits if page_lists is not None else 0),)
     # a pointer the launch does not read is given the slot
     args = (
-        slot, host, append_index, page_table, slot if with_pages is None else with_pages, token_pool,
+        slot, host, append_index, page_table, token_pool,
         slot if with_tokens is None else with_tokens, batch_size if with_tokens is None else with_tokens.shape[0],
         indices, progress, batch_size, page_table.shape[1], list_splits,
         offsets.host_rows, offsets.host_cached, offsets.host_device, offsets.host_page_slot, offsets.host_indptr,
         offsets.rows, offsets.cached, offsets.device, offsets.token_index, offsets.out_loc, offsets.input_ids,
     )
     constexprs = dict(
-        PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=with_pages is not None,
+        PAGE_SIZE=page_size, PAGE_P2=page_p2, HAS_PAGES=bool(with_pages),
         HAS_APPENDS=with_tokens is not None, LIST_PAGE_SIZE=list_page_size, BLOCK=block, LIST_BLOCK=BLOCK_PAGES,
     )
-    varying = [4] if with_pages is not None else []
-    if with_tokens is not None:
-        varying += [6, 7]
-    if not varying:
+    if with_tokens is None:
         return _launch_decode_step.bind(grid, *args, **constexprs)
-    return _launch_decode_step.bind_all_but(varying, grid, *args, **constexprs)
+    return _launch_decode_step.bind_all_but([5, 6], grid, *args, **constexprs)
 
 
 def _block(page_p2: int) -> int:

@@ -1,0 +1,130 @@
+"""No call on the serving path makes the host wait for the device (SPEC section 7): with a long
+kernel queued before each call (``torch.cuda._sleep``), every lifecycle call of a CUDA backend -
+radix cache, triton attention, with and without a host-memory tier - returns long before the
+kernel ends, and a whole decode loop runs under ``torch.cuda.set_sync_debug_mode("error")``.
+Skipped without CUDA/Triton."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import kvplug
+from kvplug.memory.model_shape import ModelShape
+from tests.attention_reference import importable, requires_cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    requires_cuda,
+    pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install -e '.[triton]')"),
+]
+
+SHAPE = ModelShape(num_layers=2, num_qo_heads=8, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+QUEUED_S = 0.2  # device work queued before each call
+RETURNS_S = 0.05  # a call that waited for it would take QUEUED_S
+
+
+def _sleep_cycles() -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the device busy for about ``QUEUED_S``."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    per_cycle_s = start.elapsed_time(end) / 1000 / 10_000_000
+    return int(QUEUED_S / per_cycle_s)
+
+
+def _backend(host_memory: str | None):
+    options = {"host_memory": host_memory} if host_memory else None
+    return kvplug.create_backend(
+        SHAPE, page_size=16, num_pages=64, max_running_reqs=8, max_seq_len=512, prefix_cache="radix",
+        attention="triton", device="cuda", prefix_cache_options=options,
+    )
+
+
+def _forward(backend, batch) -> None:
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, SHAPE.num_qo_heads, SHAPE.head_dim, device="cuda", dtype=SHAPE.dtype)
+    k = torch.randn(tokens, SHAPE.num_kv_heads, SHAPE.head_dim, device="cuda", dtype=SHAPE.dtype)
+    for layer in range(SHAPE.num_layers):
+        backend.forward(q, k, k, layer, batch)
+
+
+def _serve(backend, prompt, *, chunk: int | None = None, steps: int = 20, timed=None):
+    """One request through the whole lifecycle; ``timed(name, call)`` runs each bookkeeping call."""
+    timed = timed or (lambda name, call: call())
+    request = timed("admit", lambda: backend.admit(prompt))
+    if chunk is not None and chunk < len(prompt) - request.matched_len:
+        end = request.matched_len + chunk
+        timed("allocate", lambda: backend.allocate([request], [end]))
+        batch = timed("prepare", lambda: backend.prepare([request], "prefill"))
+        _forward(backend, batch)
+        timed("cache_unfinished", lambda: backend.cache_unfinished(request))
+    timed("allocate", lambda: backend.allocate([request]))
+    batch = timed("prepare", lambda: backend.prepare([request], "prefill"))
+    _forward(backend, batch)
+    sampled = torch.ones(1, dtype=torch.int32, device="cuda")
+    timed("append_tokens", lambda: backend.append_tokens([request], sampled))
+    for _ in range(steps):
+        step = timed("begin_decode", lambda: backend.begin_decode([request]))
+        _forward(backend, step.batch)
+        timed("commit", lambda: step.commit(sampled))
+    timed("finish", lambda: backend.finish(request, tokens=list(prompt) + [1] * (steps + 1)))
+    return request
+
+
+@pytest.mark.parametrize("host_memory", [None, "64MiB"])
+def test_every_serving_call_returns_while_queued_device_work_runs(host_memory):
+    backend = _backend(host_memory)
+    cycles = _sleep_cycles()
+    shared = list(range(1000, 1200))
+    for warm in range(3):  # compile the kernels, fill the cache (and the tier: the pool is small)
+        _serve(backend, shared + list(range(warm * 100, warm * 100 + 150)), chunk=64)
+    torch.cuda.synchronize()
+    durations: dict[str, list[float]] = {}
+
+    def timed(name, call):
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        result = call()
+        durations.setdefault(name, []).append(time.perf_counter() - start)
+        return result
+
+    _serve(backend, torch.tensor(shared + list(range(5000, 5090)), dtype=torch.int32), chunk=32, timed=timed)
+    _serve(backend, shared + list(range(7000, 7150)), timed=timed)  # list ids
+    timed("evict", lambda: backend.prefix_cache.evict(min(64, backend.prefix_cache.size_info.evictable_size)))
+    torch.cuda.synchronize()
+    slow = {name: max(values) for name, values in durations.items() if max(values) > RETURNS_S}
+    assert not slow, f"calls that waited for the queued {QUEUED_S} s of device work: {slow}"
+    expected = {"admit", "allocate", "prepare", "cache_unfinished", "append_tokens", "begin_decode", "commit",
+                "finish", "evict"}
+    assert expected <= set(durations)
+    if host_memory:
+        assert backend.stats().host_hit_tokens > 0, "the tier run loaded nothing from host memory"
+    backend.check_integrity()
+
+
+def test_the_decode_path_runs_under_sync_debug_mode_error():
+    backend = _backend(None)
+    _serve(backend, list(range(300)), chunk=100)  # warm-up outside the mode
+    requests = [backend.admit(list(range(2000 + 40 * i, 2040 + 40 * i))) for i in range(4)]
+    backend.allocate(requests)
+    _forward(backend, backend.prepare(requests, "prefill"))
+    backend.append_tokens(requests, torch.ones(4, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampled = torch.full((4,), 7, dtype=torch.int32, device="cuda")
+        for _ in range(40):  # crosses page boundaries: pages taken on the host, written by the launch
+            step = backend.begin_decode(requests)
+            _forward(backend, step.batch)
+            step.commit(sampled)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert [request.cached_len for request in requests] == [80] * 4
+    backend.check_integrity()
