@@ -467,5 +467,5 @@ class PagedAllocator:
 def _expand(page_starts: np.ndarray, page_size: int) -> np.ndarray:
     """Token locations of whole pages: shape ``[len * page_size]``, int32, host."""
     if page_size == 1:
-        return np.ascontiguousarray(page_starts, dtype=np.int32)
+        return np.array(page_starts, dtype=np.int32)  # a copy: the free list's arrays are read-only
     return (page_starts[:, None] + np.arange(page_size, dtype=np.int32)).reshape(-1)
