@@ -201,7 +201,7 @@ def test_quick_run_writes_json_and_variants_agree_token_for_token(tmp_path, caps
     sizes = data["sizes"]
     rows = {(row["workload"], row["variant"]): row for row in data["results"]}
     assert set(rows) == {(w, v) for w in ("shared-prefix", "no-prefix", "multi-turn") for v in ("radix", "naive", "native")}
-    for (workload, variant), row in rows.items():
+    for (workload, _variant), row in rows.items():
         requests = sizes["conversations"] * sizes["turns"] if workload == "multi-turn" else sizes["requests"]
         assert row["requests"] == requests and row["output_tokens"] == requests * sizes["output_tokens"]
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["ttft_p50_ms"] <= row["latency_p50_ms"]

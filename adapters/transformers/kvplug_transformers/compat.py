@@ -38,7 +38,8 @@ ORIGINAL_ATTRIBUTE = "__kvplug_original__"  # set on each replacement: the gate 
 PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED = "patched", "read", "called", "re-implemented", "implemented"
 KINDS = (PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED)
 # how a fingerprint is taken (``fingerprint``)
-PARAMETERS, SOURCE, RETURNS, ASSIGNED, FIELDS, INTERFACE = "parameters", "source", "returns", "assigned", "fields", "interface"
+PARAMETERS, SOURCE, RETURNS = "parameters", "source", "returns"
+ASSIGNED, FIELDS, INTERFACE = "assigned", "fields", "interface"
 
 _CB = "transformers.generation.continuous_batching"
 
@@ -252,7 +253,10 @@ def _original(value: Any) -> Any:
 def _function(owner: Any, attribute: str) -> Any:
     """The plain function behind ``owner.attribute`` (a method, classmethod, property getter, or a
     class's ``__init__``); ``None`` when absent."""
-    value = inspect.getattr_static(owner, attribute, None) if isinstance(owner, type) else getattr(owner, attribute, None)
+    if isinstance(owner, type):
+        value = inspect.getattr_static(owner, attribute, None)
+    else:
+        value = getattr(owner, attribute, None)
     value = _original(value)
     if isinstance(value, (classmethod, staticmethod)):
         value = value.__func__
@@ -295,7 +299,10 @@ def _assigned(owner: Any, attribute: str) -> str:
     if not isinstance(owner, type):
         return f"{owner!r} is not a class"
     for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(owner)))):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        else:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else []
         for target in targets:
             if (isinstance(target, ast.Attribute) and target.attr == attribute
                     and isinstance(target.value, ast.Name) and target.value.id == "self"):
@@ -314,7 +321,8 @@ def _fields(owner: Any, wanted: str) -> str:
 def _interface(cls: Any) -> str:
     methods = []
     for name, value in sorted(vars(cls).items()):
-        function = _function(cls, name) if callable(value) or isinstance(value, (classmethod, staticmethod, property)) else None
+        routine = callable(value) or isinstance(value, (classmethod, staticmethod, property))
+        function = _function(cls, name) if routine else None
         if function is not None:
             methods.append(f"{name}({_parameters(function)})")
     return _source_hash("\n".join(methods))

@@ -80,7 +80,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
-        original_process_candidates = _installed.process_candidates
+        original_process = _installed.process_candidates
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
             cache = runner.cache
@@ -99,7 +99,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             original_add_waiting(scheduler, state)
 
         def kvplug_process_candidates(scheduler: Any, candidates: list, *args: Any, **kwargs: Any) -> Any:
-            result = original_process_candidates(scheduler, candidates, *args, **kwargs)
+            result = original_process(scheduler, candidates, *args, **kwargs)
             wait = getattr(scheduler.cache, "wait_for_deferred_loads", None)
             if result[0] or wait is None:
                 return result
@@ -109,7 +109,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
                 # itself does after offloading requests
                 ordered = [state for state in candidates if state.request_id in deferred]
                 ordered += [state for state in candidates if state.request_id not in deferred]
-                result = original_process_candidates(scheduler, ordered, *args, **kwargs)
+                result = original_process(scheduler, ordered, *args, **kwargs)
             return result
 
         def kvplug_warmup(runner: Any, model: Any) -> None:
@@ -129,9 +129,9 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             (runner_class, "compute_batch", kvplug_compute_batch, original_compute_batch),
             (runner_class, "warmup", kvplug_warmup, original_warmup),
             (modules.scheduler.Scheduler, "add_waiting_request", kvplug_add_waiting_request, original_add_waiting),
-            (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process_candidates),
+            (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process),
         )
-        for owner, attribute, replacement, original in replacements:
+        for owner, attribute, replacement, original in replacements:  # compat.INTERNALS, kind "patched"
             setattr(replacement, ORIGINAL_ATTRIBUTE, original)
             setattr(owner, attribute, replacement)
         return modules
