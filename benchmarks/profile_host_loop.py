@@ -57,9 +57,9 @@ def main() -> None:
 
     from transformers.generation.continuous_batching import continuous_api, model_runner
 
-    from kvplug.bench.e2e_model import build_model
-    from kvplug.bench.e2e_runner import RunConfig, VariantRunner
+    from kvplug.bench.e2e_runner import RunConfig
     from kvplug.bench.e2e_workloads import Workload
+    from kvplug_transformers.e2e_bench import VariantRunner, build_model
 
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"

@@ -41,4 +41,5 @@ def kvplug_register_attention_backends(register: Register) -> None:
 @hookspec
 def kvplug_register_hosts(register: Register) -> None:
     """Register host adapters: ``register(name, factory)`` with ``factory(**options)`` returning
-    the adapter object a host engine installs (see ``adapters/``)."""
+    the adapter object a host engine installs (see ``adapters/``). An adapter object that also has
+    ``e2e_bench()`` (returning a ``kvplug.bench.e2e_host.E2EHost``) can run ``kvplug bench e2e``."""

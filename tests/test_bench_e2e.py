@@ -7,15 +7,20 @@ and the JSON shape are. In fp32 on CPU every variant must generate the same toke
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from kvplug import hookimpl
 from kvplug.bench import discover_suites
 from kvplug.bench.e2e import bars, ratios, resolve_sizes, run_config
-from kvplug.bench.e2e_runner import round_record, summarize
+from kvplug.bench.e2e_host import find_e2e_host
+from kvplug.bench.e2e_runner import Variant, parse_variant, round_record, summarize
+from kvplug.interface.errors import InvalidArgumentError, PluginLoadError
+from kvplug.plugins.manager import PluginManager
 from kvplug.bench.e2e_workloads import PRESETS, build_workload
 
 SIZES = PRESETS["quick"]
@@ -125,13 +130,59 @@ def test_pool_holds_every_running_request_at_full_length():
     assert run_config(sizes, workload, 1000, 16, "torch").concurrency == sizes.conversations
 
 
+def test_variant_names_parse_into_cache_option_and_tier():
+    assert parse_variant("radix") == Variant("radix", "", False)
+    assert parse_variant("radix+host:sync") == Variant("radix", "sync", True)
+    assert parse_variant("naive:eager") == Variant("naive", "eager", False)
+    assert parse_variant("native").native
+    for bad in ("radix:fast", "native:sync", "native+host", "+host", ":eager"):
+        with pytest.raises(InvalidArgumentError):
+            parse_variant(bad)
+
+
+def test_a_missing_host_adapter_is_named_with_how_to_install_it():
+    manager = PluginManager(entry_points=False)  # the built-ins only: no host registered
+    with pytest.raises(PluginLoadError) as caught:
+        find_e2e_host("transformers", manager)
+    message = str(caught.value)
+    assert "'transformers' host adapter" in message and "pip install ./adapters/transformers" in message
+    assert "it is not installed (hosts available: none)" in message
+
+
+def test_a_host_without_an_e2e_runner_is_refused():
+    class Plugin:
+        @hookimpl
+        def kvplug_register_hosts(self, register):
+            register("plain", lambda **options: object())
+            register("odd", lambda **options: type("Odd", (), {"e2e_bench": lambda self: "not a runner"})())
+
+    manager = PluginManager(entry_points=False)
+    manager.register(Plugin(), "hosts-for-test")
+    with pytest.raises(PluginLoadError, match="has no e2e_bench"):
+        find_e2e_host("plain", manager)
+    with pytest.raises(PluginLoadError, match="expected a kvplug.bench.e2e_host.E2EHost"):
+        find_e2e_host("odd", manager)
+
+
+def test_cli_names_the_missing_adapter(monkeypatch, capsys):
+    from kvplug.cli import main
+
+    monkeypatch.setenv("KVPLUG_DISABLE_PLUGINS", "transformers")
+    assert main(["bench", "e2e", "--quick"]) == 2
+    error = capsys.readouterr().err
+    # "installed ... but not loaded: KVPLUG_DISABLE_PLUGINS lists it" where the adapter is installed
+    assert re.search(r"kvplug bench: error: kvplug bench e2e needs the 'transformers' host adapter: it is "
+                     r"(installed \(kvplug-transformers .*KVPLUG_DISABLE_PLUGINS lists it|not installed)", error)
+    assert "pip install ./adapters/transformers" in error
+
+
 def test_e2e_suite_is_discovered():
     suites, _ = discover_suites()
     assert suites["e2e"].SUITE == "e2e" and not getattr(suites["e2e"], "REQUIRES_CUDA", False)
 
 
 def test_quick_run_writes_json_and_variants_agree_token_for_token(tmp_path, capsys):
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     pytest.importorskip("kvplug_transformers")
     from kvplug.cli import main
 
@@ -146,10 +197,11 @@ def test_quick_run_writes_json_and_variants_agree_token_for_token(tmp_path, caps
     data = json.loads(out.read_text())
     assert data["suite"] == "e2e" and data["quick"] and data["model"]["shape"] == "qwen3-tiny"
     assert data["model"]["dtype"] == "float32" and data["repeats"] == 1
+    assert data["host"] == "transformers" and data["environment"]["transformers"] == transformers.__version__
     sizes = data["sizes"]
     rows = {(row["workload"], row["variant"]): row for row in data["results"]}
     assert set(rows) == {(w, v) for w in ("shared-prefix", "no-prefix", "multi-turn") for v in ("radix", "naive", "native")}
-    for (workload, variant), row in rows.items():
+    for (workload, _variant), row in rows.items():
         requests = sizes["conversations"] * sizes["turns"] if workload == "multi-turn" else sizes["requests"]
         assert row["requests"] == requests and row["output_tokens"] == requests * sizes["output_tokens"]
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["ttft_p50_ms"] <= row["latency_p50_ms"]

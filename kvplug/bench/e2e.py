@@ -26,14 +26,15 @@ figures are medians over repeats; ratios radix/naive and radix/native sit side b
 Sizes: ``--device cuda`` defaults to the issue's sizes on ``qwen3-0.6b`` in bf16 (256 requests,
 8 system prompts of 2,048 tokens, 256-token questions, 128 output tokens); CPU defaults to
 ``qwen3-tiny`` in fp32 at sizes that finish in minutes on 2 cores; ``--quick`` is a smoke run.
-Every size has its own flag. Needs the transformers adapter (``pip install ./adapters/transformers``).
+Every size has its own flag. The host runs the rounds: it is looked up by name through the plugin
+manager (``--host``, default ``transformers``: ``pip install ./adapters/transformers``), so kvplug
+imports no host package (``kvplug.bench.e2e_host``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import platform
 import statistics
@@ -44,8 +45,9 @@ from typing import Any
 import torch
 
 from kvplug._version import __version__
-from kvplug.bench.e2e_model import DEFAULT_SHAPE, MODEL_SHAPES, build_model, default_dtype, describe_shape
-from kvplug.bench.e2e_runner import HOST_TIER_SUFFIX, NATIVE, RunConfig, VariantRunner
+from kvplug.bench.e2e_host import DEFAULT_HOST, BenchModel, E2EHost, find_e2e_host
+from kvplug.bench.e2e_model import DEFAULT_SHAPE, MODEL_SHAPES, SEED, default_dtype, describe_shape
+from kvplug.bench.e2e_runner import HOST_TIER_SUFFIX, NATIVE, RunConfig, parse_variant
 from kvplug.bench.e2e_workloads import (
     PRESETS,
     TIER_WORKLOADS,
@@ -57,7 +59,6 @@ from kvplug.bench.e2e_workloads import (
 )
 from kvplug.bench.tier_copy import measure_copy_bandwidth
 from kvplug.memory.capacity import parse_memory_size
-from kvplug.memory.model_shape import ModelShape
 from kvplug.bench.timing import format_table
 from kvplug.devices import resolve_device
 
@@ -78,6 +79,8 @@ SIZE_FLAGS = ("requests", "system_prompts", "system_tokens", "question_tokens", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"the host plugin that runs the workloads (default {DEFAULT_HOST})")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                         help="default: qwen3-0.6b on CUDA, qwen3-tiny on CPU")
@@ -219,21 +222,15 @@ def bars(ratio_rows: list[dict[str, Any]], at_issue_sizes: bool, *, tier_reuse: 
     return verdicts
 
 
-def _require_adapter() -> None:
-    try:
-        importlib.import_module("kvplug_transformers")
-        importlib.import_module("transformers")
-    except ImportError as error:
-        raise RuntimeError("kvplug bench e2e needs the transformers host adapter and transformers 5.17.x: "
-                           "pip install ./adapters/transformers") from error
-
-
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    _require_adapter()
+    host = find_e2e_host(getattr(args, "host", DEFAULT_HOST))
+    variants = [name for name in args.variants.split(",") if name]
+    for variant in variants:
+        parse_variant(variant)  # a bad name fails before the model is built
     device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), require_available=True)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -241,11 +238,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     preset, sizes = resolve_sizes(args, device)
     repeats = args.repeats or (1 if preset == "quick" else 3)
-    variants = [name for name in args.variants.split(",") if name]
     workload_names = [name for name in args.workloads.split(",") if name]
     started = time.perf_counter()
-    model = build_model(shape, device, dtype)
-    vocab = model.config.vocab_size
+    model = host.build_model(shape, MODEL_SHAPES[shape], SEED, device, dtype)
+    vocab = model.vocab_size
     workloads = [build_workload(name, sizes, vocab, args.seed) for name in workload_names]
     working_set_ratios = parse_ratios(args.working_set_ratio)
     # (workload, concurrency level, working-set ratio or None, the name its rows carry)
@@ -258,11 +254,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             levels = sizes.concurrency if workload.name != "multi-turn" else sizes.concurrency[-1:]
             plan += [(workload, level, None, workload.name) for level in levels]
-    kv_bytes_per_token = ModelShape.from_hf_config(model.config, dtype).kv_bytes_per_token()
+    kv_bytes_per_token = model.shape.kv_bytes_per_token()
     host_memory = parse_memory_size(args.host_memory) if args.host_memory else None
     tier_options = dict(working_set_ratio=working_set_ratios[0], host_memory=host_memory,
                         kv_bytes_per_token=kv_bytes_per_token)
-    _warm_up(model, variants, sizes, args, tier_options, with_tier_workload=any(w.name in TIER_WORKLOADS for w in workloads))
+    _warm_up(host, model, variants, sizes, args, tier_options, with_tier_workload=any(w.name in TIER_WORKLOADS for w in workloads))
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     total, done = len(plan) * repeats * len(variants), 0
     for workload, level, ratio, row_name in plan:
@@ -276,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # rotate the order each repeat so no variant always runs first (warmest / coldest caches)
             order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
             for variant in order:
-                figures = VariantRunner(model, variant, config).run(workload)
+                figures = host.run_variant(model, variant, config, workload)
                 _release_pool(device)
                 done += 1
                 _progress(f"[{done}/{total}] {row_name} concurrency {config.concurrency} {variant} "
@@ -303,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(ratio_rows, ["workload", "concurrency", "ratio", "throughput", "ttft_p50", "latency_p50"]))
     copy_bandwidth = None
     if tiered:
-        geometry = ModelShape.from_hf_config(model.config, dtype)
+        geometry = model.shape
         pages = max(1, min(4096, (256 << 20) // (kv_bytes_per_token * args.page_size)))  # ~256 MiB
         copy_bandwidth = measure_copy_bandwidth(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, dtype,
                                                 device, args.page_size, pages)
@@ -318,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "preset": preset, "sizes": sizes.to_json(), "repeats": repeats, "variants": variants,
         "model": {"shape": shape, **describe_shape(shape), "dtype": str(dtype).removeprefix("torch."),
                   "device": str(device), "page_size": args.page_size, "attention": args.attention},
-        "environment": _environment(device),
+        "host": getattr(args, "host", DEFAULT_HOST), "environment": _environment(device, host),
         "elapsed_s": round(time.perf_counter() - started, 1),
         "results": rows, "runs": [run for group in runs.values() for run in group],
         "ratios": ratio_rows, "bars": verdicts, "copy_bandwidth": copy_bandwidth,
@@ -334,7 +330,7 @@ def _release_pool(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _warm_up(model: Any, variants: list[str], sizes: E2ESizes, args: argparse.Namespace,
+def _warm_up(host: E2EHost, model: BenchModel, variants: list[str], sizes: E2ESizes, args: argparse.Namespace,
              tier_options: dict[str, Any], *, with_tier_workload: bool = False) -> None:
     """One small generation per variant first, so one-time costs (lazy imports, kernel selection,
     allocator growth) land in no measured run; with a tier workload also a small one of it (with
@@ -343,16 +339,14 @@ def _warm_up(model: Any, variants: list[str], sizes: E2ESizes, args: argparse.Na
                     output_tokens=2, concurrency=(2,), conversations=4, turns=2, max_batch_tokens=sizes.max_batch_tokens)
     names = ["shared-prefix", *(["long-context-chat"] if with_tier_workload else [])]
     for name in names:
-        workload = build_workload(name, warm, model.config.vocab_size, args.seed + 99)
+        workload = build_workload(name, warm, model.vocab_size, args.seed + 99)
         config = run_config(warm, workload, 2, args.page_size, args.attention, **{
             **tier_options, "host_memory": 64 * args.page_size * tier_options["kv_bytes_per_token"]})
         for variant in variants:
-            VariantRunner(model, variant, config).run(workload)
+            host.run_variant(model, variant, config, workload)
 
 
-def _environment(device: torch.device) -> dict[str, Any]:
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+def _environment(device: torch.device, host: E2EHost) -> dict[str, Any]:
+    return {"python": platform.python_version(), "torch": torch.__version__, **host.versions(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}

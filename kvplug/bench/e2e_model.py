@@ -1,16 +1,16 @@
-"""Random-weight Qwen3-shaped models for ``kvplug bench e2e``, built in-process from a config.
+"""Model shapes for ``kvplug bench e2e``: the Qwen3 geometries a host builds random-weight models of.
 
-Nothing is downloaded: the weights are drawn from a fixed seed, so the generated tokens are
+Nothing is downloaded: the host draws the weights from ``SEED`` (``E2EHost.build_model``; the
+transformers adapter builds them in its ``e2e_bench`` module), so the generated tokens are
 meaningless but the compute and the KV traffic per token are those of the named shape.
 ``qwen3-0.6b`` is the real geometry (28 layers, 16 query / 8 KV heads of 128, hidden 1024,
 vocabulary 151,936), ``qwen3-4b`` Qwen3-4B's (36 layers, 32 query / 8 KV heads, hidden 2,560);
-``qwen3-tiny`` keeps the Qwen3 structure at a size a 2-core CPU finishes
-in minutes.
+``qwen3-tiny`` keeps the Qwen3 structure at a size a 2-core CPU finishes in minutes.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -41,34 +41,6 @@ SEED = 20261129
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on CUDA (what a server runs), fp32 on CPU (bf16 matmuls are slow there)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def build_model(shape_name: str, device: torch.device, dtype: torch.dtype) -> Any:
-    """A ``Qwen3ForCausalLM`` with random weights, in eval mode, on ``device`` in ``dtype``.
-
-    ``initializer_range`` is widened so greedy decoding does not collapse onto one token, which
-    would make every answer (and so every multi-turn prompt) the same.
-    """
-    import transformers
-
-    if shape_name not in MODEL_SHAPES:
-        raise ValueError(f"unknown model shape {shape_name!r}; expected one of {sorted(MODEL_SHAPES)}")
-    spec = MODEL_SHAPES[shape_name]
-    config = transformers.Qwen3Config(
-        **spec._asdict(),
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        initializer_range=0.1,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        model = transformers.Qwen3ForCausalLM(config)
-    return model.to(dtype=dtype).eval()
 
 
 def describe_shape(shape_name: str) -> dict[str, int]:

@@ -1,38 +1,67 @@
-"""One measured run of ``kvplug bench e2e``: a workload through transformers' ``generate_batch``.
+"""One measured run of ``kvplug bench e2e``: its configuration, variants, and the metric arithmetic.
 
-A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...: kvplug installed through
-``kvplug_transformers.TransformersHost``; decode steps replayed from kvplug's CUDA graphs on
-CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step eager), ``:sync``
-(transformers' async batching off: each step waits for the previous one's outputs) or
-``:compile`` (the model torch.compiled before kvplug captures it), ``:defer`` (a host-tier hit
-waits outside the steps until its copy is done: ``KVPlugSettings.defer_host_loads``), or ``native`` (transformers'
-own paged cache, with its default block sharing). ``+host`` after a kvplug cache (``radix+host``,
-``radix+host:sync``) adds the host-memory tier of ``RunConfig.host_memory`` bytes. Every variant
-gets the same pool size in tokens, page size, requests per step and tokens per step, so only the
-KV cache differs.
+A variant is a kvplug prefix cache by name (``radix``, ``naive``, ...; decode steps replayed from
+kvplug's CUDA graphs on CUDA), the same with ``:eager`` appended (kvplug's graphs off: every step
+eager), ``:sync`` (the host's async batching off: each step waits for the previous one's
+outputs), ``:compile`` (the model torch.compiled before kvplug captures it) or ``:defer`` (a
+host-tier hit waits outside the steps until its copy is done), or ``native`` (the host's own
+paged cache). ``+host`` after a kvplug cache (``radix+host``, ``radix+host:sync``) adds the
+host-memory tier of ``RunConfig.host_memory`` bytes. Every variant gets the same pool size in
+tokens, page size, requests per step and tokens per step, so only the KV cache differs. The host
+runs the rounds (``kvplug.bench.e2e_host.E2EHost``; the transformers adapter's lives in its
+``e2e_bench`` module).
 
-Timing comes from transformers' per-request records (``record_timestamps=True``): a request's
-``created_time`` (submission), the time of each generated token, and its finish time. TTFT is the
-first token's time minus submission, latency the finish minus submission; both include queueing,
-since a round submits all its requests at once. A round's serving time runs from its first
-submission to its last finish, so manager start-up and teardown are outside it.
+Timing comes from the host's per-request records: a request's submission time, the time of each
+generated token, and its finish time. TTFT is the first token's time minus submission, latency the
+finish minus submission; both include queueing, since a round submits all its requests at once. A
+round's serving time runs from its first submission to its last finish, so manager start-up and
+teardown are outside it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from kvplug.bench.e2e_workloads import Prompts, Workload, prompt_tokens
+from kvplug.bench.e2e_workloads import Prompts, prompt_tokens
 
 NATIVE = "native"
 VARIANT_OPTIONS = ("eager", "sync", "compile", "defer")  # 'radix:eager' and so on (module docstring)
 HOST_TIER_SUFFIX = "+host"
+
+
+class Variant(NamedTuple):
+    """A parsed variant name: ``cache`` (a kvplug prefix cache, or ``native``), ``option`` (one of
+    ``VARIANT_OPTIONS`` or ``""``) and whether it adds the host-memory tier."""
+
+    cache: str
+    option: str
+    host_tier: bool
+
+    @property
+    def native(self) -> bool:
+        return self.cache == NATIVE
+
+
+def parse_variant(variant: str) -> Variant:
+    """``"radix+host:sync"`` → ``Variant("radix", "sync", True)``; an unknown option or a tier on
+    ``native`` is an ``InvalidArgumentError``."""
+    from kvplug.interface.errors import InvalidArgumentError
+
+    cache, _, option = variant.partition(":")
+    if option and option not in VARIANT_OPTIONS:
+        raise InvalidArgumentError(f"unknown variant option {option!r} in {variant!r}; "
+                                   f"expected one of {', '.join(VARIANT_OPTIONS)}")
+    host_tier = cache.endswith(HOST_TIER_SUFFIX)
+    cache = cache.removesuffix(HOST_TIER_SUFFIX)
+    if not cache:
+        raise InvalidArgumentError(f"variant {variant!r} names no prefix cache")
+    if cache == NATIVE and (option or host_tier):
+        raise InvalidArgumentError(f"variant {variant!r}: the native cache takes no option or host tier")
+    return Variant(cache, option, host_tier)
 
 
 @dataclass(frozen=True)
@@ -78,8 +107,10 @@ class RoundRecord:
 
 
 def round_record(prompts: Prompts, outputs: Sequence[Any]) -> RoundRecord:
-    """Times of a round from transformers' ``GenerationOutput``s (one per prompt, in order);
-    a missing, failed or timestamp-less output is an error naming the request."""
+    """Times of a round from the host's per-request outputs (one per prompt, in order), each with
+    ``request_id``, ``error``, ``created_time``, ``timestamps`` (one per generated token),
+    ``lifespan`` (``(start, finish)``) and ``generated_tokens`` - the fields of transformers'
+    ``GenerationOutput``; a missing, failed or timestamp-less output is an error naming the request."""
     if len(outputs) != len(prompts):
         raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(prompts)} prompts")
     for output in outputs:
@@ -121,89 +152,3 @@ def summarize(rounds: Sequence[RoundRecord], wall_s: float) -> dict[str, float |
         "latency_p99_ms": round(float(np.percentile(latency, 99)), 2),
         "tokens_digest": _digest("".join(record.tokens_digest for record in rounds)),
     }
-
-
-class VariantRunner:
-    """Runs workloads on one model with one KV-cache variant and one ``RunConfig``."""
-
-    def __init__(self, model: Any, variant: str, config: RunConfig) -> None:
-        self.model, self.variant, self.config = model, variant, config
-
-    def run(self, workload: Workload) -> dict[str, Any]:
-        """Every round of ``workload``; a multi-round workload keeps one manager (and so one
-        prefix cache) across its rounds. Returns ``summarize``'s figures plus cache counters."""
-        import transformers
-
-        persistent = workload.rounds > 1
-        generation = transformers.GenerationConfig(
-            max_new_tokens=self.config.output_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        host, installed = self._installed()
-        records: list[RoundRecord] = []
-        outputs: list[Any] = []
-        wall_s = 0.0
-        with installed:
-            try:
-                prompts = workload.first_round
-                for turn in range(workload.rounds):
-                    if turn:
-                        answers = [list(output.generated_tokens) for output in outputs]
-                        prompts = workload.next_round(turn, prompts, answers)
-                    start = time.perf_counter()
-                    results = self.model.generate_batch(
-                        prompts, generation_config=generation, continuous_batching_config=self._cb_config(),
-                        record_timestamps=True, persistent_manager=persistent)
-                    wall_s += time.perf_counter() - start
-                    outputs = list(results.values())
-                    records.append(round_record(prompts, outputs))
-            finally:
-                if persistent:
-                    self.model.destroy_cached_continuous_batching_manager()
-        figures: dict[str, Any] = summarize(records, wall_s)
-        if host is None:
-            figures.update(hit_rate=None, cache_hit_tokens=None, evicted_tokens=None)
-        else:
-            stats = host.stats()
-            figures.update(hit_rate=round(stats.hit_rate, 4), cache_hit_tokens=stats.cache_hit_tokens,
-                           evicted_tokens=stats.evicted_tokens, attention=stats.attention,
-                           device_hit_rate=round(stats.device_hit_rate, 4), host_hit_rate=round(stats.host_hit_rate, 4),
-                           host_hit_tokens=stats.host_hit_tokens, host_loads=stats.host_loads,
-                           host_loaded_bytes=stats.host_loaded_bytes, host_write_backs=stats.host_write_backs,
-                           host_written_bytes=stats.host_written_bytes, host_dropped_tokens=stats.host_dropped_tokens,
-                           host_reused_copy_tokens=stats.host_reused_copy_tokens)
-        return figures
-
-    def _installed(self) -> tuple[Any, contextlib.AbstractContextManager]:
-        from kvplug_transformers.installation import is_installed
-
-        if self.variant == NATIVE:
-            if is_installed():
-                raise RuntimeError("the native variant needs transformers' own cache, but kvplug is installed")
-            return None, contextlib.nullcontext()
-        from kvplug_transformers.host import TransformersHost
-
-        config = self.config
-        cache, _, option = self.variant.partition(":")
-        if option and option not in VARIANT_OPTIONS:
-            raise ValueError(f"unknown variant option {option!r} in {self.variant!r}; "
-                             f"expected one of {', '.join(VARIANT_OPTIONS)}")
-        host_memory = None
-        if cache.endswith(HOST_TIER_SUFFIX):
-            cache = cache.removesuffix(HOST_TIER_SUFFIX)
-            host_memory = config.host_memory
-            if host_memory is None:
-                raise ValueError(f"variant {self.variant!r} needs a host-memory size (RunConfig.host_memory)")
-        host = TransformersHost(prefix_cache=cache, attention=config.attention, page_size=config.page_size,
-                                max_running_reqs=config.concurrency, max_seq_len=config.max_seq_len,
-                                cuda_graphs=False if option == "eager" else None,
-                                overlap_schedule=False if option == "sync" else None,
-                                torch_compile=option == "compile", host_memory=host_memory,
-                                defer_host_loads=option == "defer")
-        return host, host.installed_context()
-
-    def _cb_config(self) -> Any:
-        import transformers
-
-        config = self.config
-        return transformers.ContinuousBatchingConfig(
-            block_size=config.page_size, num_blocks=config.num_pages, max_batch_tokens=config.max_batch_tokens,
-            max_requests_per_batch=config.concurrency)

@@ -1,47 +1,180 @@
-"""The version gate: every use of transformers internals goes through ``require_transformers()``.
+"""The version gate: every transformers internal the adapter touches, in one table, checked at install.
 
-The adapter replaces four things inside transformers' continuous batching, all private
-(``Scheduler.add_waiting_request`` is the fourth: kvplug's per-request length check):
-``continuous_api.PagedAttentionCache`` (the class ``ContinuousBatchingManager`` instantiates),
-``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (which picks the ``paged|...`` attention
-function) and ``ModelRunner.compute_batch`` (one step's forward and sampling; kvplug replays
-decode steps from its CUDA graphs and then calls ``ModelRunner._sample``). Their contracts were read from the releases listed in ``SUPPORTED_RANGE``; any other
-version is refused with an error naming that range, because a silent mismatch would corrupt the
-KV cache rather than fail loudly. ``KVPLUG_TRANSFORMERS_SKIP_VERSION_CHECK=1`` skips the version
-comparison (the structural checks still run) for people porting the adapter to a new release.
+``INTERNALS`` lists each private name of transformers' continuous batching that kvplug replaces
+(*patched*), reads, calls, re-implements a part of, or stands in for (*implemented*), with why
+and a fingerprint of the pinned release (``PINNED_VERSION``): its parameter names, the hash of
+its source, what each position of a returned tuple holds, that the class sets an instance
+attribute, or that a dataclass has the fields read. ``require_transformers()`` refuses a version
+outside ``SUPPORTED_RANGE`` and then recomputes every fingerprint, failing with one error that
+names each entry that drifted: a silent mismatch would corrupt the KV cache rather than fail.
+``KVPLUG_TRANSFORMERS_SKIP_VERSION_CHECK=1`` skips the version comparison only (for porting to a
+new release; the fingerprints still say what changed). The adapter README's table is generated
+from ``INTERNALS`` (``internals_table_markdown``; a test keeps them equal).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import hashlib
+import importlib
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from kvplug.interface import KVPlugError
 
 MIN_VERSION = (5, 17, 0)
 MAX_VERSION_EXCLUSIVE = (5, 18, 0)
 SUPPORTED_RANGE = ">=5.17.0,<5.18"
+PINNED_VERSION = "5.17.0"  # the release whose source the fingerprints below were taken from
 SKIP_CHECK_ENV = "KVPLUG_TRANSFORMERS_SKIP_VERSION_CHECK"
 INSTALL_HINT = "pip install 'transformers>=5.17.0,<5.18'"
+ORIGINAL_ATTRIBUTE = "__kvplug_original__"  # set on each replacement: the gate fingerprints what it replaced
 
-# attributes the adapter reads or replaces, per module: a release missing one is unsupported
-_REQUIRED_ATTRIBUTES = {
-    "transformers.generation.continuous_batching.continuous_api": ("PagedAttentionCache", "ContinuousBatchingManager"),
-    "transformers.generation.continuous_batching.cache": ("PagedAttentionCache", "group_layers_by_attn_type"),
-    "transformers.modeling_utils": ("AttentionInterface", "ALL_ATTENTION_FUNCTIONS"),
-    "transformers.generation.continuous_batching.model_runner": ("ModelRunner",),
-    "transformers.generation.continuous_batching.scheduler": ("Scheduler",),
-}
-# methods of those classes the adapter replaces or calls (CUDA-graph decode)
-_REQUIRED_METHODS = {
-    ("transformers.generation.continuous_batching.model_runner", "ModelRunner"): ("compute_batch", "warmup", "_sample"),
-    ("transformers.generation.continuous_batching.scheduler", "Scheduler"): ("add_waiting_request", "_process_candidates"),
-}
+PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED = "patched", "read", "called", "re-implemented", "implemented"
+KINDS = (PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED)
+# how a fingerprint is taken (``fingerprint``)
+PARAMETERS, SOURCE, RETURNS = "parameters", "source", "returns"
+ASSIGNED, FIELDS, INTERFACE = "assigned", "fields", "interface"
+
+_CB = "transformers.generation.continuous_batching"
 
 
 class UnsupportedTransformersError(KVPlugError, ImportError):
     """transformers is missing, or its version/internals are not the ones the adapter was written for."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One transformers internal the adapter touches.
+
+    Attributes:
+        owner: dotted path of the module or class holding it.
+        attribute: its name in ``owner``.
+        kind: ``patched`` (kvplug replaces it while installed), ``read``, ``called``,
+            ``re-implemented`` (kvplug runs its own copy of part of it) or ``implemented``
+            (kvplug's stand-in provides the same interface).
+        why: what kvplug needs it for, in a line.
+        check: how ``fingerprint`` reads it: ``parameters`` (parameter names), ``source`` (hash
+            of its source), ``returns`` (the expressions its ``return`` statements hand back: what
+            tuple position N holds), ``assigned`` (a method of ``owner`` sets ``self.<attribute>``),
+            ``fields`` (the dataclass fields read, all present) or ``interface`` (hash of every
+            method's name and parameters).
+        fingerprint: what ``fingerprint`` gives for ``PINNED_VERSION``.
+    """
+
+    owner: str
+    attribute: str
+    kind: str
+    why: str
+    check: str
+    fingerprint: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.attribute}"
+
+    @property
+    def short_name(self) -> str:
+        """``ModelRunner.compute_batch``: the path without ``transformers.generation.continuous_batching.``."""
+        return self.name.removeprefix(f"{_CB}.").removeprefix("transformers.")
+
+
+INTERNALS: tuple[Internal, ...] = (
+    # ---- replaced while installed (installation.install_patches)
+    Internal(f"{_CB}.continuous_api", "PagedAttentionCache", PATCHED,
+             "the class ContinuousBatchingManager instantiates; becomes a factory building KVPlugPagedCache "
+             "(same constructor arguments)",
+             PARAMETERS, "self, config, continuous_batching_config, device, distributed_helper, tp_plan, dtype"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "switch_to_cb_friendly_attn", PATCHED,
+             "selects paged|kvplug and remembers the model's own implementation, which stop() restores",
+             PARAMETERS, "self, model"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "compute_batch", PATCHED,
+             "a decode-only step that fits a captured size replays kvplug's CUDA graph; every step is then "
+             "committed on the device (KVPlugPagedCache.step_launched); other steps call the original",
+             PARAMETERS, "self, model, batch_data"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "warmup", PATCHED,
+             "the original, then kvplug captures its decode graphs before the manager takes requests",
+             PARAMETERS, "self, model"),
+    Internal(f"{_CB}.scheduler.Scheduler", "add_waiting_request", PATCHED,
+             "kvplug refuses a prompt that leaves no room in max_seq_len and caps max_new_tokens, then the original",
+             PARAMETERS, "self, state"),
+    Internal(f"{_CB}.scheduler.Scheduler", "_process_candidates", PATCHED,
+             "the original; when it scheduled nothing while host-tier loads are deferred, waits for them "
+             "and runs it again with those requests first",
+             PARAMETERS, "self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting"),
+    Internal(f"{_CB}.scheduler.Scheduler", "_process_candidates", READ,
+             "position 0 of its result is the list of scheduled requests (empty: nothing scheduled)",
+             RETURNS, "(scheduled_requests, one_allocation_failed, decode_fast_path, num_q_tokens, max_kv_read)"),
+    # ---- called
+    Internal(f"{_CB}.cache", "group_layers_by_attn_type", CALLED,
+             "KVPlugPagedCache refuses models whose layers are not all full attention",
+             PARAMETERS, "config"),
+    Internal("transformers.modeling_utils.AttentionInterface", "register", CALLED,
+             "registers the paged|kvplug attention function",
+             PARAMETERS, "cls, key, value"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "_sample", CALLED,
+             "samples a replayed decode step's logits into the step's output_ids, as transformers does",
+             PARAMETERS, "self, scores, output_ids"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "__call__", CALLED,
+             "runs transformers' logits processors over a replayed decode step's logits",
+             PARAMETERS, "self, input_ids, scores, logits_processor_args"),
+    # ---- re-implemented in part
+    Internal(f"{_CB}.model_runner.ModelRunner", "_forward_process_and_sample", REIMPLEMENTED,
+             "after a graph replay kvplug runs its tail (float logits, logits processors, _sample); it cannot be "
+             "called through: it runs the model's forward itself",
+             SOURCE, "ef713c18ac82e9c2"),
+    # ---- read
+    Internal(f"{_CB}.model_runner.ModelRunner", "logit_processor", READ,
+             "the step's logits processors (decode graphs)", ASSIGNED, "self.logit_processor set by the class"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "inputs_and_outputs", READ,
+             "the step's static buffers and compute stream", ASSIGNED, "self.inputs_and_outputs set by the class"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "cache", READ,
+             "finds the kvplug cache behind a step (patched compute_batch, warmup)", ASSIGNED,
+             "self.cache set by the class"),
+    Internal(f"{_CB}.scheduler.Scheduler", "cache", READ,
+             "finds the kvplug cache behind a scheduling pass", ASSIGNED, "self.cache set by the class"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "do_processing", READ,
+             "whether a replayed step's logits go through the processors", ASSIGNED,
+             "self.do_processing set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "compute_stream", READ,
+             "kvplug orders its table and token-pool writes on transformers' compute stream", ASSIGNED,
+             "self.compute_stream set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "compute_stream", READ,
+             "the same with async batching", ASSIGNED, "self.compute_stream set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "output_ids", READ,
+             "the step's sampled ids, shape [1 or 2, max_batch_tokens + 1], int32, device (decode graphs)",
+             ASSIGNED, "self.output_ids set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "output_ids", READ,
+             "the same with async batching: a property giving the current pair's device output ids",
+             SOURCE, "2705012ff1bb768e"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "get_cb_kwargs", READ,
+             "position 2 is the step's output_ids (KVPlugPagedCache.step_launched commits from it)",
+             RETURNS, "(self.carry_over_ids, self.output_ids, self.output_ids)"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "get_cb_kwargs", READ,
+             "the same with async batching",
+             RETURNS, "(current_pair.device_io.carry_over_ids, previous_pair.device_io.output_ids, "
+                      "current_pair.device_io.output_ids)"),
+    Internal(f"{_CB}.requests.RequestState", "fields", READ,
+             "a new request's prompt and token limits (check_waiting_request caps them)", FIELDS,
+             "request_id, initial_tokens, max_new_tokens, _new_tokens_limit"),
+    Internal("transformers.generation.configuration_utils.ContinuousBatchingConfig", "fields", READ,
+             "pool sizing is read, and transformers' own graphs, compile, offloading and decode fast path are "
+             "turned off, async batching set", FIELDS,
+             "num_blocks, block_size, max_batch_tokens, max_memory_percent, use_cuda_graph, use_async_batching, "
+             "varlen_compile_config, decode_compile_config, max_blocks_per_request, cpu_offload_space"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "_original_attn_impl", READ,
+             "the patched switch_to_cb_friendly_attn records the model's implementation where stop() reads it",
+             ASSIGNED, "self._original_attn_impl set by the class"),
+    # ---- stood in for
+    Internal(f"{_CB}.cache", "PagedAttentionCache", IMPLEMENTED,
+             "KVPlugPagedCache answers the scheduler's and model runner's calls in its place",
+             INTERFACE, "c55c2dca61151f40"),
+)
 
 
 @dataclass(frozen=True)
@@ -92,10 +225,157 @@ def check_version(text: str, *, env: dict | None = None) -> None:
         )
 
 
-def require_transformers() -> TransformersModules:
-    """Import transformers, check its version and the internals the adapter relies on."""
-    import importlib
+# ---------------------------------------------------------------------- fingerprints
+_MISSING = "missing"
 
+
+def resolve(path: str) -> Any:
+    """The module or class at dotted ``path`` (the longest importable module prefix, then attributes)."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            target = getattr(target, name)
+        return target
+    raise ImportError(f"no module in {path!r} imports")
+
+
+def _original(value: Any) -> Any:
+    """What a kvplug replacement replaced (the gate checks transformers' code, installed or not)."""
+    while hasattr(value, ORIGINAL_ATTRIBUTE):
+        value = getattr(value, ORIGINAL_ATTRIBUTE)
+    return value
+
+
+def _function(owner: Any, attribute: str) -> Any:
+    """The plain function behind ``owner.attribute`` (a method, classmethod, property getter, or a
+    class's ``__init__``); ``None`` when absent."""
+    if isinstance(owner, type):
+        value = inspect.getattr_static(owner, attribute, None)
+    else:
+        value = getattr(owner, attribute, None)
+    value = _original(value)
+    if isinstance(value, (classmethod, staticmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    elif isinstance(value, type):
+        value = value.__init__
+    return inspect.unwrap(value) if callable(value) else None
+
+
+def _parameters(function: Any) -> str:
+    names = []
+    for parameter in inspect.signature(function).parameters.values():
+        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
+        names.append(prefix + parameter.name)
+    return ", ".join(names)
+
+
+def _source_hash(text: str) -> str:
+    return hashlib.sha256(textwrap.dedent(text).encode()).hexdigest()[:16]
+
+
+def _function_tree(function: Any) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
+
+
+def _returns(function: Any) -> str:
+    tree = _function_tree(function)
+    values = [node.value for node in ast.walk(tree) if isinstance(node, ast.Return) and node.value is not None]
+    return " | ".join(_tuple_text(value) for value in values) or "no return value"
+
+
+def _tuple_text(node: ast.AST) -> str:
+    if isinstance(node, ast.Tuple):
+        return "(" + ", ".join(ast.unparse(element) for element in node.elts) + ")"
+    return ast.unparse(node)
+
+
+def _assigned(owner: Any, attribute: str) -> str:
+    if not isinstance(owner, type):
+        return f"{owner!r} is not a class"
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(owner)))):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        else:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            if (isinstance(target, ast.Attribute) and target.attr == attribute
+                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
+                return f"self.{attribute} set by the class"
+    return f"self.{attribute} not set by the class"
+
+
+def _fields(owner: Any, wanted: str) -> str:
+    if not dataclasses.is_dataclass(owner):
+        return f"{getattr(owner, '__name__', owner)} is not a dataclass"
+    present = {field.name for field in dataclasses.fields(owner)}
+    names = [name.strip() for name in wanted.split(",")]
+    return ", ".join(name if name in present else f"{name} ({_MISSING})" for name in names)
+
+
+def _interface(cls: Any) -> str:
+    methods = []
+    for name, value in sorted(vars(cls).items()):
+        routine = callable(value) or isinstance(value, (classmethod, staticmethod, property))
+        function = _function(cls, name) if routine else None
+        if function is not None:
+            methods.append(f"{name}({_parameters(function)})")
+    return _source_hash("\n".join(methods))
+
+
+def fingerprint(entry: Internal) -> str:
+    """``entry``'s fingerprint in the installed transformers (``"missing"`` when the name is gone)."""
+    try:
+        owner = resolve(entry.owner)
+    except (ImportError, AttributeError):
+        return _MISSING
+    if entry.check == ASSIGNED:
+        return _assigned(owner, entry.attribute)
+    if entry.check == FIELDS:
+        return _fields(owner, entry.fingerprint)
+    if entry.check == INTERFACE:
+        value = getattr(owner, entry.attribute, None)
+        return _interface(value) if isinstance(value, type) else _MISSING
+    function = _function(owner, entry.attribute)
+    if function is None:
+        return _MISSING
+    if entry.check == PARAMETERS:
+        return _parameters(function)
+    if entry.check == SOURCE:
+        return _source_hash(inspect.getsource(function))
+    if entry.check == RETURNS:
+        return _returns(function)
+    raise ValueError(f"unknown fingerprint check {entry.check!r} for {entry.name}")
+
+
+def drifted(entries: tuple[Internal, ...] = INTERNALS) -> list[tuple[Internal, str]]:
+    """``(entry, found)`` for every entry whose fingerprint differs from the pinned release's."""
+    found = [(entry, fingerprint(entry)) for entry in entries]
+    return [(entry, now) for entry, now in found if now != entry.fingerprint]
+
+
+def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> None:
+    """Raise one ``UnsupportedTransformersError`` naming every entry that drifted."""
+    changes = drifted(entries)
+    if not changes:
+        return
+    lines = [f"- {entry.short_name} ({entry.kind}: {entry.why}): {entry.check} expected {entry.fingerprint!r}, "
+             f"found {now!r}" for entry, now in changes]
+    raise UnsupportedTransformersError(
+        f"transformers {version} changed {len(changes)} internal(s) kvplug-transformers relies on "
+        f"({changes[0][0].short_name} first); the adapter was checked against transformers {PINNED_VERSION} "
+        f"({INSTALL_HINT}):\n" + "\n".join(lines)
+        + "\nPorting: read the new source of each, adapt the adapter, then update kvplug_transformers.compat.INTERNALS."
+    )
+
+
+def require_transformers() -> TransformersModules:
+    """Import transformers, check its version and the fingerprint of every internal the adapter touches."""
     try:
         import transformers
     except ImportError as error:
@@ -104,29 +384,22 @@ def require_transformers() -> TransformersModules:
             f"install it with `{INSTALL_HINT}`"
         ) from error
     check_version(transformers.__version__)
-    modules = {}
-    for module_name, attributes in _REQUIRED_ATTRIBUTES.items():
-        module = importlib.import_module(module_name)
-        missing = [name for name in attributes if not hasattr(module, name)]
-        if missing:
-            raise UnsupportedTransformersError(
-                f"transformers {transformers.__version__} lacks {module_name}.{', '.join(missing)}, which "
-                f"kvplug-transformers replaces; supported versions: {SUPPORTED_RANGE} ({INSTALL_HINT})"
-            )
-        modules[module_name.rsplit(".", 1)[-1]] = module
-    for (module_name, class_name), methods in _REQUIRED_METHODS.items():
-        owner = getattr(modules[module_name.rsplit(".", 1)[-1]], class_name)
-        missing = [name for name in methods if not callable(getattr(owner, name, None))]
-        if missing:
-            raise UnsupportedTransformersError(
-                f"transformers {transformers.__version__} lacks {class_name}.{', '.join(missing)}, which "
-                f"kvplug-transformers relies on; supported versions: {SUPPORTED_RANGE} ({INSTALL_HINT})"
-            )
+    check_internals(transformers.__version__)
     return TransformersModules(
         version=transformers.__version__,
-        continuous_api=modules["continuous_api"],
-        cache=modules["cache"],
-        modeling_utils=modules["modeling_utils"],
-        model_runner=modules["model_runner"],
-        scheduler=modules["scheduler"],
+        continuous_api=importlib.import_module(f"{_CB}.continuous_api"),
+        cache=importlib.import_module(f"{_CB}.cache"),
+        modeling_utils=importlib.import_module("transformers.modeling_utils"),
+        model_runner=importlib.import_module(f"{_CB}.model_runner"),
+        scheduler=importlib.import_module(f"{_CB}.scheduler"),
     )
+
+
+def internals_table_markdown(entries: tuple[Internal, ...] = INTERNALS) -> str:
+    """``INTERNALS`` as the Markdown table of the adapter README (a test keeps the two equal)."""
+    rows = ["| transformers internal | kind | why | fingerprint (transformers " + PINNED_VERSION + ") |",
+            "| --- | --- | --- | --- |"]
+    for entry in entries:
+        rows.append(f"| `{entry.short_name}` | {entry.kind} | {entry.why.replace('|', chr(92) + '|')} | "
+                    f"{entry.check}: `{entry.fingerprint}` |")
+    return "\n".join(rows)

@@ -134,7 +134,9 @@ class HostDecodeGraphs:
     @staticmethod
     def _process_and_sample(runner: Any, logits: torch.Tensor, input_ids: torch.Tensor, batch_data: dict) -> None:
         """What transformers' ``_forward_process_and_sample`` does after the model's forward:
-        its logits processors over the step's rows, then its sampler into ``output_ids``.
+        its logits processors over the step's rows, then its sampler into ``output_ids``. A copy,
+        not a call through (the original runs the forward too): the version gate fingerprints the
+        original's source (``compat.INTERNALS``), so a change there stops the install.
 
         Args:
             logits: shape ``[live, vocab]``, model dtype, device.
@@ -147,8 +149,7 @@ class HostDecodeGraphs:
             vocab = scores.shape[-1]
             processed = runner.logit_processor(input_ids, scores.view(-1, vocab), batch_data["logits_processor_args"])
             scores = processed.view(1, -1, vocab)
-        output_ids = runner.inputs_and_outputs.get_cb_kwargs()[2]
-        runner._sample(scores, output_ids)
+        runner._sample(scores, runner.inputs_and_outputs.output_ids)  # [1 or 2, max_batch_tokens + 1], int32
 
 
 def graphs_for(cache: "KVPlugPagedCache", settings: Any) -> HostDecodeGraphs | None:

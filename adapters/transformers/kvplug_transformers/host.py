@@ -1,7 +1,8 @@
 """``TransformersHost``: the object the ``"transformers"`` host plugin gives kvplug.
 
 It owns the settings, installs kvplug into transformers' continuous batching, collects cache
-statistics from every kvplug cache transformers builds, and runs ``kvplug serve``.
+statistics from every kvplug cache transformers builds, runs ``kvplug serve``, and hands
+``kvplug bench e2e`` its runner (``e2e_bench``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ class TransformersHost:
             self._records = [record for record in self._records if record.alive]
             for record in self._records:
                 record.rebase()
+
+    # ------------------------------------------------------------------ benchmark
+    def e2e_bench(self) -> Any:
+        """The ``kvplug.bench.e2e_host.E2EHost`` that ``kvplug bench e2e`` runs its workloads
+        through (``kvplug_transformers.e2e_bench.TransformersE2E``): found by host name, so the
+        core never imports this package."""
+        from kvplug_transformers.e2e_bench import TransformersE2E
+
+        return TransformersE2E()
 
     # ------------------------------------------------------------------ serving
     def serve(self, **options: Any) -> int:

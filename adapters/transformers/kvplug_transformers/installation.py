@@ -1,4 +1,8 @@
-"""Installing kvplug into transformers' continuous batching: the two replaced internals.
+"""Installing kvplug into transformers' continuous batching: the six replaced internals.
+
+Each is an entry of kind ``patched`` in ``compat.INTERNALS`` (the version gate fingerprints it;
+the adapter README lists the table). Every replacement carries the original as
+``__kvplug_original__`` and calls through to it where it runs transformers' own code.
 
 1. ``continuous_api.PagedAttentionCache``, the class ``ContinuousBatchingManager`` instantiates
    when it builds its batch processor, becomes a factory returning ``KVPlugPagedCache``.
@@ -9,16 +13,16 @@
    step to the kvplug cache (``KVPlugPagedCache.run_decode_graph``: decode-only steps replayed
    from kvplug's CUDA graphs); every other step, and every step of a non-kvplug cache, runs the
    original. Once a kvplug step is enqueued, ``KVPlugPagedCache.step_launched`` commits it on the
-   device from the sampled ids. ``ModelRunner.warmup``, which transformers runs before a manager takes requests,
-   then captures those graphs (``KVPlugPagedCache.capture_decode_graphs``), so no request
-   waits for the capture.
-4. ``Scheduler.add_waiting_request``, which takes every new request inside transformers'
+   device from the sampled ids.
+4. ``ModelRunner.warmup``, which transformers runs before a manager takes requests, runs the
+   original and then captures those graphs (``KVPlugPagedCache.capture_decode_graphs``), so no
+   request waits for the capture.
+5. ``Scheduler.add_waiting_request``, which takes every new request inside transformers'
    per-request error handling, first lets the kvplug cache refuse a prompt that leaves no room
    in ``max_seq_len`` and cap ``max_new_tokens`` to the room left
    (``KVPlugPagedCache.check_waiting_request``): one bad request fails alone instead of stopping
    the batching worker for every request.
-
-5. ``Scheduler._process_candidates``, the scheduling pass both of transformers' schedulers run:
+6. ``Scheduler._process_candidates``, the scheduling pass both of transformers' schedulers run:
    when it scheduled nothing while the kvplug cache kept host-tier hits waiting for their copies
    (``KVPlugPagedCache.wait_for_deferred_loads``), it waits for the copies and runs the pass again
    with those requests first; otherwise transformers would take the empty pass for a full cache
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvplug_transformers.attention import ATTENTION_NAME, register_attention_function
-from kvplug_transformers.compat import TransformersModules, require_transformers
+from kvplug_transformers.compat import ORIGINAL_ATTRIBUTE, TransformersModules, require_transformers
 
 
 @dataclass
@@ -76,7 +80,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
-        original_process_candidates = _installed.process_candidates
+        original_process = _installed.process_candidates
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
             cache = runner.cache
@@ -95,7 +99,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             original_add_waiting(scheduler, state)
 
         def kvplug_process_candidates(scheduler: Any, candidates: list, *args: Any, **kwargs: Any) -> Any:
-            result = original_process_candidates(scheduler, candidates, *args, **kwargs)
+            result = original_process(scheduler, candidates, *args, **kwargs)
             wait = getattr(scheduler.cache, "wait_for_deferred_loads", None)
             if result[0] or wait is None:
                 return result
@@ -105,7 +109,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
                 # itself does after offloading requests
                 ordered = [state for state in candidates if state.request_id in deferred]
                 ordered += [state for state in candidates if state.request_id not in deferred]
-                result = original_process_candidates(scheduler, ordered, *args, **kwargs)
+                result = original_process(scheduler, ordered, *args, **kwargs)
             return result
 
         def kvplug_warmup(runner: Any, model: Any) -> None:
@@ -119,12 +123,17 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         def kvplug_paged_attention_cache(*args: Any, **kwargs: Any) -> Any:
             return make_cache(*args, group_layers_by_attn_type=group_layers, **kwargs)
 
-        modules.continuous_api.PagedAttentionCache = kvplug_paged_attention_cache
-        manager_class.switch_to_cb_friendly_attn = _switch_to_kvplug_attention
-        runner_class.compute_batch = kvplug_compute_batch
-        runner_class.warmup = kvplug_warmup
-        modules.scheduler.Scheduler.add_waiting_request = kvplug_add_waiting_request
-        modules.scheduler.Scheduler._process_candidates = kvplug_process_candidates
+        replacements = (
+            (modules.continuous_api, "PagedAttentionCache", kvplug_paged_attention_cache, _installed.cache_class),
+            (manager_class, "switch_to_cb_friendly_attn", _switch_to_kvplug_attention, _installed.switch_attention),
+            (runner_class, "compute_batch", kvplug_compute_batch, original_compute_batch),
+            (runner_class, "warmup", kvplug_warmup, original_warmup),
+            (modules.scheduler.Scheduler, "add_waiting_request", kvplug_add_waiting_request, original_add_waiting),
+            (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process),
+        )
+        for owner, attribute, replacement, original in replacements:  # compat.INTERNALS, kind "patched"
+            setattr(replacement, ORIGINAL_ATTRIBUTE, original)
+            setattr(owner, attribute, replacement)
         return modules
 
 

@@ -51,10 +51,9 @@ class KVPlugSettings:
         defer_host_loads: keep a request whose prefix is being copied back from the host tier
             out of the steps until the copy is done, so the requests already running do not
             wait for it. Off by default: the request joins at once and its first step waits for
-            the copy on the device. On the H200 long-context-chat benchmark (8 rows, each turn
-            loading 8k tokens) deferring was slower (1.49x vs 1.92x GPU-only throughput,
-            BENCHMARKS.md): a loading request holds a page-table row while it waits, and the
-            requests it lets run are too few to hide the copy.
+            the copy on the device. Deferring was the slower of the two on the H200
+            long-context-chat benchmark (figures in BENCHMARKS.md): a loading request holds a
+            page-table row while it waits, and the requests it lets run are too few to hide the copy.
     """
 
     prefix_cache: str = "radix"
