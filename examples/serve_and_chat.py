@@ -34,7 +34,7 @@ try:
             break
         except OSError:
             if time.monotonic() > deadline:
-                raise SystemExit("kvplug serve did not come up within 300 s")
+                raise SystemExit("kvplug serve did not come up within 300 s") from None
             time.sleep(1)
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")

@@ -102,7 +102,7 @@ class Server:
             status = self.process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"SGLang server ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+            raise AssertionError(f"SGLang server ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{self.log_tail()}") from None
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while time.monotonic() < deadline and any(_alive(pid) for pid in self.children):
             time.sleep(0.2)

@@ -21,7 +21,7 @@ _LAZY_NAMES = {
     "RequestTable": "kvplug.memory.request",
 }
 
-__all__ = sorted(_LAZY_NAMES)
+__all__ = list(sorted(_LAZY_NAMES))
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES)

@@ -152,16 +152,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "output_ids", READ,
              "the same with async batching: a property giving the current pair's device output ids",
              SOURCE, "2705012ff1bb768e"),
-    Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "get_cb_kwargs", READ,
-             "position 2 is the step's output_ids (KVPlugPagedCache.step_launched commits from it)",
-             RETURNS, "(self.carry_over_ids, self.output_ids, self.output_ids)"),
-    Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "get_cb_kwargs", READ,
-             "the same with async batching",
-             RETURNS, "(current_pair.device_io.carry_over_ids, previous_pair.device_io.output_ids, "
-                      "current_pair.device_io.output_ids)"),
     Internal(f"{_CB}.requests.RequestState", "fields", READ,
-             "a new request's prompt and token limits (check_waiting_request caps them)", FIELDS,
-             "request_id, initial_tokens, max_new_tokens, _new_tokens_limit"),
+             "a new request's prompt and token limits (check_waiting_request caps them); at finish its prompt and "
+             "generated ids tell kvplug which sampled ids to cache", FIELDS,
+             "request_id, initial_tokens, generated_tokens, max_new_tokens, _new_tokens_limit"),
     Internal("transformers.generation.configuration_utils.ContinuousBatchingConfig", "fields", READ,
              "pool sizing is read, and transformers' own graphs, compile, offloading and decode fast path are "
              "turned off, async batching set", FIELDS,

@@ -294,7 +294,7 @@ class KVPlugPagedCache:
         """transformers' step (forward, logits processors, sampler) is enqueued: commit it on
         the device from the sampled ids in ``runner``'s output buffer (``StepTracker.commit_step``).
         Called by the patched ``ModelRunner.compute_batch`` after every step."""
-        output_ids = runner.inputs_and_outputs.get_cb_kwargs()[2]  # [1 or 2, max_batch_tokens + 1], int32
+        output_ids = runner.inputs_and_outputs.output_ids  # [1 or 2, max_batch_tokens + 1], int32
         with self._ordered():
             self.steps.commit_step(output_ids[0])
 
