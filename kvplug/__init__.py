@@ -19,7 +19,7 @@ from kvplug.lazy_names import lazy_attributes
 
 if TYPE_CHECKING:
     from kvplug.backend import BackendStats, KVBackend, ModelShape, Request, create_backend
-    from kvplug.decode_graphs import DecodeGraphs
+    from kvplug.decode_step import DecodeGraphs
     from kvplug.decode_step import DecodeStep
     from kvplug.hookspecs import hookimpl
     from kvplug.interface import (
@@ -58,7 +58,7 @@ _LAZY_NAMES: dict[str, str] = {
     "Request": "kvplug.backend",
     "create_backend": "kvplug.backend",
     "DecodeStep": "kvplug.decode_step",
-    "DecodeGraphs": "kvplug.decode_graphs",
+    "DecodeGraphs": "kvplug.decode_step",
     "hookimpl": "kvplug.hookspecs",
     "INTERFACE_VERSION": "kvplug.interface",
     "AttentionBatch": "kvplug.interface",

@@ -42,7 +42,7 @@ from kvplug.attention.decode_staging import DecodeStager
 from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
 from kvplug.backend_factory import BackendParts, build_parts
 from kvplug.backend_stats import BackendStats
-from kvplug.batch_lease import BatchLease, check_lease
+from kvplug.memory.request import BatchLease, check_lease
 from kvplug.decode_step import DecodeStep
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
 from kvplug.memory.allocator import PrefixLookup
@@ -51,7 +51,7 @@ from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids, host_token_ids
 
 if TYPE_CHECKING:
-    from kvplug.decode_graphs import DecodeGraphs
+    from kvplug.decode_step import DecodeGraphs
 
 __all__ = [
     "BackendStats", "BatchLease", "DecodeStep", "KVBackend", "ModelShape", "PrefixLookup", "Request", "create_backend",
@@ -382,7 +382,7 @@ class KVBackend:
         buffers (the dummy request fills the unused slots) and ``graphs.run(step)`` replays it;
         larger steps stay eager. Off CUDA the same buffers and calls run ``forward_fn`` eagerly.
         Calling again replaces the graphs; ``graphs.release()`` goes back to eager steps."""
-        from kvplug.decode_graphs import DecodeGraphs
+        from kvplug.decode_step import DecodeGraphs
 
         if self.attention is None:
             raise InvalidArgumentError("decode_graphs needs an attention backend (this one has attention=None)")

@@ -110,7 +110,7 @@ def test_step_progress_numbers_steps_and_refuses_a_slot_the_device_never_release
     """Without reports, a ring of 3 hands out steps 1..3 (fresh slots), then the fourth step's
     slot (step 1's) needs step 2 reported: after a sync (nothing is pending on the CPU) at least
     step 3 must be, so a launch that never reports is an error, not a silent sync per step."""
-    from kvplug.attention.step_progress import StepProgress, StepProgressError
+    from kvplug.attention.decode_staging import StepProgress, StepProgressError
 
     progress = StepProgress(torch.device("cpu"), ring_size=3)
     assert [progress.begin_step() for _ in range(3)] == [1, 2, 3]
@@ -122,7 +122,7 @@ def test_step_progress_numbers_steps_and_refuses_a_slot_the_device_never_release
 
 
 def test_step_progress_compares_numbers_modulo_2_to_the_31():
-    from kvplug.attention.step_progress import StepProgress
+    from kvplug.attention.decode_staging import StepProgress
 
     progress = StepProgress(torch.device("cpu"), ring_size=3)
     progress.report(torch.tensor([(1 << 31) - 2], dtype=torch.int32))

@@ -7,7 +7,7 @@ the slot's device buffer, with what derives from them: the flat cell of the new 
 (``row * row_width + cached``, int32), the cell after it (int64, where the step's commit puts
 the sampled id), ``out_loc`` (the new token's pool location, read from the page table) and the
 input ids (the token pool at the new token's cell). Field offsets come from
-``kvplug.attention.decode_slot`` (``SlotOffsets``). Program 0 writes the step's number back to
+``kvplug.attention.decode_staging`` (``SlotOffsets``). Program 0 writes the step's number back to
 pinned memory (``StepProgress``): every read of earlier steps' host buffers precedes this launch
 on the stream. Bound through ``FastLauncher.bind``, a step costs one launch of host time.
 
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kvplug.attention.triton_kernels.page_lists import BLOCK_PAGES, TARGET_PROGRAMS, copy_page_list
-from kvplug.attention.decode_slot import SlotOffsets
+from kvplug.attention.decode_staging import SlotOffsets
 from kvplug.kernels.launch import FastLauncher
 
 
@@ -146,7 +146,7 @@ def _decode_step_kernel(
     BLOCK: tl.constexpr,
     LIST_BLOCK: tl.constexpr,
 ):
-    # offsets: kvplug.attention.decode_slot's layout (SlotOffsets). The first programs fill the
+    # offsets: kvplug.attention.decode_staging's slot layout (SlotOffsets). The first programs fill the
     # batch fields, BLOCK requests each; with page lists (LIST_PAGE_SIZE > 0) list_splits
     # programs per request follow
     program = tl.program_id(0)
