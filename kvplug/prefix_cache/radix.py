@@ -47,7 +47,7 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.block_hashes import chained_page_hashes
-from kvplug.prefix_cache.radix_arguments import insert_arguments, match_tokens
+from kvplug.prefix_cache.radix_arguments import dense_host_array, insert_arguments, match_tokens
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, as_int32, locations_tensor, shared_page_bytes
 from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
@@ -92,6 +92,7 @@ class RadixPrefixCache(BasePrefixCache):
             )
         self.device = config.device  # PrefixCacheConfig names the CUDA index
         self.page_size = config.page_size
+        self._on_cpu = self.device.type == "cpu"
         self._page_bytes = config.page_size * BYTES_PER_TOKEN
         self._empty = torch.empty(0, dtype=torch.int32, device=self.device)
         self._tier = tier
@@ -134,9 +135,14 @@ class RadixPrefixCache(BasePrefixCache):
             moved_host = step * (moved_host // BYTES_PER_TOKEN)
             self._host_evictable -= moved_host
             self._host_protected += moved_host
-        self.refresh(node)
         if node.on_host:
+            self.refresh(node)
             self.refresh(self.device_head(node))
+        elif node.lock_ref:  # inline refresh(): a locked device node is no candidate
+            if node.heap_seq >= 0:
+                self._candidates.discard(node)
+        else:
+            self.refresh(node)
 
     @staticmethod
     def _count_own_lock(node: RadixNode, handle: BaseCacheHandle, unlock: bool) -> tuple[int, int]:
@@ -158,7 +164,15 @@ class RadixPrefixCache(BasePrefixCache):
         return 1, 0
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        tokens, locations = insert_arguments(input_ids, indices, self.device, self.page_size)
+        if self._on_cpu:  # the common case, read in place: dense int32 CPU tensors of whole pages
+            ids = dense_host_array(input_ids)
+            locations = dense_host_array(indices)
+        else:
+            ids = locations = None
+        if ids is None or locations is None or ids.shape[0] != locations.shape[0] or ids.shape[0] % self.page_size:
+            tokens, locations = insert_arguments(input_ids, indices, self.device, self.page_size)
+        else:
+            tokens = ids.tobytes()
         end = len(tokens)
         node, here, common, partial = self._find(tokens)
         matched = here + common
@@ -166,12 +180,14 @@ class RadixPrefixCache(BasePrefixCache):
         on_host = (partial if partial is not None else node).on_host
         head = self.device_head(node) if on_host else None
         kept_from = head.cached_len * BYTES_PER_TOKEN if on_host else matched
+        new_locations = locations[kept_from // BYTES_PER_TOKEN :]
         if kept_from < end:
-            check_location_values(locations[kept_from // BYTES_PER_TOKEN :])  # the new part only
+            check_location_values(new_locations)  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)
         if on_host:
             self._tier.adopt(node, head, locations[kept_from // BYTES_PER_TOKEN : matched // BYTES_PER_TOKEN].tobytes())
+            new_locations = locations[matched // BYTES_PER_TOKEN :]
         cached_len = kept_from // BYTES_PER_TOKEN
         if matched == end:
             self._touch_path(node)
@@ -179,7 +195,7 @@ class RadixPrefixCache(BasePrefixCache):
         key = tokens[matched:] if matched else tokens
         self._clock += 1  # the touch of the new path: the leaf is born with the new tick
         leaf = RadixNode(
-            self._generation, node, key, locations[matched // BYTES_PER_TOKEN :].tobytes(),
+            self._generation, node, key, new_locations.tobytes(),
             end // BYTES_PER_TOKEN, self._clock,
         )
         node.children[key[: self._page_bytes]] = leaf
@@ -236,7 +252,12 @@ class RadixPrefixCache(BasePrefixCache):
     # ------------------------------------------------------------------ the tree
     def _match(self, input_ids: torch.Tensor) -> RadixNode:
         """The deepest node of the longest cached prefix of ``input_ids`` (either tier), touched."""
-        node, _, common, partial = self._find(match_tokens(input_ids, self.device, self.page_size))
+        ids = dense_host_array(input_ids) if self._on_cpu else None
+        if ids is not None and not ids.shape[0] % self.page_size:
+            tokens = ids.tobytes()
+        else:
+            tokens = match_tokens(input_ids, self.device, self.page_size)
+        node, _, common, partial = self._find(tokens)
         if partial is not None:
             node = self._split(partial, common)
         self._touch_path(node)
@@ -306,9 +327,13 @@ class RadixPrefixCache(BasePrefixCache):
         """Give every node from ``node`` up to the root the next clock tick (LRU refresh)."""
         self._clock += 1
         self._stamp_ancestors(node, self._clock)
-        self.refresh(node)  # re-rank it under its new tick
         if node.on_host:
+            self.refresh(node)
             self.refresh(self.device_head(node))
+        elif node.lock_ref == 0 and node.host_children == len(node.children) and node.parent is not None:
+            self._candidates.add(node)  # re-rank it under its new tick (refresh(), inline)
+        elif node.heap_seq >= 0:
+            self._candidates.discard(node)
 
     def _stamp_ancestors(self, node: RadixNode, tick: int) -> None:
         """Set ``last_access = tick`` from ``node`` up to (not including) the root."""

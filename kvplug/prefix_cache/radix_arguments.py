@@ -102,13 +102,8 @@ def insert_arguments(
 ) -> tuple[bytes, np.ndarray]:
     """``insert_prefix``'s arguments with their shapes validated (raising): the ids as int32 bytes
     and the locations as an int32 numpy array of the same length, on the host. The location values
-    are not checked here: the cache checks only the part it will keep (``validation``)."""
-    if device.type == "cpu":
-        ids = dense_host_array(input_ids)
-        locations = dense_host_array(indices)
-        if ids is not None and locations is not None and ids.shape[0] == locations.shape[0] \
-                and not ids.shape[0] % page_size:
-            return ids.tobytes(), locations
+    are not checked here: the cache checks only the part it will keep (``validation``). The
+    general path: the cache reads dense CPU tensors itself (``dense_host_array``)."""
     on_cpu = device.type == "cpu"
     valid = is_valid_tensor(input_ids, device, on_cpu) and is_valid_tensor(indices, device, on_cpu)
     length = input_ids.shape[0] if valid else -1
