@@ -47,7 +47,7 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.block_hashes import chained_page_hashes
-from kvplug.prefix_cache.radix_arguments import dense_host_array, insert_arguments, match_tokens
+from kvplug.prefix_cache.radix_arguments import dense_host_array, dense_host_pair, insert_arguments, match_tokens
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
 from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, as_int32, locations_tensor, shared_page_bytes
 from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
@@ -164,15 +164,13 @@ class RadixPrefixCache(BasePrefixCache):
         return 1, 0
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        if self._on_cpu:  # the common case, read in place: dense int32 CPU tensors of whole pages
-            ids = dense_host_array(input_ids)
-            locations = dense_host_array(indices)
-        else:
-            ids = locations = None
-        if ids is None or locations is None or ids.shape[0] != locations.shape[0] or ids.shape[0] % self.page_size:
+        # the common case, read in place: dense int32 CPU tensors of equal length, whole pages
+        arrays = dense_host_pair(input_ids, indices) if self._on_cpu else None
+        if arrays is None or arrays[0].shape[0] % self.page_size:
             tokens, locations = insert_arguments(input_ids, indices, self.device, self.page_size)
         else:
-            tokens = ids.tobytes()
+            tokens = arrays[0].tobytes()
+            locations = arrays[1]
         end = len(tokens)
         node, here, common, partial = self._find(tokens)
         matched = here + common
@@ -203,7 +201,10 @@ class RadixPrefixCache(BasePrefixCache):
             self._candidates.discard(node)  # it has a device-resident child now
         self._evictable += (end - matched) // BYTES_PER_TOKEN
         self._candidates.add(leaf)
-        self._stamp_ancestors(node, self._clock)
+        root, tick = self._root, self._clock
+        while node is not root:  # _stamp_ancestors, inline
+            node.last_access = tick
+            node = node.parent
         if self.__dict__.get("_kv_event_listeners"):
             self.report_stored(leaf)
         return _new_tuple(InsertResult, (cached_len, leaf))
