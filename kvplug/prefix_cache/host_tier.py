@@ -36,7 +36,7 @@ pool's device; the pool uploads host arrays itself through pinned memory without
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -47,10 +47,24 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.block_hashes import chained_page_hashes
-from kvplug.prefix_cache.radix_arguments import dense_host_array, dense_host_pair, insert_arguments, match_tokens
+from kvplug.prefix_cache.radix_arguments import (
+    dense_host_array,
+    dense_host_pair,
+    insert_arguments,
+    match_tokens,
+)
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
-from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, as_int32, locations_tensor, shared_page_bytes
-from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
+from kvplug.prefix_cache.radix_keys import (
+    BYTES_PER_TOKEN,
+    as_int32,
+    locations_tensor,
+    shared_page_bytes,
+)
+from kvplug.prefix_cache.radix_node import (
+    RadixGeneration,
+    RadixNode,
+    stale_handle_error,
+)
 from kvplug.prefix_cache.radix_tier import TierPolicy
 from kvplug.prefix_cache.validation import (
     check_location_values,

@@ -8,7 +8,7 @@ no raw address arithmetic. The layout is the platform's native int32, 4 bytes pe
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch

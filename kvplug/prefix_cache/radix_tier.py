@@ -12,7 +12,7 @@ nodes (they take the caller's device locations), a node leaving the tree, ``rese
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvplug.prefix_cache.radix_node import RadixNode
 
