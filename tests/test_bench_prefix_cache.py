@@ -68,3 +68,31 @@ def test_a_cuda_suite_is_skipped_cleanly_without_cuda(tmp_path, monkeypatch, cap
 def test_bench_without_a_suite_prints_help(capsys):
     assert main(["bench"]) == 2
     assert "prefix-cache" in capsys.readouterr().out
+
+
+def test_a_baseline_copy_of_the_prefix_caches_runs_beside_in_the_same_process(tmp_path):
+    """``--baseline DIR`` loads another version's radix under a private name (here: this version's own
+    files), so both versions are timed in one run; the current modules stay the ones in use."""
+    import pathlib
+    import shutil
+
+    import kvplug.prefix_cache
+    from kvplug.prefix_cache.radix import RadixPrefixCache
+
+    copy = tmp_path / "prefix_cache"
+    shutil.copytree(pathlib.Path(kvplug.prefix_cache.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "baseline.json"
+    assert main(["bench", "prefix-cache", "--quick", "--page-sizes", "4", "--no-sglang", "--baseline", str(copy),
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    caches = {row["cache"] for row in data["results"]}
+    assert caches == {"kvplug-radix", "baseline-radix"}
+    assert {(row["workload"], row["operation"]) for row in data["versus_baseline"]} == {
+        ("shared-prefix", "match+lock"), ("shared-prefix", "indices"), ("shared-prefix", "insert"),
+        ("conversation", "match+lock"), ("conversation", "insert"), ("evict", "evict"),
+    }
+    hits = {row["cache"]: row["hit_tokens_mean"] for row in data["results"] if row["operation"] == "match+lock"
+            and row["workload"] == "shared-prefix"}
+    assert hits["kvplug-radix"] == hits["baseline-radix"]  # both did the same work
+    assert not list(copy.glob("__pycache__/*"))  # the rewritten modules leave no bytecode behind
+    assert kvplug.prefix_cache.radix.RadixPrefixCache is RadixPrefixCache

@@ -659,3 +659,66 @@ def test_long_random_workloads_with_faults(page_size, monkeypatch):
         TieredWorld(page_size, num_pages=40, host_pages=20 + seed, seed=100 + seed).run(400)
     monkeypatch.undo()
     check_tiered_prefix_cache(create_radix, page_sizes=(page_size,), seeds=40, shrink=False)
+
+
+# ---------------------------------------------------------------------------------------------- composition (issue 25)
+def test_the_tiered_cache_is_the_tree_composed_with_a_host_tier_policy():
+    """The tier is a policy object the tree calls; the tiered class overrides none of the tree."""
+    from kvplug.prefix_cache.host_tier import HostTier
+    from kvplug.prefix_cache.radix import RadixPrefixCache
+    from kvplug.prefix_cache.radix_tier import TierPolicy
+    from kvplug.prefix_cache.tiered_radix import TieredRadixPrefixCache
+
+    overridden = {name for name in vars(TieredRadixPrefixCache) if name in vars(RadixPrefixCache)}
+    assert overridden <= {"__init__", "__doc__", "__module__", "publishes_kv_events", "__abstractmethods__", "_abc_impl"}
+    kit = TieredKit(create_radix, 4, host_pages=4)
+    assert isinstance(kit.cache._tier, HostTier) and isinstance(kit.cache._tier, TierPolicy)
+    assert kvplug.create_prefix_cache("radix")._tier is None
+
+
+@pytest.mark.parametrize("start", [False, True])
+def test_loads_take_device_indices_on_the_cpu_and_reject_other_devices(start):
+    """kvplug's core hands the tier CPU int32 locations (the pool uploads them itself); a tensor on
+    a device that is neither the CPU nor the pool's is refused with nothing changed."""
+    kit = TieredKit(create_radix, 4, host_pages=4)
+    cache = kit.cache
+    tokens = list(range(1, 9))
+    kit.write(tokens, list(range(8)))
+    cache.insert_prefix(torch.tensor(tokens, dtype=torch.int32), torch.arange(8, dtype=torch.int32))
+    cache.evict(8)
+    match = cache.match_tiered(torch.tensor(tokens, dtype=torch.int32))
+    assert match.host_len == 8
+    cache.lock_handle(match.host_handle)
+    load = cache.start_host_load if start else cache.load_host_prefix
+    for bad in (torch.empty(8, dtype=torch.int32, device="meta"), torch.arange(8, dtype=torch.int64),
+                torch.arange(4, dtype=torch.int32), torch.tensor([20, 21, 22, 23, 24, 25, 26, 26], dtype=torch.int32)):
+        with pytest.raises(InvalidArgumentError):
+            load(match.host_handle, bad)
+        assert cache.host_size_info.protected_size == 8 and cache.size_info.total_size == 0
+        cache.check_integrity()
+    load(match.host_handle, torch.arange(20, 28, dtype=torch.int32))
+    kit.check_content(tokens, list(range(20, 28)), "loaded through CPU device_indices")
+    assert cache.size_info.protected_size == 8
+    cache.lock_handle(match.host_handle, unlock=True)
+    cache.check_integrity()
+
+
+def test_an_insert_through_host_resident_nodes_validates_only_the_part_it_takes():
+    """The device-resident head is the caller's duplicate (not checked); the host-resident part and the
+    new part take the caller's locations, so those are checked (distinct, non-negative)."""
+    kit = TieredKit(create_radix, 2, host_pages=8)
+    cache = kit.cache
+    cache.insert_prefix(torch.tensor([1, 2, 3, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32))
+    cache.insert_prefix(torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int32), torch.arange(6, dtype=torch.int32))
+    cache.evict(2)  # the leaf (5, 6) goes to host memory; (1, 2, 3, 4) stays on the device
+    assert cache.host_size_info.evictable_size == 2 and cache.size_info.evictable_size == 4
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        cache.insert_prefix(ids, torch.tensor([-1, -1, -1, -1, 40, 41, 41, 43], dtype=torch.int32))
+    assert cache.host_size_info.evictable_size == 2 and cache.size_info.evictable_size == 4
+    cache.check_integrity()
+    result = cache.insert_prefix(ids, torch.tensor([-1, -1, -1, -1, 40, 41, 42, 43], dtype=torch.int32))
+    assert result.cached_len == 4  # the device head; the host part took 40, 41
+    assert result.handle.get_matched_indices().tolist() == [0, 1, 2, 3, 40, 41, 42, 43]
+    assert cache.host_size_info.evictable_size == 0 and cache.size_info.evictable_size == 8
+    cache.check_integrity()

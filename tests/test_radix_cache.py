@@ -224,8 +224,8 @@ BAD_CALLS = {
     "evict True": lambda c: c.evict(True),
     "insert a negative location": lambda c: c.insert_prefix(ids(7, 8, 9, 9), ids(30, 31, -5, 33)),
     "insert a location twice": lambda c: c.insert_prefix(ids(7, 8, 9, 9), ids(30, 31, 32, 30)),
-    "insert a negative duplicate location": lambda c: c.insert_prefix(ids(1, 2, 3, 4), ids(-5, 1, -5, -1)),
-    "insert a location twice on the matched part": lambda c: c.insert_prefix(ids(1, 2, 3, 4), ids(40, 40, 41, 42)),
+    "insert a negative duplicate location in the new part": lambda c: c.insert_prefix(ids(1, 2, 7, 8), ids(90, 91, -5, -5)),
+    "insert a location twice in the new part after a split": lambda c: c.insert_prefix(ids(1, 2, 3, 9), ids(0, 0, 41, 41)),
     "insert a location twice through a view": lambda c: c.insert_prefix(ids(7, 8, 9, 9), ids(30, 0, 31, 0, 30, 0, 32, 0)[::2]),
     "evict None": lambda c: c.evict(None),
     "evict a string": lambda c: c.evict("3"),
@@ -379,3 +379,145 @@ def test_split_refreshes_tail_option_gives_sglangs_eviction_order():
 def test_bad_radix_options_are_rejected(options):
     with pytest.raises(kvplug.InvalidArgumentError, match="split_refreshes_tail"):
         kvplug.create_prefix_cache("radix", **options)
+
+
+# ------------------------------------------------------------------ reading arguments safely (issue 25)
+
+
+def _freed(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its storage freed under it (what FSDP-style code does): its shape stays."""
+    tensor.untyped_storage().resize_(0)
+    return tensor
+
+
+def _freed_view(tensor: torch.Tensor, part: slice) -> torch.Tensor:
+    """A view of ``tensor`` whose shared storage is then freed."""
+    view = tensor[part]
+    tensor.untyped_storage().resize_(0)
+    return view
+
+
+FREED_OR_FOREIGN_CALLS = {
+    "match freed ids": lambda c: c.match_prefix(_freed(ids(1, 2, 3, 4))),
+    "insert freed ids": lambda c: c.insert_prefix(_freed(ids(7, 8, 9, 9)), span(50, 4)),
+    "insert freed locations": lambda c: c.insert_prefix(ids(7, 8, 9, 9), _freed(span(50, 4))),
+    "match a strided view of freed ids": lambda c: c.match_prefix(_freed_view(span(0, 8), slice(None, None, 2))),
+    "insert an offset view of freed locations": lambda c: c.insert_prefix(ids(7, 8), _freed_view(span(0, 8), slice(4, 6))),
+    "insert locations longer than the ids": lambda c: c.insert_prefix(ids(7, 8), span(50, 4)),
+    "insert ids longer than the locations": lambda c: c.insert_prefix(ids(7, 8, 9, 9), span(50, 2)),
+    "match an object posing as a tensor": lambda c: c.match_prefix(_PosingTensor()),
+    "insert an object posing as a tensor": lambda c: c.insert_prefix(ids(7, 8), _PosingTensor()),
+}
+
+
+class _PosingTensor:
+    """Has the attributes the old fast path read (``data_ptr``, ``nbytes``, ...), pointing anywhere."""
+
+    dtype = torch.int32
+    is_cpu = True
+    nbytes = 1 << 20
+    shape = (1 << 18,)
+    ndim = 1
+
+    def data_ptr(self) -> int:
+        return 4096
+
+    def stride(self) -> tuple[int]:
+        return (1,)
+
+
+@pytest.mark.parametrize("what", list(FREED_OR_FOREIGN_CALLS))
+def test_freed_foreign_or_mismatched_tensors_raise_instead_of_reading_memory(what):
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 2, 3, 4), span(0, 4))
+    before = snapshot(cache)
+    with pytest.raises(InvalidArgumentError):
+        FREED_OR_FOREIGN_CALLS[what](cache)
+    assert snapshot(cache) == before
+    cache.check_integrity()
+
+
+def test_no_prefix_cache_module_reads_raw_process_memory():
+    """The keys are read through numpy's bounds-checked buffers: no ctypes address arithmetic."""
+    import pathlib
+
+    import kvplug.prefix_cache
+
+    for path in pathlib.Path(kvplug.prefix_cache.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        for trick in ("ctypes", "from_address", "string_at", "data_ptr()"):
+            assert trick not in source, f"{path.name} uses {trick}"
+
+
+def test_strided_and_offset_views_are_read_by_value():
+    cache = radix(page_size=2)
+    base = ids(0, 1, 0, 2, 0, 3, 0, 4)
+    locations = span(100, 10)
+    assert cache.insert_prefix(base[1::2], locations[3:7]).cached_len == 0
+    assert cache.match_prefix(base[1::2]).handle.get_matched_indices().tolist() == [103, 104, 105, 106]
+    assert cache.match_prefix(torch.tensor([9, 1, 2, 3, 4], dtype=torch.int32)[1:]).handle.cached_len == 4
+    cache.check_integrity()
+
+
+# ------------------------------------------------------------------ validation costs O(new pages) (issue 25)
+
+
+def test_a_repeated_location_in_the_new_part_raises_and_splits_nothing():
+    """The match ends inside an edge: the split waits until the new part's locations passed."""
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 2, 3, 4, 5, 6), span(0, 6))
+    before = snapshot(cache)
+    for bad in (ids(90, 91, 92, 93, 7, 7), ids(90, 91, 92, 93, 7, -1), ids(90, 0, 91, 0, 92, 0, 93, 0, 7, 0, 7, 0)[::2]):
+        with pytest.raises(InvalidArgumentError, match="distinct|non-negative"):
+            cache.insert_prefix(ids(1, 2, 3, 4, 8, 8), bad)
+        assert snapshot(cache) == before  # still one edge: no split happened
+    assert len(cache._root.children) == 1 and len(next(iter(cache._root.children.values())).children) == 0
+    cache.check_integrity()
+
+
+def test_the_cached_part_of_an_insert_is_not_revalidated():
+    """Its locations are the caller's duplicates (it frees them): the cache neither reads nor checks
+    them, so garbage there is accepted and the tree keeps its own locations. (ef62ca7 sorted the
+    whole prompt's locations on every insert and rejected this.)"""
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 2, 3, 4), span(0, 4))
+    result = cache.insert_prefix(ids(1, 2, 3, 4, 5, 6), ids(-1, -1, 7, 7, 20, 21))
+    assert result.cached_len == 4
+    assert result.handle.get_matched_indices().tolist() == [0, 1, 2, 3, 20, 21]
+    assert cache.insert_prefix(ids(1, 2, 3, 4, 5, 6), ids(9, 9, 9, 9, 9, 9)).cached_len == 6  # all cached
+    cache.check_integrity()
+
+
+def test_insert_validates_exactly_the_new_part(monkeypatch):
+    """Property: whatever the cached prefix, the validator sees only the locations after it."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    import kvplug.prefix_cache.radix as radix_module
+
+    seen: list[list[int]] = []
+    real_check = radix_module.check_location_values
+    monkeypatch.setattr(radix_module, "check_location_values",
+                        lambda values: seen.append(values.tolist()) or real_check(values))
+
+    @hypothesis.settings(max_examples=60, deadline=None)
+    @hypothesis.given(
+        st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6).map(lambda pages: [t for p in pages for t in (p, p)]),
+                 min_size=1, max_size=8)
+    )
+    def check(prompts):
+        cache = radix(page_size=2)
+        reference: set[tuple[int, ...]] = {()}  # the cached page-aligned prefixes (the root: length 0)
+        next_location = 0
+        for prompt in prompts:
+            cached = max((k for k in range(0, len(prompt) + 1, 2) if tuple(prompt[:k]) in reference), default=0)
+            locations = list(range(next_location, next_location + len(prompt)))
+            next_location += len(prompt)
+            seen.clear()
+            result = cache.insert_prefix(torch.tensor(prompt, dtype=torch.int32), torch.tensor(locations, dtype=torch.int32))
+            assert result.cached_len == cached
+            assert seen == ([locations[cached:]] if cached < len(prompt) else [])
+            reference.update(tuple(prompt[:k]) for k in range(0, len(prompt) + 1, 2))
+        cache.check_integrity()
+
+    check()

@@ -124,10 +124,10 @@ def test_loads_still_copying_are_ordered_before_their_steps_and_tokens_stay_exac
         assert load.done is None  # the CPU pool copies at once
         copies.append(SlowCopy(polls))
         slow = HostLoad(load.handle, copies[-1])
-        for node, in_flight in list(cache._in_flight.items()):
+        for node, in_flight in list(cache._host_tier._in_flight.items()):
             assert in_flight is not slow
         for node in _loaded_nodes(cache, load.handle, device_indices.shape[0]):
-            cache._in_flight[node] = slow
+            cache._host_tier._in_flight[node] = slow
         return slow
 
     monkeypatch.setattr(TieredRadixPrefixCache, "start_host_load", slow_start_host_load)

@@ -37,9 +37,8 @@ FULL = dict(requests=1000, shared=2048, unique=512, conversations=200, turns=8, 
             groups=100, leaves_per_group=100, group_prefix=128, leaf_tokens=32, evict_tokens=256, evict_calls=50)
 QUICK = dict(requests=50, shared=256, unique=64, conversations=10, turns=4, turn_tokens=64,
              groups=10, leaves_per_group=50, group_prefix=64, leaf_tokens=32, evict_tokens=64, evict_calls=10)
-# the radix cache's targets (docs/design.md, section 9) on the full-size workloads:
-# (workload, operation) -> p50 bar in us
-BARS_US = {("shared-prefix", "match+lock"): 10.0, ("shared-prefix", "insert"): 15.0, ("evict", "evict"): 100.0}
+# the radix cache's bars (SPEC section 7) on the full-size workloads: (workload, operation) -> p50 bar in us
+BARS_US = {("shared-prefix", "match+lock"): 5.0, ("shared-prefix", "insert"): 6.0, ("evict", "evict"): 100.0}
 MIN_SPEEDUP = 5.0
 
 
@@ -48,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caches", default="radix", help="comma-separated kvplug prefix caches (default radix)")
     parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's RadixCache even if it imports")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", metavar="DIR", default=None,
+                        help="also run the radix cache of another version in the same process: DIR is a copy of its "
+                             "kvplug/prefix_cache (e.g. git archive REF kvplug/prefix_cache | tar -x -C /tmp)")
 
 
 Timings = dict[str, list[int]]
@@ -123,8 +125,13 @@ def evict(driver: CacheDriver, sizes: dict, rng: np.random.Generator) -> tuple[T
 WORKLOADS = {"shared-prefix": shared_prefix, "conversation": conversation, "evict": evict}
 
 
-def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | None) -> list[CacheDriver]:
+def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | None,
+             baseline: type | None = None) -> list[CacheDriver]:
     drivers: list[CacheDriver] = [KvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
+    if baseline is not None:
+        from kvplug.bench.prefix_cache_baseline import BaselineRadixDriver
+
+        drivers.append(BaselineRadixDriver(baseline, page_size))
     if sglang_version:
         from kvplug.bench.sglang_anchor import SGLangRadixDriver
 
@@ -149,7 +156,7 @@ def _speedups(rows: list[dict]) -> list[dict]:
 
 
 def _bars(rows: list[dict], speedups: list[dict], full_size: bool) -> list[dict]:
-    """docs/design.md, section 9 verdicts for ``kvplug-radix`` (meaningful only at full size)."""
+    """SPEC section 7 verdicts for ``kvplug-radix`` (meaningful only at full size)."""
     ratio = {(s["workload"], s["page_size"], s["operation"]): s["p50_speedup"] for s in speedups
              if s["cache"] == "kvplug-radix"}
     verdicts = []
@@ -170,10 +177,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = QUICK if getattr(args, "quick", False) else FULL
     page_sizes = [int(size) for size in args.page_sizes.split(",") if size]
     sglang_version, sglang_missing = (None, "disabled by --no-sglang") if args.no_sglang else _sglang_status()
+    baseline = None
+    if getattr(args, "baseline", None):
+        from kvplug.bench.prefix_cache_baseline import load_baseline_radix
+
+        baseline = load_baseline_radix(args.baseline)
     rows: list[dict] = []
     for page_size in page_sizes:
         for workload, function in WORKLOADS.items():
-            for driver in _drivers(args, page_size, sglang_version):
+            for driver in _drivers(args, page_size, sglang_version, baseline):
                 timings, facts = function(driver, sizes, np.random.default_rng(args.seed))
                 for operation, samples in timings.items():
                     rows.append({"workload": workload, "page_size": page_size, "operation": operation,
@@ -186,13 +198,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(format_table(speedups, ["workload", "page_size", "operation", "cache", "p50_speedup", "p99_speedup"]))
     else:
         print(f"\nSGLang's RadixCache not measured: {sglang_missing}")
+    versus_baseline = _versus_baseline(rows)
+    if versus_baseline:
+        print(f"\nbaseline ({args.baseline}) us / kvplug-radix us:")
+        print(format_table(versus_baseline, ["workload", "page_size", "operation", "baseline_p50_us", "p50_us",
+                                             "p50_ratio"]))
     return {
         "suite": SUITE, "schema": SCHEMA, "kvplug_version": __version__, "quick": sizes is QUICK, "sizes": sizes,
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
                         "cpu_count": os.cpu_count(), "platform": platform.platform(), "sglang": sglang_version,
                         "sglang_missing": sglang_missing},
-        "results": rows, "speedups": speedups, "bars": bars,
+        "results": rows, "speedups": speedups, "bars": bars, "baseline": getattr(args, "baseline", None),
+        "versus_baseline": versus_baseline,
     }
+
+
+def _versus_baseline(rows: list[dict]) -> list[dict]:
+    """``kvplug-radix`` beside ``baseline-radix`` (``--baseline``), row by row."""
+    base = {(r["workload"], r["page_size"], r["operation"]): r for r in rows if r["cache"] == "baseline-radix"}
+    return [
+        {"workload": row["workload"], "page_size": row["page_size"], "operation": row["operation"],
+         "baseline_p50_us": anchor["p50_us"], "p50_us": row["p50_us"],
+         "p50_ratio": round(anchor["p50_us"] / row["p50_us"], 2)}
+        for row in rows
+        if row["cache"] == "kvplug-radix" and (anchor := base.get((row["workload"], row["page_size"], row["operation"])))
+    ]
 
 
 def _sglang_status() -> tuple[str | None, str | None]:

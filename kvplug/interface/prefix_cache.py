@@ -193,6 +193,8 @@ class BasePrefixCache(ABC):
             input_ids: shape ``[n]``, int32, cache device; ``n`` a multiple of the page size.
             indices: shape ``[n]``, int32, cache device; the locations holding their K/V: distinct
                 and non-negative (anything else raises ``InvalidArgumentError``, nothing cached).
+                Those of the already-cached prefix are duplicates the caller frees: the built-in
+                caches neither read nor check them (validation costs O(new pages)).
 
         Returns how many leading tokens were already cached (their ``indices`` are duplicates the
         caller must free) and a handle covering all ``n`` tokens (not locked).

@@ -1,35 +1,45 @@
 """``radix``: a radix tree over page-aligned token ids, with LRU eviction of unlocked leaves.
 
 Layout. The tree lives on the host whatever the cache's device: token ids and locations are int32
-``bytes`` (see ``radix_keys``). Children are keyed by the bytes of their first page, so descending
-one edge is one dict lookup plus one memcmp over the whole edge; only a mismatch inside an edge
-touches numpy to find where it is. A dense int32 CPU tensor from the caller is read in place (only
-the pages a new node keeps are copied); anything else (a device tensor, a strided view) is first
-copied to a dense host tensor, which synchronises with an accelerator. Locations are copied to
-the cache's device on the way out (``get_matched_indices`` and ``evict``).
+``bytes`` (``radix_keys``), read from the caller's tensors through numpy (``radix_arguments``).
+Children are keyed by the bytes of their first page, so descending one edge is one dict lookup
+plus one memcmp over the whole edge; only a mismatch inside an edge touches numpy to find where.
+
+Validation costs O(new pages): the locations of the part an insert adds are checked (distinct,
+non-negative); the already-cached prefix is neither re-read nor re-validated. The tree is only
+changed once every check passed (a match ending inside an edge is split after validation).
 
 Recency. A logical clock ticks once per ``match_prefix``/``insert_prefix``; every node on the
 path gets the new tick, so a parent is never older than its children and evicting leaves in
 clock order is LRU at every depth. Locks count handles per node along the path to the root.
 
+Eviction candidates (``EvictionCandidates``) are kept incrementally: lock, unlock, insert, split,
+match and evict each update O(1) of them; ``evict`` never scans the tree.
+
+Tiers. A node is device-resident (``value``: KV-pool locations) or, with a host tier, host-resident;
+below a host-resident node everything is host-resident. The tree keeps both tiers' sizes and
+candidates (device: unlocked device nodes whose children are all host-resident, which without a
+tier are the unlocked leaves; host: unlocked host-resident leaves) and calls its ``TierPolicy``
+(``radix_tier``) where bytes must move. Without a tier no node is ever host-resident.
+
 KV events (``add_kv_event_listener``): a new leaf is a ``BlockStored`` of its pages, an evicted leaf
 a ``BlockRemoved``, ``reset`` an ``AllCleared``; splits change no page, so they report nothing. The
 page hashes are computed only while someone listens, and kept on the node for its removal.
-
-Eviction candidates (unlocked leaves) are kept incrementally in ``EvictionCandidates``: lock,
-unlock, insert, split, match and evict each update O(1) of them; ``evict`` never scans the tree.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvplug.interface import (
+    KV_MEDIUM_DEVICE,
+    KV_MEDIUM_HOST,
     AllCleared,
     BaseCacheHandle,
+    BasePrefixCache,
     BlockRemoved,
     BlockStored,
-    BasePrefixCache,
     InsertResult,
     InvalidArgumentError,
     MatchResult,
@@ -37,21 +47,25 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.block_hashes import chained_page_hashes
-from kvplug.prefix_cache.radix_arguments import checked_host_insert_tokens, checked_host_tokens
+from kvplug.prefix_cache.radix_arguments import (
+    dense_host_array,
+    dense_host_pair,
+    insert_arguments,
+    match_tokens,
+)
 from kvplug.prefix_cache.radix_candidates import EvictionCandidates
-from kvplug.prefix_cache.radix_integrity import check_radix_tree
 from kvplug.prefix_cache.radix_keys import (
-    ADDRESS_SPACE,
-    ADDRESS_VIEW,
     BYTES_PER_TOKEN,
     as_int32,
-    dense_host_nbytes,
-    dense_host_pair_nbytes,
     locations_tensor,
     shared_page_bytes,
-    tensor_bytes,
 )
-from kvplug.prefix_cache.radix_node import RadixGeneration, RadixNode, stale_handle_error
+from kvplug.prefix_cache.radix_node import (
+    RadixGeneration,
+    RadixNode,
+    stale_handle_error,
+)
+from kvplug.prefix_cache.radix_tier import TierPolicy
 from kvplug.prefix_cache.validation import (
     check_location_values,
     checked_evict_size,
@@ -74,11 +88,15 @@ class RadixPrefixCache(BasePrefixCache):
     edge, also give the edge's unused tail the new recency tick. Off, eviction is strict LRU (the
     tail keeps its age); on, the eviction order is SGLang's RadixCache's, which stamps an edge
     before comparing it (the SGLang host turns it on for exact parity).
+
+    Args:
+        config: the factory's config (``device``, ``page_size``, ``options``).
+        tier: the policy of a second tier (``TieredRadixPrefixCache`` passes its host tier), or None.
     """
 
     publishes_kv_events = True
 
-    def __init__(self, config: PrefixCacheConfig) -> None:
+    def __init__(self, config: PrefixCacheConfig, *, tier: TierPolicy | None = None) -> None:
         options = dict(config.options)
         self._split_refreshes_tail = options.pop("split_refreshes_tail", False)
         if options or not isinstance(self._split_refreshes_tail, bool):
@@ -91,18 +109,16 @@ class RadixPrefixCache(BasePrefixCache):
         self._on_cpu = self.device.type == "cpu"
         self._page_bytes = config.page_size * BYTES_PER_TOKEN
         self._empty = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._tier = tier
         self._candidates = EvictionCandidates()
+        self._host_candidates = EvictionCandidates("host_heap_seq", "host-resident leaves")
         self.reset()
 
+    # ------------------------------------------------------------------ version-1 surface
     def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
-        end = dense_host_nbytes(input_ids) if self._on_cpu else -1
-        if end >= 0:
-            tokens = input_ids
-        else:
-            tokens = checked_host_tokens(input_ids, self.device, self.page_size)
-            end = tokens.nbytes
-        node, _ = self._descend(tokens.data_ptr(), end - end % self._page_bytes)
-        self._touch_path(node)
+        node = self._match(input_ids)
+        if node.on_host:
+            node = self.device_head(node)
         return _new_tuple(MatchResult, (node,))
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -112,25 +128,35 @@ class RadixPrefixCache(BasePrefixCache):
         node = handle
         # Fast path: a live non-root node of this tree (the root and evicted nodes have no parent).
         if type(node) is not RadixNode or node.generation is not self._generation or node.parent is None:
-            node = self._live_node(handle)
+            node = self.live_node(handle)
             if node is root:
                 return
         step, flips_at = self._count_own_lock(node, handle, unlock)
-        moved = 0  # bytes of locations whose node flips between evictable and protected
+        moved = moved_host = 0  # bytes of locations whose node flips between evictable and protected
         walker = node
         while walker is not root:
             if walker.lock_ref == flips_at:
-                moved += len(walker.value)
+                if walker.on_host:
+                    moved_host += len(walker.value)
+                else:
+                    moved += len(walker.value)
             walker.lock_ref += step
             walker = walker.parent
         moved = step * (moved // BYTES_PER_TOKEN)
         self._evictable -= moved
         self._protected += moved
-        if not unlock:
+        if moved_host:
+            moved_host = step * (moved_host // BYTES_PER_TOKEN)
+            self._host_evictable -= moved_host
+            self._host_protected += moved_host
+        if node.on_host:
+            self.refresh(node)
+            self.refresh(self.device_head(node))
+        elif node.lock_ref:  # inline refresh(): a locked device node is no candidate
             if node.heap_seq >= 0:
                 self._candidates.discard(node)
-        elif node.lock_ref == 0 and not node.children:
-            self._candidates.add(node)
+        else:
+            self.refresh(node)
 
     @staticmethod
     def _count_own_lock(node: RadixNode, handle: BaseCacheHandle, unlock: bool) -> tuple[int, int]:
@@ -152,36 +178,50 @@ class RadixPrefixCache(BasePrefixCache):
         return 1, 0
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        end = dense_host_pair_nbytes(input_ids, indices) if self._on_cpu else -1
-        if end >= 0 and not end % self._page_bytes:
-            tokens = input_ids
-            locations_at = indices.data_ptr()
-            check_location_values(as_int32(ADDRESS_VIEW[locations_at : locations_at + end]))
+        # the common case, read in place: dense int32 CPU tensors of equal length, whole pages
+        arrays = dense_host_pair(input_ids, indices) if self._on_cpu else None
+        if arrays is None or arrays[0].shape[0] % self.page_size:
+            tokens, locations = insert_arguments(input_ids, indices, self.device, self.page_size)
         else:
-            tokens = checked_host_insert_tokens(input_ids, indices, self.device, self.page_size)
-            end = tokens.nbytes
-            locations_at = -1  # read through tensor_bytes
-        tokens_at = tokens.data_ptr()
-        node, matched_bytes = self._descend(tokens_at, end)
-        if matched_bytes < end:
-            if locations_at >= 0:
-                locations = ADDRESS_SPACE[locations_at + matched_bytes : locations_at + end]
-            else:
-                locations = tensor_bytes(indices, matched_bytes // BYTES_PER_TOKEN, end // BYTES_PER_TOKEN)
-            key = ADDRESS_SPACE[tokens_at + matched_bytes : tokens_at + end]
-            self._clock += 1  # the touch of the new path: the leaf is born with the new tick
-            leaf = RadixNode(self._generation, node, key, locations, end // BYTES_PER_TOKEN, self._clock)
-            node.children[key[: self._page_bytes]] = leaf
-            if node.heap_seq >= 0:
-                self._candidates.discard(node)  # it stops being a leaf
-            self._evictable += (end - matched_bytes) // BYTES_PER_TOKEN
-            self._candidates.add(leaf)
-            self._stamp_ancestors(node, self._clock)
-            if self.__dict__.get("_kv_event_listeners"):
-                self._report_stored(leaf)
-            return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, leaf))
-        self._touch_path(node)
-        return _new_tuple(InsertResult, (matched_bytes // BYTES_PER_TOKEN, node))
+            tokens = arrays[0].tobytes()
+            locations = arrays[1]
+        end = len(tokens)
+        node, here, common, partial = self._find(tokens)
+        matched = here + common
+        # the path's device-resident head is what the caller's copy duplicates; the rest it gives us
+        on_host = (partial if partial is not None else node).on_host
+        head = self.device_head(node) if on_host else None
+        kept_from = head.cached_len * BYTES_PER_TOKEN if on_host else matched
+        new_locations = locations[kept_from // BYTES_PER_TOKEN :]
+        if kept_from < end:
+            check_location_values(new_locations)  # the new part only: O(new pages)
+        if partial is not None:
+            node = self._split(partial, common)
+        if on_host:
+            self._tier.adopt(node, head, locations[kept_from // BYTES_PER_TOKEN : matched // BYTES_PER_TOKEN].tobytes())
+            new_locations = locations[matched // BYTES_PER_TOKEN :]
+        cached_len = kept_from // BYTES_PER_TOKEN
+        if matched == end:
+            self._touch_path(node)
+            return _new_tuple(InsertResult, (cached_len, node))
+        key = tokens[matched:] if matched else tokens
+        self._clock += 1  # the touch of the new path: the leaf is born with the new tick
+        leaf = RadixNode(
+            self._generation, node, key, new_locations.tobytes(),
+            end // BYTES_PER_TOKEN, self._clock,
+        )
+        node.children[key[: self._page_bytes]] = leaf
+        if node.heap_seq >= 0:
+            self._candidates.discard(node)  # it has a device-resident child now
+        self._evictable += (end - matched) // BYTES_PER_TOKEN
+        self._candidates.add(leaf)
+        root, tick = self._root, self._clock
+        while node is not root:  # _stamp_ancestors, inline
+            node.last_access = tick
+            node = node.parent
+        if self.__dict__.get("_kv_event_listeners"):
+            self.report_stored(leaf)
+        return _new_tuple(InsertResult, (cached_len, leaf))
 
     def evict(self, size: int) -> torch.Tensor:
         size = checked_evict_size(size, self._evictable, self._protected)
@@ -190,71 +230,84 @@ class RadixPrefixCache(BasePrefixCache):
         freed: list[bytes] = []
         freed_bytes = 0
         wanted_bytes = size * BYTES_PER_TOKEN
-        root = self._root
-        page_bytes = self._page_bytes
-        reporting = bool(self.__dict__.get("_kv_event_listeners"))
+        tier = self._tier
         while freed_bytes < wanted_bytes:
             leaf = self._candidates.pop_least_recent()
-            if reporting:
-                self.emit_kv_event(BlockRemoved(self._page_hashes(leaf)))
+            value = leaf.value
+            freed.append(value)
+            freed_bytes += len(value)
+            self._evictable -= len(value) // BYTES_PER_TOKEN
             parent = leaf.parent
-            del parent.children[leaf.key[:page_bytes]]
-            leaf.parent = None
-            freed.append(leaf.value)
-            freed_bytes += len(leaf.value)
-            if parent is not root and not parent.children and parent.lock_ref == 0:
-                self._candidates.add(parent)
-        self._evictable -= freed_bytes // BYTES_PER_TOKEN
+            if tier is None or not tier.keep_evicted(leaf):
+                self.drop_subtree(leaf)
+            self.refresh(parent)  # it may have become a candidate
+        if tier is not None:
+            tier.finish_evict()
         return locations_tensor(freed, self.device)
 
     def reset(self) -> None:
         self._candidates.clear()
+        self._host_candidates.clear()
         self._generation = RadixGeneration(self)  # handles from before the reset are rejected
         self._root = RadixNode(self._generation, None, b"", b"", 0)
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        self._host_evictable = 0
+        self._host_protected = 0
         if self.__dict__.get("_kv_event_listeners"):
             self.emit_kv_event(AllCleared())
+        if self._tier is not None:
+            self._tier.reset()
 
     @property
     def size_info(self) -> SizeInfo:
         return SizeInfo(evictable_size=self._evictable, protected_size=self._protected)
 
-    def check_integrity(self) -> None:
-        check_radix_tree(self)
+    # ------------------------------------------------------------------ the tree
+    def _match(self, input_ids: torch.Tensor) -> RadixNode:
+        """The deepest node of the longest cached prefix of ``input_ids`` (either tier), touched."""
+        ids = dense_host_array(input_ids) if self._on_cpu else None
+        if ids is not None and not ids.shape[0] % self.page_size:
+            tokens = ids.tobytes()
+        else:
+            tokens = match_tokens(input_ids, self.device, self.page_size)
+        node, _, common, partial = self._find(tokens)
+        if partial is not None:
+            node = self._split(partial, common)
+        self._touch_path(node)
+        return node
 
-    def _descend(self, tokens_at: int, end: int) -> tuple[RadixNode, int]:
-        """Follow the token ids at ``[tokens_at, tokens_at + end)`` (host memory, ``end`` a whole
-        number of pages in bytes) down from the root; split the last edge if the match ends inside it.
+    def _find(self, tokens: bytes) -> tuple[RadixNode, int, int, RadixNode | None]:
+        """Follow ``tokens`` (int32 bytes, whole pages) down from the root; changes nothing.
 
-        Returns the node whose path is the longest cached page-aligned prefix of the ids and the
-        length of that prefix in bytes. The ids are read in place: one small copy per edge for the
-        child lookup, and a zero-copy view compared with one memcmp per edge.
+        Returns ``(node, here, common, partial)``: ``node`` is the deepest node whose whole path
+        the tokens start with, ``here`` that path's length in bytes; when the match goes on for
+        ``common`` bytes (whole pages) into the edge of ``partial``, a child of ``node``, the caller
+        splits it there (``_split``); else ``partial`` is None and ``common`` 0.
         """
         node = self._root
         page_bytes = self._page_bytes
-        here = tokens_at  # address of the first token not matched yet
-        stop = tokens_at + end
+        here = 0  # bytes matched so far
+        stop = len(tokens)
         while here < stop:
-            child = node.children.get(ADDRESS_SPACE[here : here + page_bytes])
+            child = node.children.get(tokens[here : here + page_bytes])
             if child is None:
                 break
             key = child.key
             after = here + len(key)
-            if after <= stop and key.startswith(ADDRESS_VIEW[here:after]):
+            if after <= stop and tokens.startswith(key, here):
                 here = after
                 node = child
                 continue
-            common = shared_page_bytes(key, ADDRESS_VIEW[here:stop], self.page_size)
-            return self._split(child, common), here - tokens_at + common
-        return node, here - tokens_at
+            return node, here, shared_page_bytes(key, tokens, here, self.page_size), child
+        return node, here, 0, None
 
     def _split(self, child: RadixNode, at_bytes: int) -> RadixNode:
         """Cut ``child`` after ``at_bytes``; the new upper node takes its place and is returned.
 
         ``child`` keeps the tail, its candidate entry and every handle that points at it; the
-        upper node copies its lock count and recency, so sizes and LRU order are unchanged (with
+        upper node copies its lock count, tier and recency, so sizes and LRU order are unchanged (with
         ``split_refreshes_tail`` the tail also takes the tick the caller's ``_touch_path`` is about to give).
         """
         page_bytes = self._page_bytes
@@ -264,6 +317,9 @@ class RadixPrefixCache(BasePrefixCache):
             child.generation, parent, child.key[:at_bytes], child.value[:at_bytes], upper_len, child.last_access
         )
         upper.lock_ref = child.lock_ref
+        if child.on_host:
+            upper.on_host = True
+            upper.host_children = 1
         parent.children[child.key[:page_bytes]] = upper
         child.key = child.key[at_bytes:]
         child.value = child.value[at_bytes:]
@@ -272,18 +328,27 @@ class RadixPrefixCache(BasePrefixCache):
         if child.page_hashes is not None:  # a page's hash depends only on its path: split them as is
             upper_pages = at_bytes // page_bytes
             upper.page_hashes, child.page_hashes = child.page_hashes[:upper_pages], child.page_hashes[upper_pages:]
+        if self._tier is not None:
+            self._tier.on_split(upper, child, at_bytes)
         if self._split_refreshes_tail:
             child.last_access = self._clock + 1  # the tick _touch_path gives the path right after
             if child.heap_seq >= 0:
                 self._candidates.add(child)  # re-rank under the new tick
+            if child.host_heap_seq >= 0:
+                self._host_candidates.add(child)
         return upper
 
     def _touch_path(self, node: RadixNode) -> None:
         """Give every node from ``node`` up to the root the next clock tick (LRU refresh)."""
         self._clock += 1
         self._stamp_ancestors(node, self._clock)
-        if node is not self._root and node.lock_ref == 0 and not node.children:
-            self._candidates.add(node)  # re-rank the leaf under its new tick
+        if node.on_host:
+            self.refresh(node)
+            self.refresh(self.device_head(node))
+        elif node.lock_ref == 0 and node.host_children == len(node.children) and node.parent is not None:
+            self._candidates.add(node)  # re-rank it under its new tick (refresh(), inline)
+        elif node.heap_seq >= 0:
+            self._candidates.discard(node)
 
     def _stamp_ancestors(self, node: RadixNode, tick: int) -> None:
         """Set ``last_access = tick`` from ``node`` up to (not including) the root."""
@@ -292,28 +357,101 @@ class RadixPrefixCache(BasePrefixCache):
             node.last_access = tick
             node = node.parent
 
-    def _report_stored(self, leaf: RadixNode) -> None:
-        """``BlockStored`` for the pages of a new leaf."""
-        parent = leaf.parent
-        parent_hash = self._page_hashes(parent)[-1] if parent is not self._root else None
-        self.emit_kv_event(
-            BlockStored(
-                self._page_hashes(leaf),
-                parent_hash,
-                tuple(as_int32(leaf.key).tolist()),
-                self.page_size,
-            )
-        )
+    # ------------------------------------------------------------------ what the tier calls
+    def refresh(self, node: RadixNode) -> None:
+        """Put ``node`` in (or out of) its tier's eviction candidates, ranked by its recency.
 
-    def _page_hashes(self, node: RadixNode) -> tuple[int, ...]:
-        """The KV-event hashes of ``node``'s pages (computed on first use, ancestors first)."""
-        if node.page_hashes is None:
-            parent = node.parent
-            parent_hash = self._page_hashes(parent)[-1] if parent is not self._root else None
-            node.page_hashes = chained_page_hashes(node.key, self.page_size, parent_hash)
-        return node.page_hashes
+        Device candidates: unlocked device-resident nodes whose children are all host-resident
+        (without a tier: the unlocked leaves). Host candidates: unlocked host-resident leaves.
+        """
+        if node.parent is None:  # the root, or a node no longer in the tree
+            return
+        if node.on_host:
+            if node.heap_seq >= 0:
+                self._candidates.discard(node)
+            if node.lock_ref == 0 and not node.children:
+                self._host_candidates.add(node)
+            elif node.host_heap_seq >= 0:
+                self._host_candidates.discard(node)
+            return
+        if node.host_heap_seq >= 0:
+            self._host_candidates.discard(node)
+        if node.lock_ref == 0 and node.host_children == len(node.children):
+            self._candidates.add(node)
+        elif node.heap_seq >= 0:
+            self._candidates.discard(node)
 
-    def _live_node(self, handle: BaseCacheHandle) -> RadixNode:
+    def device_head(self, node: RadixNode) -> RadixNode:
+        """The deepest device-resident node on ``node``'s path (``node`` itself, or the root)."""
+        while node.on_host:
+            node = node.parent
+        return node
+
+    def set_host_resident(self, node: RadixNode, host_value: bytes) -> None:
+        """``node`` (device-resident, unlocked, already off the device tier's books: ``evict`` took
+        it) now holds host locations ``host_value`` (int32 bytes, as long as its value)."""
+        node.value = host_value
+        node.on_host = True
+        node.parent.host_children += 1
+        self._host_evictable += len(host_value) // BYTES_PER_TOKEN
+        self.refresh(node)
+
+    def set_device_resident(self, node: RadixNode, device_value: bytes) -> None:
+        """Host-resident ``node`` (its parent device-resident) now holds device locations
+        ``device_value`` (int32 bytes); the caller refreshes the candidates of the moved path."""
+        node.value = device_value
+        node.on_host = False
+        node.parent.host_children -= 1
+        tokens = len(device_value) // BYTES_PER_TOKEN
+        if node.lock_ref:
+            self._host_protected -= tokens
+            self._protected += tokens
+        else:
+            self._host_evictable -= tokens
+            self._evictable += tokens
+        if self.__dict__.get("_kv_event_listeners"):
+            self.report_stored(node)
+
+    def pop_host_candidate(self) -> RadixNode | None:
+        """The least recently used unlocked host-resident leaf, out of the candidates; None if none."""
+        return self._host_candidates.pop_least_recent() if len(self._host_candidates) else None
+
+    def drop_subtree(self, node: RadixNode) -> RadixNode:
+        """Remove unlocked ``node`` and everything below it (all host-resident) from the tree and
+        return its parent. A device-resident ``node`` is already off the device tier's books
+        (``evict`` took it); host-resident nodes are taken off the host tier's here."""
+        parent = node.parent
+        del parent.children[node.key[: self._page_bytes]]
+        if node.on_host:
+            parent.host_children -= 1
+        tier = self._tier
+        reporting = bool(self.__dict__.get("_kv_event_listeners"))
+        stack = [node]
+        while stack:
+            dropping = stack.pop()
+            if dropping.children:
+                stack.extend(dropping.children.values())
+            if dropping.on_host:
+                self._host_evictable -= len(dropping.value) // BYTES_PER_TOKEN
+                self._host_candidates.discard(dropping)
+            elif dropping.heap_seq >= 0:
+                self._candidates.discard(dropping)
+            if tier is not None:
+                tier.on_drop(dropping)
+            if reporting:
+                self.emit_kv_event(
+                    BlockRemoved(self.page_hashes(dropping), KV_MEDIUM_HOST if dropping.on_host else KV_MEDIUM_DEVICE)
+                )
+        stack = [node]
+        while stack:  # detach after reporting: a child's hashes chain through its parent's
+            dropping = stack.pop()
+            if dropping.children:
+                stack.extend(dropping.children.values())
+            dropping.parent = None
+        return parent
+
+    def live_node(self, handle: BaseCacheHandle) -> RadixNode:
+        """``handle`` if it is a node of this cache's current tree, else ``InvalidArgumentError``."""
         if not isinstance(handle, RadixNode) or handle.generation.cache is not self:
             reject_foreign_handle("radix", handle)
         if handle.generation is not self._generation:
@@ -322,8 +460,14 @@ class RadixPrefixCache(BasePrefixCache):
             raise stale_handle_error("was evicted")
         return handle
 
-    def _path_indices(self, handle: RadixNode) -> torch.Tensor:
-        node = self._live_node(handle)
+    def path_indices(self, handle: RadixNode) -> torch.Tensor:
+        """``handle.get_matched_indices()``: shape ``[cached_len]``, int32, on the cache's device."""
+        node = self.live_node(handle)
+        if node.on_host:
+            raise InvalidArgumentError(
+                f"the prefix of {handle!r} ends in host memory: load it with load_host_prefix before reading "
+                "its locations"
+            )
         if node is self._root:
             return self._empty
         values = []
@@ -333,3 +477,118 @@ class RadixPrefixCache(BasePrefixCache):
             node = node.parent
         values.reverse()
         return locations_tensor(values, self.device)
+
+    # ------------------------------------------------------------------ KV events
+    def report_stored(self, node: RadixNode) -> None:
+        """``BlockStored`` for the pages of ``node``, in the medium of its tier."""
+        parent = node.parent
+        parent_hash = self.page_hashes(parent)[-1] if parent is not self._root else None
+        self.emit_kv_event(
+            BlockStored(
+                self.page_hashes(node), parent_hash, tuple(as_int32(node.key).tolist()), self.page_size,
+                KV_MEDIUM_HOST if node.on_host else KV_MEDIUM_DEVICE,
+            )
+        )
+
+    def page_hashes(self, node: RadixNode) -> tuple[int, ...]:
+        """The KV-event hashes of ``node``'s pages (computed on first use, ancestors first)."""
+        if node.page_hashes is None:
+            parent = node.parent
+            parent_hash = self.page_hashes(parent)[-1] if parent is not self._root else None
+            node.page_hashes = chained_page_hashes(node.key, self.page_size, parent_hash)
+        return node.page_hashes
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant; one full walk (slow on purpose).
+
+        Checked: root shape; every edge a non-empty page multiple with as many locations as token
+        ids; handle lengths and generations; parent/child links and first-page child keys; lock
+        counts (never negative; a node counts its own locks plus its children's); recency (a
+        parent is never older than a child, nothing newer than the clock); below a host-resident
+        node everything is host-resident, and each node counts its host-resident children; per
+        tier, the sizes and the eviction candidates; no device location held twice; then the
+        tier's own state (``TierPolicy.check_integrity``).
+        """
+        root = self._root
+        assert root.parent is None and root.key == b"" and root.value == b"" and not root.on_host, (
+            "root must be an empty device edge"
+        )
+        assert root.lock_ref == 0 and root.heap_seq < 0 and root.host_heap_seq < 0, (
+            "the root is never locked nor an eviction candidate"
+        )
+        assert root.cached_len == 0 and root.generation is self._generation, "the root must start the current tree"
+        sizes = {False: [0, 0], True: [0, 0]}  # on_host -> [evictable, protected]
+        device_candidates: list[RadixNode] = []
+        host_candidates: list[RadixNode] = []
+        device_locations: list[bytes] = []
+        nodes: list[RadixNode] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_locks = host_children = 0
+            for first_page, child in node.children.items():
+                self._check_edge(child, node, first_page)
+                child_locks += child.lock_ref
+                host_children += child.on_host
+                stack.append(child)
+            assert node.host_children == host_children, (
+                f"{node!r} counts {node.host_children} host-resident children, it has {host_children}"
+            )
+            if node is root:
+                continue
+            nodes.append(node)
+            assert node.own_locks >= 0, f"{node!r}: negative count of its own locks"
+            assert node.lock_ref == node.own_locks + child_locks, (
+                f"{node!r}: lock_ref {node.lock_ref} != its own locks {node.own_locks} + its children's lock "
+                f"counts {child_locks}"
+            )
+            sizes[node.on_host][1 if node.lock_ref else 0] += node.num_tokens
+            if not node.on_host:
+                device_locations.append(node.value)
+            if node.lock_ref == 0:
+                if node.on_host and not node.children:
+                    host_candidates.append(node)
+                elif not node.on_host and host_children == len(node.children):
+                    device_candidates.append(node)
+        assert sizes[False] == [self._evictable, self._protected], (
+            f"size_info says evictable={self._evictable} protected={self._protected}, the device tier holds "
+            f"evictable={sizes[False][0]} protected={sizes[False][1]}"
+        )
+        assert sizes[True] == [self._host_evictable, self._host_protected], (
+            f"the host tier counts evictable={self._host_evictable} protected={self._host_protected}, it holds "
+            f"evictable={sizes[True][0]} protected={sizes[True][1]}"
+        )
+        if device_locations:
+            every_location = as_int32(b"".join(device_locations))
+            assert np.unique(every_location).size == every_location.size, "a device location is cached twice"
+        self._candidates.check(device_candidates)
+        self._host_candidates.check(host_candidates)
+        if self._tier is None:
+            assert not any(node.on_host or node.host_copy is not None for node in nodes), (
+                "host-resident nodes (or host copies) in a cache without a host tier"
+            )
+        else:
+            self._tier.check_integrity(nodes)
+
+    def _check_edge(self, child: RadixNode, parent: RadixNode, first_page: bytes) -> None:
+        page_size = self.page_size
+        assert child.parent is parent, f"{child!r} does not point back at its parent"
+        assert child.generation is parent.generation, f"{child!r} belongs to another tree"
+        assert isinstance(child.key, bytes) and isinstance(child.value, bytes), f"{child!r}: key/value must be bytes"
+        num_tokens = len(child.value) // BYTES_PER_TOKEN
+        assert num_tokens > 0 and num_tokens % page_size == 0 and len(child.value) % BYTES_PER_TOKEN == 0, (
+            f"{child!r}: edge of {len(child.value)} bytes is not a positive multiple of the page size {page_size}"
+        )
+        assert len(child.key) == len(child.value), (
+            f"{child!r}: {len(child.key) // BYTES_PER_TOKEN} token ids for {num_tokens} locations"
+        )
+        assert child.key[: self._page_bytes] == first_page, f"{child!r} is filed under another first page"
+        assert child.cached_len == parent.cached_len + num_tokens, f"{child!r} does not end where its path ends"
+        assert child.lock_ref >= 0, f"{child!r}: negative lock count"
+        assert child.last_access <= self._clock, (
+            f"{child!r}: recency {child.last_access} is ahead of the clock {self._clock}"
+        )
+        assert not parent.on_host or child.on_host, f"{child!r} is device-resident below host-resident {parent!r}"
+        if parent is not self._root:
+            assert parent.last_access >= child.last_access, f"{parent!r} is older than its child {child!r}"

@@ -1,7 +1,7 @@
 """The eviction candidates of the ``radix`` cache: unlocked leaves, least recently used first.
 
 Kept incrementally as a lazy min-heap of ``(last_access, seq, node)``. A node's live entry is the
-one whose ``seq`` equals ``node.heap_seq`` (or the slot the set was built over: the tiered cache's
+one whose ``seq`` equals ``node.heap_seq`` (or the slot the set was built over: the tree's
 host-resident leaves use ``host_heap_seq``); older entries of the same node (before a refresh) and
 entries of nodes that stopped being candidates are skipped when popped. Membership is therefore
 exact (``heap_seq >= 0``) and O(1) to change, and ``evict`` pops only what it evicts plus stale
@@ -26,7 +26,7 @@ class EvictionCandidates:
 
     Args:
         seq_field: the ``RadixNode`` slot that holds the node's live entry number here:
-            ``heap_seq`` for the device tier; the tiered cache keeps a second set over
+            ``heap_seq`` for the device tier; the tree keeps a second set over
             ``host_heap_seq`` (its host-resident leaves), so a node's memberships never mix.
         label: names the set in assertion messages.
     """

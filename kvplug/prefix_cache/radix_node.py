@@ -47,10 +47,12 @@ class RadixNode(BaseCacheHandle):
         generation: the tree this node belongs to.
         page_hashes: the KV-event hash of each page of the edge (``block_hashes``), computed when
             events are first reported for the node; ``None`` until then.
-        on_host: the tiered cache only (``tiered_radix``): ``value`` holds host-tier locations.
-        host_heap_seq: the tiered cache only: like ``heap_seq``, for the host tier's candidates.
-        host_copy: the tiered cache only: host-tier locations of a copy of a device-resident
-            node's K/V (kept after a load, so evicting the node again needs no write-back), or ``None``.
+        on_host: ``value`` holds host-tier locations (only with a host tier, ``host_tier``).
+        host_children: how many of ``children`` are host-resident (0 without a host tier): a
+            device node is an eviction candidate when every child is host-resident.
+        host_heap_seq: like ``heap_seq``, for the host-resident leaves' candidates.
+        host_copy: host-tier locations of a copy of a device-resident node's K/V (kept after a
+            load, so evicting the node again needs no write-back), or ``None``.
     """
 
     __slots__ = (
@@ -66,6 +68,7 @@ class RadixNode(BaseCacheHandle):
         "generation",
         "page_hashes",
         "on_host",
+        "host_children",
         "host_heap_seq",
         "host_copy",
     )
@@ -91,6 +94,7 @@ class RadixNode(BaseCacheHandle):
         self.generation = generation
         self.page_hashes: tuple[int, ...] | None = None
         self.on_host = False
+        self.host_children = 0
         self.host_heap_seq = -1
         self.host_copy: bytes | None = None
 
@@ -99,7 +103,7 @@ class RadixNode(BaseCacheHandle):
 
         A fresh tensor on every call, built from the tree's host copy (and copied to the device).
         """
-        return self.generation.cache._path_indices(self)
+        return self.generation.cache.path_indices(self)
 
     @property
     def num_tokens(self) -> int:
