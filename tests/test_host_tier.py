@@ -498,8 +498,8 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
     assert cache.host_pool.pinned
     kv = backend.pool.kv_buffer
     kv.copy_(torch.randn_like(kv))
-    tokens = torch.arange(1, 8 * page_size + 1, dtype=torch.int32, device="cuda")
-    locations = torch.arange(8 * page_size, dtype=torch.int32, device="cuda")
+    tokens = torch.arange(1, 8 * page_size + 1, dtype=torch.int32)
+    locations = torch.arange(8 * page_size, dtype=torch.int32)
     original = kv[:, :, :8].clone()
     cache.insert_prefix(tokens, locations)
     cache.evict(8 * page_size)
@@ -507,7 +507,7 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
     match = cache.match_tiered(tokens)
     assert match.host_len == 8 * page_size
     cache.lock_handle(match.host_handle)
-    targets = torch.arange(16 * page_size, 24 * page_size, dtype=torch.int32, device="cuda")
+    targets = torch.arange(16 * page_size, 24 * page_size, dtype=torch.int32)
     cache.load_host_prefix(match.host_handle, targets)
     assert torch.equal(kv[:, :, 16:24], original)  # the current stream waited for the side stream
     cache.lock_handle(match.host_handle, unlock=True)
