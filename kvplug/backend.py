@@ -188,7 +188,7 @@ class KVBackend:
         cached = states.cached_len[rows]
         check_new_tokens(rows, cached, states.device_len[rows], phase)
         if phase is ForwardPhase.DECODE:
-            return self._stage_decode(requests, rows, row_starts, cached, None, None)[0]
+            return self._stage_decode(requests, rows, row_starts + cached, cached, None, None)[0]
         self._before_forward(rows)
         batch = build_attention_batch(self.tables.table, rows, cached, states.device_len[rows], phase, validate=False)
         batch.lease = BatchLease(states, states.generation, tuple(requests))
@@ -214,19 +214,20 @@ class KVBackend:
         cached = states.cached_len[rows]
         if np.count_nonzero(states.num_tokens[rows] - cached - 1):
             reject_decode(rows, cached, states.num_tokens[rows], self.max_seq_len)
+        cells = row_starts + cached  # each new token's cell in the page table and token pool
         # the whole decode allocation rule: a request whose new token starts a page takes one
-        pages = self.allocator.take_decode_pages(rows, cached)
+        pages = self.allocator.take_decode_pages(rows, cached, cells)
         states.schedule(rows, cached + 1)
-        batch, graph_size, stamp = self._stage_decode(requests, rows, row_starts, cached, pages, self.graphs)
-        return DecodeStep(self.tables, states, batch, rows, cached, graph_size, stamp)
+        batch, graph_size, stamp = self._stage_decode(requests, rows, cells, cached, pages, self.graphs)
+        return DecodeStep(self.tables, states, batch, rows, cached, cells, graph_size, stamp)
 
-    def _stage_decode(self, requests: Sequence[Request], rows: np.ndarray, row_starts: np.ndarray,
+    def _stage_decode(self, requests: Sequence[Request], rows: np.ndarray, cells: np.ndarray,
                       cached: np.ndarray, pages: Any, graphs: "DecodeGraphs | None") -> tuple:
         """The one decode staging: the step's staged writes and pending loads first, then one
         staging launch (padded into a graph's buffers when ``graphs`` has a size that fits),
         then attention's plan. Returns ``(batch, graph_size, stamp)``."""
         # pending ids first: taken by this launch, or written before the staged host writes
-        tokens = self.tables.take_pending_tokens(row_starts + cached)
+        tokens = self.tables.take_pending_tokens(cells)
         self._before_forward(rows)
         graph_size = None if graphs is None else graphs.size_for(rows.size)
         stamp = 0 if graph_size is None else graphs.claim(graph_size)

@@ -67,7 +67,7 @@ class DecodeStep:
 
     __slots__ = (
         "requests", "batch", "input_ids", "graph_size", "committed", "stamp",
-        "_tables", "_states", "_rows", "_generation", "_cached",
+        "_tables", "_states", "_rows", "_generation", "_cached", "_cells",
     )
 
     def __init__(
@@ -77,6 +77,7 @@ class DecodeStep:
         batch: AttentionBatch,
         rows: np.ndarray,
         cached: np.ndarray,
+        cells: np.ndarray,
         graph_size: int | None = None,
         stamp: int = 0,
     ) -> None:
@@ -91,6 +92,7 @@ class DecodeStep:
         self._rows = rows
         self._generation = states.generation  # which requests were live
         self._cached = cached
+        self._cells = cells
 
     @property
     def positions(self) -> torch.Tensor:
@@ -145,7 +147,7 @@ class DecodeStep:
                 "before finishing its requests"
             )
         self.committed = True
-        cells = rows * tables.row_width + cached + 1  # where each sampled id goes
+        cells = self._cells + 1  # where each sampled id goes
         stored = None
         if cached.max() + 2 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
             stored = cached + 2 <= tables.max_seq_len
@@ -279,7 +281,7 @@ class DecodeGraphs:
         empty = np.empty(0, dtype=np.int64)
         batch = backend.stager.stage(empty, empty, pad_to=size)
         batch.lease = BatchLease(backend.requests, backend.requests.generation, ())
-        return DecodeStep(backend.tables, backend.requests, batch, empty, empty, size, self.claim(size))
+        return DecodeStep(backend.tables, backend.requests, batch, empty, empty, empty, size, self.claim(size))
 
     def _capture_one(self, step: DecodeStep, pool: Any) -> tuple[Any, torch.Tensor]:
         side = torch.cuda.Stream(self.backend.device)

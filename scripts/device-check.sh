@@ -74,7 +74,7 @@ TESTS=${TESTS:-1}
     step tests_gpu_other 240 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
         tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py \
         tests/test_radix_cache.py tests/test_backend.py tests/test_decode_step.py tests/test_decode_graphs.py \
-        tests/test_host_tier.py -k "not flashinfer"
+        tests/test_host_tier.py tests/test_no_host_wait_gpu.py tests/test_transformers_host_tier.py -k "not flashinfer"
 } &
 OTHER=$!
 [ "$FLASHINFER" = 1 ] && step warmup 280 python3 -c "

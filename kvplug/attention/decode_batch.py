@@ -87,8 +87,8 @@ class ExtendStarts:
         """``(device, host)``: shape ``[batch_size + 1]``, int32, each."""
         pair = self._by_size.get(batch_size)
         if pair is None:
-            host = torch.arange(batch_size + 1, dtype=torch.int32)
-            pair = self._by_size[batch_size] = (host.to(self.device), host)
+            host = torch.arange(batch_size + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            pair = self._by_size[batch_size] = (host.to(self.device, non_blocking=True), host)
         return pair
 
 

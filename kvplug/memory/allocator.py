@@ -400,7 +400,7 @@ class PagedAllocator:
         states.schedule(rows, lengths)
         return rows
 
-    def take_decode_pages(self, rows: np.ndarray, cached: np.ndarray) -> NewPages | None:
+    def take_decode_pages(self, rows: np.ndarray, cached: np.ndarray, cells: np.ndarray) -> NewPages | None:
         """A decode step's pages, taken but not written on the device: each request whose new
         token (at ``cached[i]``) starts a page gets one (noted in the host table), and its
         ``allocated_len`` grows by a page; the caller's staging launch writes them into the
@@ -411,6 +411,7 @@ class PagedAllocator:
             cached: shape ``[bs]``, int64, host; their cached lengths, each with exactly one
                 known token after it (the caller checked), so ``allocated_len >= cached`` and
                 a request grows iff ``allocated_len == cached``.
+            cells: shape ``[bs]``, int64, host; ``rows * row_width + cached``.
 
         Raises ``OutOfMemoryError`` with nothing changed.
         """
@@ -419,16 +420,15 @@ class PagedAllocator:
         count = int(growing.size)
         if not count:
             return None
-        pages = self._take_pages(count, count)
+        pages = self._take_pages(count, count)  # read-only: the free list never writes it again
         if count == rows.size:  # every request starts a page (page size 1: every step)
-            page_start = pages.copy()
-            grow_rows, columns = rows, cached
-        else:
-            page_start = self._no_pages_template(rows.size).copy()
-            page_start[growing] = pages
-            grow_rows, columns = rows[growing], cached[growing]
-        self.page_table.record_decode_pages(grow_rows, columns, pages, self.page_size)
-        self.states.reserve(grow_rows, columns + self.page_size)
+            self.page_table.record_decode_pages(cells, pages, self.page_size)
+            self.states.reserve(rows, cached + self.page_size)
+            return NewPages(pages)
+        page_start = self._no_pages_template(rows.size).copy()
+        page_start[growing] = pages
+        self.page_table.record_decode_pages(cells[growing], pages, self.page_size)
+        self.states.reserve(rows[growing], cached[growing] + self.page_size)
         return NewPages(page_start)
 
     def _no_pages_template(self, size: int) -> np.ndarray:

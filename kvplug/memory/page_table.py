@@ -106,6 +106,8 @@ class PageTable:
         host[TABLE, self.dummy_row] = dummy_location
         self.host_table, self.host_tokens = host[TABLE], host[TOKENS]
         self._host_flat = host.reshape(-1)
+        self._host_table_flat = self.host_table.reshape(-1)
+        self._page_offsets: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.mirrored = device.type != "cpu" or host_views is False
         storage = torch.from_numpy(host)
         if self.mirrored:
@@ -236,15 +238,35 @@ class PageTable:
             for row, start, end in zip(rows.tolist(), first_columns.tolist(), ends.tolist()):
                 self._mark(TABLE, row, start, end)
 
-    def record_decode_pages(self, rows: np.ndarray, columns: np.ndarray, pages: np.ndarray, page_size: int) -> None:
-        """Note in the host table the pages a decode step's staging launch writes on the device
-        (``rows``, ``columns``: shape ``[g]``, int64, host; ``pages``: shape ``[g]``, int32,
-        host; each page from its column on, clipped to the row)."""
-        offsets = np.arange(page_size, dtype=np.int64)
-        cells = columns[:, None] + offsets
-        inside = cells < self.row_width
-        values = pages[:, None].astype(np.int64) + offsets
-        self.host_table[np.broadcast_to(rows[:, None], cells.shape)[inside], cells[inside]] = values[inside]
+    def record_decode_pages(self, cells: np.ndarray, pages: np.ndarray, page_size: int) -> None:
+        """Note in the host table the pages a decode step's staging launch writes on the device.
+
+        Args:
+            cells: shape ``[g]``, int64, host; the flat cell (``row * row_width + column``) where
+                each page starts.
+            pages: shape ``[g]``, int32, host; their first locations (each page clipped to its row).
+        """
+        flat = self._host_table_flat
+        if page_size == 1:  # the per-step case of page size 1: one write
+            flat[cells] = pages
+            return
+        offsets, offsets32 = self._offsets(page_size)
+        spans = cells[:, None] + offsets
+        values = pages[:, None] + offsets32
+        columns = cells % self.row_width
+        if int(columns.max()) + page_size > self.row_width:  # a page reaching past its row's end
+            inside = columns[:, None] + offsets < self.row_width
+            spans, values = spans[inside], values[inside]
+        flat[spans] = values
+
+    def _offsets(self, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``0 .. page_size - 1`` as int64 and int32 (made once per page size)."""
+        pair = self._page_offsets.get(page_size)
+        if pair is None:
+            pair = self._page_offsets[page_size] = (
+                np.arange(page_size, dtype=np.int64), np.arange(page_size, dtype=np.int32)
+            )
+        return pair
 
     # ------------------------------------------------------------------ page table (checked)
     def locations(self, row: int, start: int, end: int) -> torch.Tensor:
