@@ -12,6 +12,7 @@ request, and transformers then answers 503 forever. The watch:
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
@@ -50,7 +51,15 @@ class LimitedManager:
     ) -> Any:
         self._limits.apply(inputs["input_ids"], generation_config)
         self._log(inputs, generation_config, kwargs, streaming=False)
-        return await self._inner.generate_non_streaming(model, processor, inputs, generation_config, **kwargs)
+        try:
+            return await self._inner.generate_non_streaming(model, processor, inputs, generation_config, **kwargs)
+        except asyncio.CancelledError:
+            # aborted (shutdown, or the client is gone): transformers would keep generating it
+            # to the end; free its row now, as its streaming path does
+            manager = getattr(self._inner, "_cb", None)
+            if manager is not None and kwargs.get("request_id") is not None:
+                manager.cancel_request(kwargs["request_id"])
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
