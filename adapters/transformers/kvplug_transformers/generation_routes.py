@@ -10,9 +10,10 @@ the event loop (``request_json``, ``request_bodies``), then answered by the ``Gu
 import copy
 import logging
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from kvplug_transformers.handler_guards import GuardedHandler
+from kvplug_transformers.http_guards import CANCEL_KEY
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_json import parse_body
 
@@ -26,8 +27,11 @@ def new_request_id() -> str:
     return f"kvplug-{uuid.uuid4().hex}"
 
 
-def add_generation_routes(app: Any, guarded: dict[str, GuardedHandler], pool: OffLoopTokenizer) -> None:
-    """Replace transformers' generation routes (and its X-Request-ID middleware) on ``app``."""
+def add_generation_routes(
+    app: Any, guarded: dict[str, GuardedHandler], pool: OffLoopTokenizer, cancel: Callable[[str], None]
+) -> None:
+    """Replace transformers' generation routes (and its X-Request-ID middleware) on ``app``;
+    ``cancel(request_id)`` stops a generation (called when its response cannot be finished)."""
     from fastapi import Request
 
     app.router.routes[:] = [
@@ -51,6 +55,9 @@ def add_generation_routes(app: Any, guarded: dict[str, GuardedHandler], pool: Of
             if client_id is not None:
                 logger.debug("request %s: the client calls it %r", request_id, client_id[:MAX_ECHOED_ID])
             first, second = await pool.call(prepare, await request.body())
+            cancels = request.scope.get(CANCEL_KEY)
+            if cancels is not None:
+                cancels.append(lambda: cancel(request_id))
             response = await handler.handle(first, second, request_id)
             echoed = client_id if client_id is not None and len(client_id) <= MAX_ECHOED_ID else request_id
             response.headers[X_REQUEST_ID] = echoed

@@ -137,9 +137,11 @@ class _Running:
     finished: bool = False
     stalled: bool = False
     abort_reason: str | None = None
+    cancels: list = field(default_factory=list)  # callables that cancel its generation (generation_routes adds them)
 
 
 DEFAULT_STALL_TIMEOUT_S = 30.0
+CANCEL_KEY = "kvplug.cancel"  # scope key: the running request's list of generation cancellers
 
 
 @dataclass
@@ -216,6 +218,7 @@ class InFlightRequests:
                 self._abort(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
                 raise asyncio.CancelledError() from None
 
+        scope[CANCEL_KEY] = entry.cancels
         entry.task = asyncio.ensure_future(app(scope, receive, watched_send))
         with self._lock:
             self._running[id(entry)] = entry
@@ -233,6 +236,11 @@ class InFlightRequests:
         finally:
             with self._lock:
                 self._running.pop(id(entry), None)
+            if not entry.finished:
+                # aborted, stalled or disconnected before its last byte: stop its generation and
+                # free its row (transformers' own cancel runs only when its stream is closed)
+                for cancel in entry.cancels:
+                    cancel()
 
     @staticmethod
     async def _answer_aborted(entry: _Running, send: Callable) -> None:

@@ -11,13 +11,17 @@ sockets cannot take the descriptors a real request needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvplug_transformers.request_limits import RequestRefused
+
+SEND_BUFFER_BYTES = 64 << 10  # the kernel's send buffer per connection (uvicorn's own write buffer pauses at 64 KiB)
 
 
 def raw_refusal(refusal: RequestRefused) -> bytes:
@@ -56,6 +60,10 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # what a client that stops reading leaves unsent, in the kernel, is bounded
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._follow_state()
 
     def data_received(self, data: bytes) -> None:

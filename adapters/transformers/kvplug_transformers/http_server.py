@@ -79,7 +79,7 @@ class HttpServer:
             self.model_manager, handlers["chat"], completion_handler=handlers["completion"],
             response_handler=handlers["response"], transcription_handler=None, generation_state=generation_state,
         )
-        add_generation_routes(app, guarded, self.tokenizer)
+        add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel)
         add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections)
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(

@@ -149,7 +149,10 @@ def check_tool_arguments(arguments: Any, where: str, param: str) -> None:
             ) from error
     if not isinstance(arguments, dict):
         raise RequestRefused(f"'{where}' must be a JSON object, got {_describe(arguments)}", param=param)
-    check_tree(arguments, MAX_DEPTH)
+    try:
+        check_tree(arguments, MAX_DEPTH)
+    except RequestRefused as error:
+        raise RequestRefused(f"'{where}': {error}", param=param) from None
 
 
 def _check_template_kwargs(body: dict, trusted: bool) -> None:

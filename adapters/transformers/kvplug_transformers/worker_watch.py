@@ -165,6 +165,13 @@ class WorkerWatch:
             raise RequestRefused(self._inflight.closed_reason, status=503)
         return LimitedManager(self._get_manager(model_id, use_cb=use_cb), self.limits, self.sampling)
 
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request in the batching worker (its row is freed at the worker's next step);
+        one that already finished, or never started, is left as it is."""
+        manager = self._batching_manager()
+        if manager is not None:
+            manager.cancel_request(request_id)
+
     def _batching_manager(self) -> Any:
         """transformers' ``ContinuousBatchingManager``, once the first request started it."""
         return getattr(getattr(self._state, "_cb_manager", None), "_cb", None)
