@@ -19,8 +19,8 @@ import json
 from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
 from kvplug.interface import InvalidArgumentError
 from kvplug.memory.capacity import CapacityPlan, plan_capacity
-from kvplug.cli.config_file import read_config
-from kvplug.cli.sizes import parse_size
+from kvplug.cli._config_file import read_config
+from kvplug.cli._sizes import parse_size
 from kvplug.memory.model_config import KVGeometry, dtype_name, read_hf_config
 from kvplug.memory.tensor_parallel import local_kv_heads
 

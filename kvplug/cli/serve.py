@@ -29,8 +29,8 @@ import socket
 from typing import Any
 
 from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
-from kvplug.cli.config_file import read_config
-from kvplug.cli.sizes import parse_size
+from kvplug.cli._config_file import read_config
+from kvplug.cli._sizes import parse_size
 from kvplug.interface import InvalidArgumentError, KVPlugError, UnknownComponentError
 from kvplug.memory.model_shape import parse_dtype
 from kvplug.plugins import PluginManager

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
 
 
 class HttpServer:
@@ -111,6 +113,12 @@ class HttpServer:
 def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
     """The most UTF-8 bytes one token's text takes in ``processor``'s vocabulary (an upper bound
     of the text bytes one token covers); a model without a usable tokenizer fails here, at start."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        # transformers then builds an empty tokenizer and every request fails
+        raise KVPlugError(
+            f"the model in {path} has no tokenizer: kvplug serve needs one of {', '.join(TOKENIZER_FILES)} next to "
+            "config.json"
+        )
     tokenizer = getattr(processor, "tokenizer", processor)
     try:
         vocab = tokenizer.get_vocab()
@@ -120,6 +128,6 @@ def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
             f"the model in {path} has no usable tokenizer ({type(error).__name__}: {error}); kvplug serve needs "
             "tokenizer.json (or the files to build a fast tokenizer) next to config.json"
         ) from error
-    if not vocab:
-        raise KVPlugError(f"the tokenizer of the model in {path} has an empty vocabulary")
+    if len(vocab) < 2:
+        raise KVPlugError(f"the tokenizer of the model in {path} has {len(vocab)} token(s): not a usable tokenizer")
     return max(len(token.encode("utf-8", errors="replace")) for token in vocab)
