@@ -294,19 +294,33 @@ def test_half_sent_heads_and_slow_bodies_get_408(server):
     _assert_serving_and_idle(port)
 
 
-def test_connections_beyond_the_cap_get_503_at_once_and_idle_ones_are_closed(server):
+def test_at_the_connection_cap_idle_connections_make_room_and_busy_ones_get_a_503(server):
     port = server[0]
-    held = [_raw(port, b"") for _ in range(MAX_CONNECTIONS)]
+    held = [_raw(port, b"GET /health HTTP/1.1\r\n") for _ in range(MAX_CONNECTIONS)]  # heads never finished
     time.sleep(0.3)
-    extra = [_raw(port, b"", timeout=5) for _ in range(5)]
-    for sock in extra:
-        answer = _read_all(sock)
-        assert answer.startswith(b"HTTP/1.1 503") and b"--limit-concurrency" in answer, answer
+    for _ in range(3):  # real requests still get through: the longest-idle connection gives way
+        sock = _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _read_all(sock).startswith(b"HTTP/1.1 200"), "a normal request was not served at the cap"
         sock.close()
-    for sock in held:  # the head deadline closes every idle one
+    answers = [_read_all(sock) for sock in held]
+    for sock in held:
+        sock.close()
+    made_room = [a for a in answers if b"sent no request" in a]
+    assert len(made_room) >= 1 and all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:3]
+    # every connection carrying a request (bodies still arriving): one more is refused at once
+    busy_head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nauthorization: Bearer " + API_KEY.encode()
+                 + b"\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+    busy = [_raw(port, busy_head) for _ in range(MAX_CONNECTIONS)]
+    time.sleep(0.5)
+    extra = _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", timeout=5)
+    answer = _read_all(extra)
+    assert answer.startswith(b"HTTP/1.1 503") and b"--limit-concurrency" in answer, answer
+    extra.close()
+    for sock in busy:  # then the body deadline frees them
         assert _read_all(sock).startswith(b"HTTP/1.1 408")
         sock.close()
-    assert _stats(port)["connections"]["refused_connections"] >= 5
+    connections = _stats(port)["connections"]
+    assert connections["refused_connections"] >= 1 and connections["closed_for_room"] >= 1, connections
     _assert_serving_and_idle(port)
 
 

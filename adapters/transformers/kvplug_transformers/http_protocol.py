@@ -3,9 +3,10 @@
 uvicorn waits forever for a request's head and body, and accepts connections until the process
 runs out of file descriptors. This subclass (given to the server's own ``uvicorn.Config`` as
 ``http=``; uvicorn itself is untouched) closes a connection whose head does not arrive within
-``head_timeout`` s, or whose body does not arrive within ``body_timeout`` s, with a 408; and
-answers a connection beyond ``max_connections`` with a 503 and closes it at once, so idle
-sockets cannot take the descriptors a real request needs.
+``head_timeout`` s, or whose body does not arrive within ``body_timeout`` s, with a 408. At
+``max_connections`` open, a new connection closes the longest-idle one (no request on it: a
+half-sent head, or keep-alive between requests); when every one carries a request, the new one
+gets a 503 and is closed at once. Idle sockets cannot take the descriptors a real request needs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         limits = self.limits
         if len(self.server_state.connections) >= limits.max_connections:
+            limits.close_oldest_idle()  # an idle connection gives way to one that may carry a request
+        if len(self.server_state.connections) >= limits.max_connections:
             self._refused = True
             self.transport = transport
             limits.note_refused_connection()
@@ -74,6 +77,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self.limits.idle.pop(self, None)
         if self._refused:
             return
         super().connection_lost(exc)
@@ -91,6 +95,10 @@ class GuardedH11Protocol(H11Protocol):
             phase = "body"
         else:
             phase = None  # the request is read (or keep-alive's own timer watches an idle connection)
+        if state is h11.IDLE and self.conn.our_state is h11.IDLE and not self.transport.is_closing():
+            self.limits.idle.setdefault(self, None)  # no request on it now: it may be closed for room
+        else:
+            self.limits.idle.pop(self, None)
         if phase == self._phase:
             return
         self._cancel_deadline()
@@ -121,6 +129,18 @@ class GuardedH11Protocol(H11Protocol):
                 cycle.response_complete = True  # the app's own answer, if any, is dropped
         self.transport.close()
 
+    def make_room(self) -> None:
+        """Closed to let a new connection in: it carried no request."""
+        self._cancel_deadline()
+        self.limits.idle.pop(self, None)
+        self.server_state.connections.discard(self)  # counted out now: connection_lost comes a tick later
+        if not self.transport.is_closing():
+            self.transport.write(raw_refusal(RequestRefused(
+                f"closed: this connection sent no request and the server holds {self.limits.max_connections} "
+                "connections (--limit-concurrency)", status=408,
+            )))
+            self.transport.close()
+
 
 class ConnectionLimits:
     """What one connection may take: the open-connection cap and the read deadlines, with
@@ -139,6 +159,16 @@ class ConnectionLimits:
         self.refused_connections = 0
         self.head_timeouts = 0
         self.body_timeouts = 0
+        self.closed_for_room = 0
+        self.idle: dict[GuardedH11Protocol, None] = {}  # open connections with no request on them, oldest first
+
+    def close_oldest_idle(self) -> None:
+        """Close the longest-idle connection (one whose request has not fully arrived, or a
+        keep-alive one between requests), if any."""
+        if self.idle:
+            oldest = next(iter(self.idle))
+            self.closed_for_room += 1
+            oldest.make_room()
 
     def protocol(self) -> type[GuardedH11Protocol]:
         """A ``GuardedH11Protocol`` subclass bound to these limits (for ``uvicorn.Config(http=...)``)."""
@@ -156,5 +186,5 @@ class ConnectionLimits:
     def to_json(self) -> dict:
         return {
             "refused_connections": self.refused_connections, "head_timeouts": self.head_timeouts,
-            "body_timeouts": self.body_timeouts,
+            "body_timeouts": self.body_timeouts, "closed_for_room": self.closed_for_room,
         }
