@@ -32,11 +32,18 @@ def kvplug_env(cache_dir: Path) -> dict:
     return env
 
 
-def start(argv: list[str], cache_dir: Path, log: Path) -> subprocess.Popen:
-    """``python <argv...>`` (``-m kvplug serve ...`` or a wrapper script), output into ``log``."""
+def start(argv: list[str], cache_dir: Path, log: Path, max_open_files: int | None = None) -> subprocess.Popen:
+    """``python <argv...>`` (``-m kvplug serve ...`` or a wrapper script), output into ``log``;
+    ``max_open_files``: the process's ``ulimit -n``."""
+    def limit_files() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
     with open(log, "wb") as sink:
         return subprocess.Popen(
-            [sys.executable, *argv], stdout=sink, stderr=subprocess.STDOUT, env=kvplug_env(cache_dir)
+            [sys.executable, *argv], stdout=sink, stderr=subprocess.STDOUT, env=kvplug_env(cache_dir),
+            preexec_fn=limit_files if max_open_files is not None else None,
         )
 
 

@@ -23,6 +23,7 @@ from kvplug_transformers.http_guards import InFlightRequests, wrap_app
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_limits import RequestLimits
+from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
 from kvplug_transformers.worker_watch import WorkerWatch
 
@@ -88,7 +89,7 @@ class HttpServer:
             app, host=opts.host, port=opts.port, log_config=None, log_level=opts.log_level,
             # uvicorn's own check counts the connection asking too; ours refuses beyond the cap
             http=connections.protocol(), limit_concurrency=connections.max_connections + 1,
-            timeout_keep_alive=opts.timeout_keep_alive,
+            timeout_keep_alive=opts.timeout_keep_alive, backlog=ACCEPT_BACKLOG,
         )
         self.uvicorn = uvicorn.Server(config)
         self.thread: threading.Thread | None = None

@@ -24,6 +24,7 @@ DEFAULT_TIMEOUT_HEADER = 10.0  # a request's line and headers must arrive within
 DEFAULT_TIMEOUT_BODY = 30.0  # a request's body must arrive within it
 DEFAULT_STREAM_STALL_TIMEOUT = 30.0  # a client reading nothing of its response for this long is cut off
 DESCRIPTOR_RESERVE = 128  # file descriptors kept for the model, logs and the process besides connections
+ACCEPT_BACKLOG = 64  # connections the event loop may accept in one go (each a descriptor before it is counted)
 MAX_TIMEOUT = 3600.0
 
 
@@ -93,17 +94,19 @@ class ServeOptions:
 
     def connection_limit(self) -> int:
         """``--limit-concurrency``, or what the process's file-descriptor limit leaves for
-        connections (``DESCRIPTOR_RESERVE`` kept for everything else)."""
+        connections (``DESCRIPTOR_RESERVE`` kept for everything else, and ``ACCEPT_BACKLOG`` for
+        connections accepted but not yet counted)."""
         import resource
 
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        room = None if soft == resource.RLIM_INFINITY else max(soft - DESCRIPTOR_RESERVE, 8)
+        reserve = DESCRIPTOR_RESERVE + ACCEPT_BACKLOG
+        room = None if soft == resource.RLIM_INFINITY else max(soft - reserve, 8)
         if self.limit_concurrency is None:
             return min(room, 4096) if room is not None else 4096
         if room is not None and self.limit_concurrency > room:
             raise InvalidArgumentError(
                 f"--limit-concurrency {self.limit_concurrency} needs more file descriptors than this process may open "
-                f"(ulimit -n {soft}, {DESCRIPTOR_RESERVE} of them kept for the rest): give at most {room}"
+                f"(ulimit -n {soft}, {reserve} of them kept for the rest): give at most {room}"
             )
         return self.limit_concurrency
 
