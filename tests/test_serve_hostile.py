@@ -240,7 +240,7 @@ def test_health_stays_fast_while_hostile_requests_run(server):
     near_limit = {"messages": [{"role": "user", "content": "x" * 100_000}]}  # tokenised, then refused by length
     huge = {"messages": [{"role": "user", "content": "y" * 3_900_000}]}  # refused on its bytes
     deep = b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-    bodies = [json.dumps(near_limit).encode(), json.dumps(huge).encode(), deep] * 4
+    bodies = [json.dumps(near_limit).encode(), json.dumps(huge).encode(), deep] * 8
     stop_probe = threading.Event()
     latencies: list[float] = []
 

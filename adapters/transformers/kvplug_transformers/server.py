@@ -1,16 +1,24 @@
 """``kvplug serve``: transformers' OpenAI-compatible server with kvplug installed.
 
-The server is transformers' own (``transformers.cli.serve.Serve`` with continuous batching),
-started in a background thread; this module plans and installs kvplug first, then, while
-transformers builds its app, puts kvplug's guards in front of it:
+The handlers and the FastAPI app are transformers' own (continuous batching), built and served by
+``HttpServer`` in a background thread on a uvicorn server configured for it (no process-wide
+patch of uvicorn or transformers); this module plans and installs kvplug first. The HTTP layer
+(``http_*``, ``generation_routes``, ``handler_guards``, ``request_*``, ``stats_routes``) imports
+the integration, never the reverse:
 
-* every request body is checked (4xx naming the field), the model may be named by
-  ``--served-model-name`` or omitted, unsupported parameters (``n > 1`` ...) are refused, and so
-  are sampling parameters other than the server's (continuous batching applies one sampling
-  setting, the model's ``generation_config.json``, to every request);
+* every request gets the server's own id (a client's ``X-Request-ID`` is only echoed); its body
+  is parsed and checked off the event loop (4xx naming the field), and so is tokenising: no
+  request holds up another route;
+* the model may be named by ``--served-model-name`` or omitted, unsupported parameters (``n > 1``
+  ...) are refused, and so are sampling parameters other than the server's (continuous batching
+  applies one sampling setting, the model's ``generation_config.json``, to every request);
+  client chat templates only with ``--trust-request-chat-template``;
 * a prompt that cannot fit is refused with a 400 naming the limit, ``max_tokens`` is lowered to the
   room left (``finish_reason: "length"``), bodies over ``--max-request-bytes`` get 413: no request
   can stop the batching worker;
+* connections: read deadlines for heads and bodies (408), a connection cap (the longest-idle one
+  makes room, else 503), streams nobody reads are cut off with their rows freed, and no condition
+  can flood the log;
 * the worker is watched: if it dies anyway, running requests get a 503, ``/health`` and
   ``/kvplug/stats`` say so and the process exits with an error;
 * SIGTERM / Ctrl-C: new requests are refused at once, running ones may finish, what still runs
