@@ -75,7 +75,9 @@ class GuardedHandler:
                 self._processor.reset(token)
 
         try:
-            return await self._tokenizer.run(run, processor)
+            return await self._tokenizer.run(
+                run, processor, lambda size: self._limits.check_text_size(size, self._bytes_per_token)
+            )
         except Exception as error:
             if _is_template_error(error):
                 raise RequestRefused(

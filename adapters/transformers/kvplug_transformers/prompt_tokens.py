@@ -17,13 +17,29 @@ TOKENISING_THREADS = 2  # prompts tokenised at once; more wait their turn instea
 
 
 class Tokenise(Exception):
-    """Raised by a ``CapturingProcessor`` at the tokenising call: the call to make off the loop."""
+    """Raised by a ``CapturingProcessor`` at the tokenising call: the call to make off the loop.
 
-    def __init__(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    Attributes:
+        function, args, kwargs: the call.
+        templated: whether it is ``apply_chat_template`` (whose rendered text can be checked first).
+    """
+
+    def __init__(self, function: Callable[..., Any], args: tuple, kwargs: dict, templated: bool) -> None:
         super().__init__("tokenise off the event loop")
         self.function = function
         self.args = args
         self.kwargs = kwargs
+        self.templated = templated
+
+    def run(self, check_text: Callable[[int], None] | None) -> Any:
+        """Make the call; a chat template is rendered to text first and ``check_text(bytes)``
+        may refuse it before the (costlier) tokenising."""
+        if self.templated and check_text is not None:
+            kwargs = {key: value for key, value in self.kwargs.items() if key not in ("return_tensors", "return_dict")}
+            text = self.function(*self.args, **{**kwargs, "tokenize": False})
+            if isinstance(text, str):
+                check_text(len(text))  # characters: no more than its UTF-8 bytes, and free to count
+        return self.function(*self.args, **self.kwargs)
 
 
 class CapturingProcessor:
@@ -51,13 +67,13 @@ class CapturingProcessor:
         return value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenising(self._real)(*args, **kwargs)
+        return self._tokenising(self._real, templated=False)(*args, **kwargs)
 
-    def _tokenising(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def _tokenising(self, function: Callable[..., Any], templated: bool = True) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self._has_result:
                 return self._result
-            raise Tokenise(function, args, kwargs)
+            raise Tokenise(function, args, kwargs, templated)
 
         return call
 
@@ -69,13 +85,16 @@ class OffLoopTokenizer:
     def __init__(self, threads: int = TOKENISING_THREADS) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-tokenise")
 
-    async def run(self, handle: Callable[[Any], Awaitable[Any]], processor: Any) -> Any:
-        """``handle(processor)`` with ``processor`` a ``CapturingProcessor`` of the real one."""
+    async def run(
+        self, handle: Callable[[Any], Awaitable[Any]], processor: Any, check_text: Callable[[int], None] | None = None
+    ) -> Any:
+        """``handle(processor)`` with ``processor`` a ``CapturingProcessor`` of the real one;
+        ``check_text(bytes)`` may refuse a rendered chat template before it is tokenised."""
         try:
             return await handle(CapturingProcessor(processor))
         except Tokenise as call:
             loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._pool, lambda: call.function(*call.args, **call.kwargs))
+            result = await loop.run_in_executor(self._pool, lambda: call.run(check_text))
         return await handle(CapturingProcessor(processor, result, has_result=True))
 
     async def call(self, function: Callable[..., Any], *args: Any) -> Any:

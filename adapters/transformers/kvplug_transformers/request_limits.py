@@ -84,7 +84,7 @@ class RequestLimits:
         if fewest_tokens >= self.max_context_len:
             raise RequestRefused(
                 f"This model's maximum context length is {self.max_context_len} tokens. However, the messages hold "
-                f"{text_bytes:,} bytes of text, at least {fewest_tokens:,} tokens, which leaves no room for the "
+                f"at least {text_bytes:,} bytes of text, at least {fewest_tokens:,} tokens, which leaves no room for the "
                 f"completion (the limit is set by {self.source}). Please reduce the length of the messages.",
                 param="messages",
             )
