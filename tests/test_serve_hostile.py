@@ -98,7 +98,7 @@ def _read_all(sock: socket.socket) -> bytes:
             if not chunk:
                 break
             chunks.append(chunk)
-    except (ConnectionResetError, socket.timeout):
+    except (ConnectionResetError, TimeoutError):
         pass
     return b"".join(chunks)
 
@@ -135,7 +135,7 @@ def test_a_reused_x_request_id_collides_with_nothing(server):
         answers = list(pool.map(call, calls))
     assert [status for status, _, _ in answers] == [200] * len(calls)
     assert all(echoed == "same-id-123" for _, echoed, _ in answers)  # echoed, never used as the id
-    ids = [json.loads(text)["id"] for (_, _, text), (path, body) in zip(answers, calls) if not body.get("stream")]
+    ids = [json.loads(text)["id"] for (_, _, text), (_path, body) in zip(answers, calls, strict=True) if not body.get("stream")]
     assert len(set(ids)) == len(ids) and not any("same-id-123" in i for i in ids)
     # a client that disconnects mid-request, then the same id again: answered, nothing stuck
     sock = _raw(port, _stream_request({"messages": HI, "max_tokens": 200, "stream": True}).replace(

@@ -54,12 +54,12 @@ def _snapshot(*objects) -> dict:
 def test_serving_patches_nothing_in_uvicorn_or_transformers(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("fastapi")
-    uvicorn = pytest.importorskip("uvicorn")
-    import uvicorn.config
-    import uvicorn.protocols.http.h11_impl as h11_impl
-    import uvicorn.server
+    pytest.importorskip("uvicorn")
     import transformers.cli.serving.server as serving_server
     import transformers.cli.serving.utils as serving_utils
+    import uvicorn.config
+    import uvicorn.server
+    from uvicorn.protocols.http import h11_impl
 
     from kvplug_transformers.embedded_model import ensure_embedded_model
     from kvplug_transformers.host import TransformersHost

@@ -20,6 +20,7 @@ def test_a_burst_passes_then_the_rest_is_counted_and_reported():
     passed = [limit.filter(_record("socket.accept() out of system resource")) for _ in range(1000)]
     assert passed == [True] * 3 + [False] * 997
     assert limit.filter(_record("another message"))  # other kinds are not held back
+    assert all(limit.filter(_record("GET /health", "uvicorn.access", logging.INFO)) for _ in range(100))
     now[0] = 10.0
     record = _record("socket.accept() out of system resource")
     assert limit.filter(record) and "997 similar message(s) suppressed" in record.getMessage()

@@ -123,7 +123,7 @@ def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
     tokenizer = getattr(processor, "tokenizer", processor)
     try:
         vocab = tokenizer.get_vocab()
-        getattr(tokenizer, "_tokenizer")  # transformers' streaming decodes with the fast (Rust) tokenizer
+        _ = tokenizer._tokenizer  # transformers' streaming decodes with the fast (Rust) tokenizer
     except Exception as error:
         raise KVPlugError(
             f"the model in {path} has no usable tokenizer ({type(error).__name__}: {error}); kvplug serve needs "

@@ -1,8 +1,8 @@
 """``RateLimitedLog``: a logging filter that lets no one condition flood the log.
 
-A client can make the server log per request or per connection (a refused connection, a bad
-request line, an exception in a route); at most ``burst`` records of one kind (logger, level and
-message template) pass per ``window`` seconds, and the first record after a quiet spell says how
+A client can make the server warn per request or per connection (a refused connection, a bad
+request line, an exception in a route, ``accept()`` out of descriptors); at most ``burst``
+warnings or errors of one kind (logger, level and message template) pass per ``window`` seconds, and the first record after a quiet spell says how
 many were dropped. Installed on the handlers ``kvplug serve`` configures, never process-wide
 on loggers other code owns.
 """
@@ -23,12 +23,15 @@ class RateLimitedLog(logging.Filter):
     burst: records of one kind let through per window.
     window: seconds.
     clock: monotonic seconds (tests pass their own).
+    level_from: records below this level (info: the access log) all pass.
     """
 
     def __init__(
-        self, burst: int = DEFAULT_BURST, window: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+        self, burst: int = DEFAULT_BURST, window: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic,
+        level_from: int = logging.WARNING,
     ) -> None:
         super().__init__()
+        self.level_from = level_from
         self.burst = burst
         self.window = window
         self._clock = clock
@@ -36,6 +39,8 @@ class RateLimitedLog(logging.Filter):
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < self.level_from:
+            return True  # per-request lines (the access log) are as many as the requests served
         kind = (record.name, record.levelno, str(record.msg)[:200])
         now = self._clock()
         with self._lock:

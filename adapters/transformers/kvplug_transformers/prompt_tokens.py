@@ -92,9 +92,9 @@ class OffLoopTokenizer:
         ``check_text(bytes)`` may refuse a rendered chat template before it is tokenised."""
         try:
             return await handle(CapturingProcessor(processor))
-        except Tokenise as call:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._pool, lambda: call.run(check_text))
+        except Tokenise as captured:
+            pending = captured
+        result = await asyncio.get_running_loop().run_in_executor(self._pool, pending.run, check_text)
         return await handle(CapturingProcessor(processor, result, has_result=True))
 
     async def call(self, function: Callable[..., Any], *args: Any) -> Any:
