@@ -32,20 +32,32 @@ def kvplug_env(cache_dir: Path) -> dict:
     return env
 
 
-def start(argv: list[str], cache_dir: Path, log: Path) -> subprocess.Popen:
-    """``python <argv...>`` (``-m kvplug serve ...`` or a wrapper script), output into ``log``."""
+def start(argv: list[str], cache_dir: Path, log: Path, max_open_files: int | None = None) -> subprocess.Popen:
+    """``python <argv...>`` (``-m kvplug serve ...`` or a wrapper script), output into ``log``;
+    ``max_open_files``: the process's ``ulimit -n``."""
+    def limit_files() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
     with open(log, "wb") as sink:
         return subprocess.Popen(
-            [sys.executable, *argv], stdout=sink, stderr=subprocess.STDOUT, env=kvplug_env(cache_dir)
+            [sys.executable, *argv], stdout=sink, stderr=subprocess.STDOUT, env=kvplug_env(cache_dir),
+            preexec_fn=limit_files if max_open_files is not None else None,
         )
 
 
-def get_json(port: int, path: str, timeout: float = 10) -> tuple[int, dict]:
+def get_json(port: int, path: str, timeout: float = 10, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as error:
         return error.code, json.load(error)
+
+
+def auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def post(port: int, path: str, body: bytes, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
@@ -64,13 +76,13 @@ def post(port: int, path: str, body: bytes, headers: dict | None = None, timeout
             return error.code, {"raw": text.decode(errors="replace")}
 
 
-def wait_ready(process: subprocess.Popen, port: int, log: Path) -> dict:
+def wait_ready(process: subprocess.Popen, port: int, log: Path, api_key: str | None = None) -> dict:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"kvplug serve exited with {process.returncode} before serving:\n{log.read_text()[-4000:]}")
         try:
-            status, stats = get_json(port, "/kvplug/stats", timeout=5)
+            status, stats = get_json(port, "/kvplug/stats", timeout=5, headers=auth(api_key))
             if status == 200:
                 return stats
         except (urllib.error.URLError, ConnectionError, OSError):

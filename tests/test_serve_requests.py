@@ -14,6 +14,7 @@ from tests.serve_process import free_port, get_json, post, start, stop, wait_rea
 
 MAX_SEQ_LEN = 256
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def server(cache_dir, tmp_path_factory):
          "--api-key", API_KEY, "--max-request-bytes", "1MiB", "--log-level", "warning"],
         cache_dir, log,
     )
-    wait_ready(process, port, log)
+    wait_ready(process, port, log, api_key=API_KEY)
     yield port, process, log
     code, seconds = stop(process)
     output = log.read_text()
@@ -61,7 +62,7 @@ def _assert_serving(port: int, client) -> None:
     messages = [{"role": "user", "content": "still there?"}]
     reply = client.chat.completions.create(messages=messages, max_tokens=3, model="kvplug-default")
     assert reply.usage.completion_tokens >= 1
-    status, stats = get_json(port, "/kvplug/stats")
+    status, stats = get_json(port, "/kvplug/stats", headers=AUTH)
     assert status == 200 and stats["worker"] == {"alive": True, "error": None}
     assert get_json(port, "/health") == (200, {"status": "ok"})
 
@@ -91,12 +92,16 @@ def test_model_management_routes_are_gone(server):
     assert get_json(port, "/health") == (200, {"status": "ok"})
 
 
-def test_api_key_is_required_on_v1_routes_only(server):
+def test_api_key_is_required_on_every_route_but_health(server):
     port = server[0]
     assert _chat(port, {"messages": HI}, key=None)[0] == 401
     status, body = _chat(port, {"messages": HI}, key="wrong")
     assert status == 401 and "--api-key" in body["error"]["message"]
     assert get_json(port, "/health")[0] == 200  # open, like vLLM's
+    for path in ("/docs", "/redoc", "/openapi.json", "/kvplug/stats", "/metrics", "/v1/models"):
+        assert get_json(port, path)[0] == 401, path
+    status, schema = get_json(port, "/openapi.json", headers=AUTH)
+    assert status == 200 and "/v1/chat/completions" in schema["paths"]
 
 
 def test_prompt_longer_than_the_limit_is_refused_with_vllm_wording(server, client):
@@ -247,7 +252,7 @@ def test_nothing_is_held_at_idle_afterwards(server, client):
     port = server[0]
     _assert_serving(port, client)
     time.sleep(0.3)
-    status, stats = get_json(port, "/kvplug/stats")
+    status, stats = get_json(port, "/kvplug/stats", headers=AUTH)
     assert status == 200
     assert stats["running_requests"] == 0 and stats["in_flight"] == 0
     assert stats["used_pages"] == stats["cached_pages"], stats  # only the prefix cache holds pages

@@ -19,7 +19,9 @@ import json
 from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
 from kvplug.interface import InvalidArgumentError
 from kvplug.memory.capacity import CapacityPlan, plan_capacity
-from kvplug.memory.model_config import KVGeometry, dtype_name, load_config_file, read_hf_config
+from kvplug.cli._config_file import read_config
+from kvplug.cli._sizes import parse_size
+from kvplug.memory.model_config import KVGeometry, dtype_name, read_hf_config
 from kvplug.memory.tensor_parallel import local_kv_heads
 
 
@@ -54,17 +56,22 @@ def model_shape(args: argparse.Namespace) -> KVGeometry:
     dtype = dtype_name(args.dtype) if args.dtype else None
     overrides = {"num_layers": args.layers, "num_kv_heads": args.kv_heads, "head_dim": args.head_dim}
     if args.model:
-        base = read_hf_config(load_config_file(args.model), dtype=dtype)
+        base = read_hf_config(read_config(args.model), dtype=dtype)
         return _geometry(
-            args.layers or base.num_layers, args.q_heads or base.num_qo_heads, args.kv_heads or base.num_kv_heads,
-            args.head_dim or base.head_dim, base.dtype,
+            _given(args.layers, base.num_layers), _given(args.q_heads, base.num_qo_heads),
+            _given(args.kv_heads, base.num_kv_heads), _given(args.head_dim, base.head_dim), base.dtype,
         )
     missing = [f"--{name.replace('num_', '').replace('_', '-')}" for name, value in overrides.items() if value is None]
     if missing:
         raise InvalidArgumentError(
             f"give a model config path, or all of --layers, --kv-heads and --head-dim (missing: {', '.join(missing)})"
         )
-    return _geometry(args.layers, args.q_heads or args.kv_heads, args.kv_heads, args.head_dim, dtype or "bfloat16")
+    return _geometry(args.layers, _given(args.q_heads, args.kv_heads), args.kv_heads, args.head_dim, dtype or "bfloat16")
+
+
+def _given(flag_value: int | None, default: int) -> int:
+    """A flag's value when given (0 included: refused by ``_geometry``), else the default."""
+    return default if flag_value is None else flag_value
 
 
 def _geometry(layers: int, q_heads: int, kv_heads: int, head_dim: int, dtype: str) -> KVGeometry:
@@ -79,9 +86,11 @@ def _geometry(layers: int, q_heads: int, kv_heads: int, head_dim: int, dtype: st
 
 def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
+    memory = parse_size("--memory", args.memory)
+    host_memory = None if args.host_memory is None else parse_size("--host-memory", args.host_memory)
     plan = plan_capacity(
-        shape, args.memory, page_size=args.page_size, tp_size=args.tp_size, context_len=args.context_len,
-        host_memory=args.host_memory,
+        shape, memory, page_size=args.page_size, tp_size=args.tp_size, context_len=args.context_len,
+        host_memory=host_memory,
     )
     if args.json:
         model = {

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import re
 import socket
 from typing import Any
 
 from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
+from kvplug.cli._config_file import read_config
+from kvplug.cli._sizes import parse_size
 from kvplug.interface import InvalidArgumentError, KVPlugError, UnknownComponentError
-from kvplug.memory.capacity import parse_memory_size
 from kvplug.memory.model_shape import parse_dtype
 from kvplug.plugins import PluginManager
 from kvplug.plugins.loading import PluginSelection, kvplug_entry_points
@@ -158,7 +160,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     parser.add_argument(
-        "--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise)"
+        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise)"
     )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"),
@@ -194,6 +196,33 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes", default="4MiB",
         help="largest request body, bytes or a size ('4MiB'); 413 above (default 4MiB)",
     )
+    parser.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let requests bring their own Jinja chat template (chat_template_kwargs.chat_template; vLLM's flag); "
+        "refused with 400 otherwise",
+    )
+    parser.add_argument(
+        "--limit-concurrency", type=int, metavar="N",
+        help="open connections at once (uvicorn's flag); one more gets a 503 and is closed (default: what the "
+        "file-descriptor limit leaves, at most 4096)",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, metavar="S",
+        help="close an idle keep-alive connection after S seconds (uvicorn's flag; default 5)",
+    )
+    parser.add_argument(
+        "--timeout-header", type=float, default=10.0, metavar="S",
+        help="a request's line and headers must arrive within S seconds, else 408 and close (default 10)",
+    )
+    parser.add_argument(
+        "--timeout-body", type=float, default=30.0, metavar="S",
+        help="a request's body must arrive within S seconds, else 408 and close (default 30)",
+    )
+    parser.add_argument(
+        "--stream-stall-timeout", type=float, default=30.0, metavar="S",
+        help="a client that reads nothing of its response for S seconds is cut off and its request aborted "
+        "(its KV row freed; default 30)",
+    )
 
 
 def parse_kv_memory(text: str | None) -> int | float | None:
@@ -207,10 +236,10 @@ def parse_kv_memory(text: str | None) -> int | float | None:
     if _FRACTION.match(text):
         stripped = text.strip()
         fraction = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
-        if not 0.0 < fraction <= 1.0:
+        if not (math.isfinite(fraction) and 0.0 < fraction <= 1.0):
             raise InvalidArgumentError(f"--kv-memory as a fraction must lie in (0, 1], got {text!r}")
         return fraction
-    return parse_memory_size(text)
+    return parse_size("--kv-memory", text)
 
 
 def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]:
@@ -241,8 +270,19 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None:
             _check_int(flag, value, low=2 if flag == "--max-seq-len" else 1)
-    if args.stats_interval < 0:
+    if not (math.isfinite(args.stats_interval) and args.stats_interval >= 0):
         raise InvalidArgumentError(f"--stats-interval must be >= 0 seconds (0: off), got {args.stats_interval:g}")
+    for flag, value in (
+        ("--shutdown-timeout", args.shutdown_timeout), ("--timeout-keep-alive", args.timeout_keep_alive),
+        ("--timeout-header", args.timeout_header), ("--timeout-body", args.timeout_body),
+        ("--stream-stall-timeout", args.stream_stall_timeout),
+    ):
+        if not (math.isfinite(value) and 0 < value <= 3600):
+            raise InvalidArgumentError(f"{flag} must be seconds in (0, 3600], got {value:g}")
+    if args.limit_concurrency is not None:
+        _check_int("--limit-concurrency", args.limit_concurrency, low=1)
+    if args.gpu_memory_utilization is not None and not math.isfinite(args.gpu_memory_utilization):
+        raise InvalidArgumentError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {args.gpu_memory_utilization:g}")
     dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
     if dtype != "auto":
         try:
@@ -263,16 +303,10 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
                 f"--gpu-memory-utilization must be a fraction in (0, 1], got {args.gpu_memory_utilization:g}"
             )
         kv_memory = float(args.gpu_memory_utilization)
-    try:
-        max_request_bytes = parse_memory_size(args.max_request_bytes)
-    except KVPlugError as error:
-        raise InvalidArgumentError(f"--max-request-bytes must be a size ('4MiB', '1000000'): {error}") from error
+    max_request_bytes = parse_size("--max-request-bytes", args.max_request_bytes)
     host_memory = None
     if args.host_memory is not None:
-        try:
-            host_memory = parse_memory_size(args.host_memory)
-        except KVPlugError as error:
-            raise InvalidArgumentError(f"--host-memory must be a size ('32GiB', '512MiB'): {error}") from error
+        host_memory = parse_size("--host-memory", args.host_memory)
         if args.prefix_cache != "radix":
             raise InvalidArgumentError(
                 f"--host-memory is a tier of the radix prefix cache; --prefix-cache is {args.prefix_cache!r}"
@@ -306,6 +340,12 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "overlap_schedule": False if args.disable_overlap_schedule else None,
         "torch_compile": bool(args.enable_torch_compile),
         "host_memory": host_memory,
+        "trust_request_chat_template": bool(args.trust_request_chat_template),
+        "limit_concurrency": args.limit_concurrency,
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "timeout_header": args.timeout_header,
+        "timeout_body": args.timeout_body,
+        "stream_stall_timeout": args.stream_stall_timeout,
     }
 
 
@@ -324,6 +364,7 @@ def _model_path(args: argparse.Namespace) -> str | None:
         )
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise InvalidArgumentError(f"MODEL {given!r} has no config.json: not a Hugging Face checkpoint")
+    read_config(model)  # bounded, readable, valid JSON: transformers then reads it without surprises
     return model
 
 

@@ -1,41 +1,83 @@
 """transformers' endpoint handlers, with kvplug's checks in front (on the instances; transformers'
 classes are untouched).
 
-Each ``handle_request`` first checks the body (``request_bodies``); the model may be named by the
-served name, the checkpoint path, or not at all, and responses name the served model; an error
-the chat template raises for the messages is the client's (400), not a 500.
+``GuardedHandler.handle`` takes a body already parsed and checked (``generation_routes``) and
+the server's own request id; the model may be named by the served name or not at all, and
+responses name the served model; a prompt whose text cannot fit is refused before tokenising; the
+chat template and the tokenizer run off the event loop (``OffLoopTokenizer``); an error the chat
+template raises for the messages is the client's (400), not a 500.
 """
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable
 
+from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
-from kvplug_transformers.request_limits import RequestRefused
+from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 from kvplug_transformers.stats_routes import ServedModel
 
-
-def guard_handlers(chat: Any, completion: Any, response: Any, served: ServedModel) -> None:
-    for handler, check in ((chat, check_chat_completion), (completion, check_completion), (response, check_response)):
-        if handler is not None:
-            _guard(handler, check, served)
+PROMPT_FIELDS = ("messages", "input", "instructions", "prompt", "suffix", "tools")
 
 
-def _guard(handler: Any, check: Callable[[dict], None], served: ServedModel) -> None:
-    handle_request = handler.handle_request
-    resolve_model = handler._resolve_model
+class GuardedHandler:
+    """One of transformers' handlers (chat, completions, responses) behind kvplug's checks.
 
-    async def checked_handle_request(body: dict, request_id: str) -> Any:
-        check(body)
+    Args:
+        handler: transformers' handler; its ``_resolve_model`` is wrapped on the instance.
+        check: the body check of its route (``request_bodies``).
+        served: the model this server serves.
+        limits: what one request may hold.
+        bytes_per_token: the most text bytes one token of the tokenizer covers.
+        tokenizer: where prompts are tokenised.
+        trust_request_chat_template: ``--trust-request-chat-template``.
+    """
+
+    def __init__(
+        self, handler: Any, check: Callable[..., None], served: ServedModel, limits: RequestLimits,
+        bytes_per_token: int, tokenizer: OffLoopTokenizer, trust_request_chat_template: bool,
+    ) -> None:
+        self._handler = handler
+        self._check = check
+        self._served = served
+        self._limits = limits
+        self._bytes_per_token = bytes_per_token
+        self._tokenizer = tokenizer
+        self._trusted = trust_request_chat_template
+        self._processor: contextvars.ContextVar = contextvars.ContextVar("kvplug_processor", default=None)
+        self._resolve_model = handler._resolve_model
+        handler._resolve_model = self._named_resolve_model
+
+    def check(self, body: dict) -> None:
+        """The route's body checks (may normalise ``body``); cheap, thread-safe."""
+        self._check(body, trust_request_chat_template=self._trusted)
         requested = body.get("model")
-        if not served.accepts(requested):
+        if not self._served.accepts(requested):
             raise RequestRefused(
-                f"The model '{requested}' does not exist; this server serves '{served.name}' (or omit 'model')",
+                f"The model '{requested}' does not exist; this server serves '{self._served.name}' (or omit 'model')",
                 status=404, param="model",
             )
         body.pop("model", None)  # transformers then takes the model it was started with
+        self._limits.check_text_size(prompt_bytes(body), self._bytes_per_token)
+
+    async def handle(self, first: dict, second: dict, request_id: str) -> Any:
+        """Answer a checked body; ``first`` and ``second`` are two copies of it (the handler runs
+        twice, see ``prompt_tokens``)."""
+        _, _, processor = self._resolve_model({})
+        bodies = iter((first, second))
+
+        async def run(capturing: Any) -> Any:
+            token = self._processor.set(capturing)
+            try:
+                return await self._handler.handle_request(next(bodies), request_id)
+            finally:
+                self._processor.reset(token)
+
         try:
-            return await handle_request(body, request_id)
+            return await self._tokenizer.run(
+                run, processor, lambda size: self._limits.check_text_size(size, self._bytes_per_token)
+            )
         except Exception as error:
             if _is_template_error(error):
                 raise RequestRefused(
@@ -44,12 +86,42 @@ def _guard(handler: Any, check: Callable[[dict], None], served: ServedModel) -> 
                 ) from error
             raise
 
-    def named_resolve_model(body: dict) -> tuple[str, Any, Any]:
-        _, model, processor = resolve_model(body)
-        return served.name, model, processor
+    def _named_resolve_model(self, body: dict) -> tuple[str, Any, Any]:
+        _, model, processor = self._resolve_model(body)
+        capturing = self._processor.get()
+        return self._served.name, model, processor if capturing is None else capturing
 
-    handler.handle_request = checked_handle_request
-    handler._resolve_model = named_resolve_model
+
+def guard_handlers(
+    chat: Any, completion: Any, response: Any, served: ServedModel, limits: RequestLimits, bytes_per_token: int,
+    tokenizer: OffLoopTokenizer, trust_request_chat_template: bool,
+) -> dict[str, GuardedHandler]:
+    """The guarded handlers by route path."""
+    guarded = {}
+    for path, handler, check in (
+        ("/v1/chat/completions", chat, check_chat_completion),
+        ("/v1/completions", completion, check_completion),
+        ("/v1/responses", response, check_response),
+    ):
+        guarded[path] = GuardedHandler(
+            handler, check, served, limits, bytes_per_token, tokenizer, trust_request_chat_template
+        )
+    return guarded
+
+
+def prompt_bytes(body: dict) -> int:
+    """UTF-8 bytes of every string in the fields that become the prompt."""
+    total = 0
+    stack = [body.get(name) for name in PROMPT_FIELDS]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value.encode("utf-8"))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return total
 
 
 def _is_template_error(error: Exception) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, Awaitable, Callable
 
 from kvplug_transformers.request_limits import RequestRefused
 
+logger = logging.getLogger("kvplug.serve")
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 DISCARD_LIMIT = 64 << 20  # bytes of a refused body read (and dropped) so that its sender sees the 413
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
@@ -38,16 +40,19 @@ async def send_refusal(send: Callable, refusal: RequestRefused, headers: list | 
     await send({"type": "http.response.body", "body": body})
 
 
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
+
+
 class ApiKeyCheck:
-    """``--api-key``: every ``/v1`` route needs ``Authorization: Bearer <key>`` (vLLM's rule);
-    ``/health`` and ``/kvplug/stats`` stay open."""
+    """``--api-key``: every route but ``/health`` needs ``Authorization: Bearer <key>``
+    (``/docs``, ``/openapi.json``, ``/kvplug/stats`` included)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 refusal = RequestRefused(
@@ -130,16 +135,26 @@ class _Running:
     started: bool = False
     streaming: bool = False
     finished: bool = False
+    stalled: bool = False
     abort_reason: str | None = None
+    cancels: list = field(default_factory=list)  # callables that cancel its generation (generation_routes adds them)
+
+
+DEFAULT_STALL_TIMEOUT_S = 30.0
+CANCEL_KEY = "kvplug.cancel"  # scope key: the running request's list of generation cancellers
 
 
 @dataclass
 class InFlightRequests:
     """The generation requests being answered, and whether new ones are accepted.
 
-    ``close``, ``abort_all`` and ``count`` may be called from any thread."""
+    A response the client does not read for ``stall_timeout`` s (its unsent output is held to
+    the connection's send buffers) is aborted: its generation is cancelled, its row freed, and
+    the connection closed. ``close``, ``abort_all`` and ``count`` may be called from any thread."""
 
     closed_reason: str | None = None
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    stalled_total: int = 0
     _running: dict[int, _Running] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loop: asyncio.AbstractEventLoop | None = None
@@ -195,8 +210,15 @@ class InFlightRequests:
                     message = {**message, "body": openai_stream_error(message.get("body", b""))}
                 if not message.get("more_body", False):
                     entry.finished = True
-            await send(message)
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout)
+            except asyncio.TimeoutError:
+                entry.stalled = True
+                self.stalled_total += 1
+                self._abort(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
+                raise asyncio.CancelledError() from None
 
+        scope[CANCEL_KEY] = entry.cancels
         entry.task = asyncio.ensure_future(app(scope, receive, watched_send))
         with self._lock:
             self._running[id(entry)] = entry
@@ -205,10 +227,20 @@ class InFlightRequests:
         except asyncio.CancelledError:
             if entry.abort_reason is None:
                 raise  # cancelled from outside (the server is going away): not ours to answer
+            if entry.stalled:
+                # nothing more can reach a client that does not read: returning with the response
+                # unfinished makes uvicorn close the connection
+                logger.warning("kvplug serve: request aborted: %s", entry.abort_reason)
+                return
             await self._answer_aborted(entry, send)
         finally:
             with self._lock:
                 self._running.pop(id(entry), None)
+            if not entry.finished:
+                # aborted, stalled or disconnected before its last byte: stop its generation and
+                # free its row (transformers' own cancel runs only when its stream is closed)
+                for cancel in entry.cancels:
+                    cancel()
 
     @staticmethod
     async def _answer_aborted(entry: _Running, send: Callable) -> None:

@@ -14,14 +14,31 @@ import json
 import math
 from typing import Any, Callable
 
+from kvplug_transformers.request_json import MAX_DEPTH, check_tree
 from kvplug_transformers.request_limits import RequestRefused
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
+# chat_template_kwargs a request may set, with the values each takes: variables chat templates
+# read. Everything else (the call's own arguments: tokenize, return_tensors, tools ...) is refused
+TEMPLATE_KWARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "enable_thinking": (lambda v: isinstance(v, bool), "true or false"),
+    "thinking": (lambda v: isinstance(v, bool), "true or false"),
+    "reasoning_effort": (lambda v: v in ("low", "medium", "high"), "'low', 'medium' or 'high'"),
+    "date_string": (lambda v: isinstance(v, str) and len(v) <= 64, "a string of at most 64 characters"),
+    "documents": (lambda v: isinstance(v, list) and all(isinstance(d, dict) for d in v), "a list of objects"),
+}
+REQUEST_TEMPLATE_KEY = "chat_template"  # a client's own Jinja template: only with --trust-request-chat-template
+# GenerationConfig fields transformers' continuous batching applies per request (the sampling ones
+# are compared with the server's by ServerSampling); any other field would be silently ignored
+GENERATION_CONFIG_FIELDS = frozenset({
+    "max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "do_sample", "temperature", "top_p", "top_k",
+    "repetition_penalty", "sequence_bias", "stop_strings", "num_beams", "num_return_sequences", "use_cache",
+})
 
 
-def check_chat_completion(body: dict) -> None:
-    """``POST /v1/chat/completions``."""
+def check_chat_completion(body: dict, *, trust_request_chat_template: bool = False) -> None:
+    """``POST /v1/chat/completions``; a client's own ``chat_template`` only when trusted."""
     _check_common(body, "max_tokens")
     _refuse_unsupported_chat_parameters(body)
     messages = body.get("messages")
@@ -32,15 +49,15 @@ def check_chat_completion(body: dict) -> None:
     for index, message in enumerate(messages):
         _check_message(message, f"messages[{index}]")
     _expect(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of objects")
-    _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    _check_template_kwargs(body, trust_request_chat_template)
     _expect(body, "logit_bias", _is_logit_bias, "an object mapping token ids to numbers in [-100, 100]")
     _expect_number(body, "frequency_penalty", -2.0, 2.0)
     if body.get("logit_bias"):
         body["logit_bias"] = {key: float(bias) for key, bias in body["logit_bias"].items()}  # transformers wants floats
 
 
-def check_completion(body: dict) -> None:
-    """``POST /v1/completions`` (a raw text prompt, no chat template)."""
+def check_completion(body: dict, *, trust_request_chat_template: bool = False) -> None:
+    """``POST /v1/completions`` (a raw text prompt, no chat template: the flag plays no part)."""
     _check_common(body, "max_tokens")
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -50,16 +67,16 @@ def check_completion(body: dict) -> None:
             param="prompt",
         )
     _expect(body, "suffix", lambda v: isinstance(v, str), "a string")
-    _refuse_if(body, "n", lambda v: v != 1, "n must be 1: this server returns one choice per request")
-    _refuse_if(body, "best_of", lambda v: v != 1, "best_of must be 1: this server returns one choice per request")
+    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per request")
+    _refuse_if(body, "best_of", lambda v: not (_is_int(v) and v == 1), "best_of must be 1: this server returns one choice per request")
     _refuse_if(body, "logprobs", lambda v: v not in (0, False), "logprobs are not supported by this server")
     _refuse_if(body, "echo", bool, "echo is not supported by this server")
     _refuse_if(body, "presence_penalty", lambda v: v != 0, "presence_penalty is not supported (frequency_penalty is)")
     _expect_number(body, "frequency_penalty", -2.0, 2.0)
 
 
-def check_response(body: dict) -> None:
-    """``POST /v1/responses``."""
+def check_response(body: dict, *, trust_request_chat_template: bool = False) -> None:
+    """``POST /v1/responses``; a client's own ``chat_template`` only when trusted."""
     _check_common(body, "max_output_tokens")
     body.setdefault("stream", False)  # OpenAI's default; transformers' handler would stream instead
     _refuse_if(
@@ -69,7 +86,19 @@ def check_response(body: dict) -> None:
     _refuse_if(body, "top_logprobs", lambda v: v != 0, "top_logprobs are not supported by this server")
     _expect(body, "instructions", lambda v: isinstance(v, str), "a string")
     _expect(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of objects")
-    _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    _check_template_kwargs(body, trust_request_chat_template)
+    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per request")
+    _refuse_if(
+        body, "tool_choice", lambda v: v not in ("auto", "none"),
+        "tool_choice must be 'auto' or 'none' (forcing a tool is not supported)",
+    )
+    _refuse_if(body, "conversation", lambda v: True, "conversation is not supported: this server stores no conversations")
+    _refuse_if(body, "prompt", lambda v: True, "prompt templates are not supported by this server")
+    _refuse_if(
+        body, "text", lambda v: not (isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"}
+                                     and set(v) <= {"format", "verbosity"}),
+        "text.format other than {'type': 'text'} is not supported (no structured output)",
+    )
     data = body.get("input")
     if isinstance(data, str):
         if not data:
@@ -94,6 +123,8 @@ def check_response(body: dict) -> None:
                     raise RequestRefused(
                         f"'{where}.{key}' must be a string, got {_describe(item.get(key))}", param="input"
                     )
+            if item["type"] == "function_call":
+                check_tool_arguments(item["arguments"], f"{where}.arguments", "input")
         elif item.get("type") == "reasoning":
             continue
         else:
@@ -105,6 +136,60 @@ def check_response(body: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- shared checks
+def check_tool_arguments(arguments: Any, where: str, param: str) -> None:
+    """A tool call's arguments: a JSON object, or a string holding one (chat templates parse it)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError) as error:
+            raise RequestRefused(
+                f"'{where}' must be a JSON object (as a string), got {_describe(arguments)}: "
+                f"{type(error).__name__}: {str(error)[:100]}",
+                param=param,
+            ) from error
+    if not isinstance(arguments, dict):
+        raise RequestRefused(f"'{where}' must be a JSON object, got {_describe(arguments)}", param=param)
+    try:
+        check_tree(arguments, MAX_DEPTH)
+    except RequestRefused as error:
+        raise RequestRefused(f"'{where}': {error}", param=param) from None
+
+
+def _check_template_kwargs(body: dict, trusted: bool) -> None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise RequestRefused(
+            f"'chat_template_kwargs' must be an object, got {_describe(kwargs)}", param="chat_template_kwargs"
+        )
+    for key, value in kwargs.items():
+        if key == REQUEST_TEMPLATE_KEY:
+            if not trusted:
+                raise RequestRefused(
+                    "'chat_template_kwargs.chat_template' (a client's own chat template) is refused: the server "
+                    "renders the model's template only (start it with --trust-request-chat-template to allow it)",
+                    param="chat_template_kwargs",
+                )
+            if not isinstance(value, str):
+                raise RequestRefused(
+                    f"'chat_template_kwargs.chat_template' must be a string, got {_describe(value)}",
+                    param="chat_template_kwargs",
+                )
+            continue
+        rule = TEMPLATE_KWARGS.get(key)
+        if rule is None:
+            raise RequestRefused(
+                f"'chat_template_kwargs.{key}' is not allowed; a request may set {sorted(TEMPLATE_KWARGS)}",
+                param="chat_template_kwargs",
+            )
+        valid, expected = rule
+        if not valid(value):
+            raise RequestRefused(
+                f"'chat_template_kwargs.{key}' must be {expected}, got {_describe(value)}", param="chat_template_kwargs"
+            )
+
+
 def _check_common(body: dict, max_tokens_field: str) -> None:
     _expect(body, "model", lambda v: isinstance(v, str), "a string")
     _expect(body, "stream", lambda v: isinstance(v, bool), "true or false")
@@ -141,10 +226,43 @@ def _check_generation_config(config: Any) -> None:
 
     try:
         parsed = json.loads(config) if isinstance(config, str) else None
-        if not isinstance(parsed, dict):
-            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError) as error:
+        parsed, why = None, f"{type(error).__name__}: {error}"
+    else:
+        why = "not a JSON object"
+    if not isinstance(parsed, dict):
+        raise RequestRefused(
+            f"'generation_config' must be a JSON object of transformers GenerationConfig fields, given as a string: "
+            f"{why}",
+            param="generation_config",
+        )
+    ignored = sorted(set(parsed) - GENERATION_CONFIG_FIELDS)
+    if ignored:
+        raise RequestRefused(
+            f"'generation_config' fields {ignored} are not applied per request by transformers' continuous batching; "
+            f"this server takes only {sorted(GENERATION_CONFIG_FIELDS)}",
+            param="generation_config",
+        )
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = parsed.get(name)
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(_is_int(i) and 0 <= i < 2**31 for i in ids):
+            raise RequestRefused(
+                f"'generation_config.{name}' must be a token id (an integer >= 0) or a non-empty list of them, "
+                f"got {_describe(value)}",
+                param="generation_config",
+            )
+    value = parsed.get("max_new_tokens")
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise RequestRefused(
+            f"'generation_config.max_new_tokens' must be an integer >= 1, got {_describe(value)}",
+            param="generation_config",
+        )
+    try:
         GenerationConfig(**parsed).validate()
-    except Exception as error:  # JSON errors, unknown or inconsistent generation options
+    except Exception as error:  # unknown or inconsistent generation options
         raise RequestRefused(
             f"'generation_config' must be a JSON object of transformers GenerationConfig fields, given as a string: "
             f"{type(error).__name__}: {error}",
@@ -153,7 +271,7 @@ def _check_generation_config(config: Any) -> None:
 
 
 def _refuse_unsupported_chat_parameters(body: dict) -> None:
-    _refuse_if(body, "n", lambda v: v != 1, "n must be 1: this server returns one choice per request")
+    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per request")
     _refuse_if(body, "logprobs", bool, "logprobs are not supported by this server")
     _refuse_if(body, "top_logprobs", lambda v: v != 0, "top_logprobs are not supported by this server")
     _refuse_if(body, "presence_penalty", lambda v: v != 0, "presence_penalty is not supported (frequency_penalty is)")
@@ -186,7 +304,7 @@ def _check_message(message: Any, where: str) -> None:
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):
             raise RequestRefused(f"'{where}.tool_calls' must be a list on an assistant message", param=where)
-        for call in tool_calls:
+        for index, call in enumerate(tool_calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
                 function.get("arguments"), (str, dict)
@@ -196,6 +314,7 @@ def _check_message(message: Any, where: str) -> None:
                     f"got {_describe(call)}",
                     param=where,
                 )
+            check_tool_arguments(function["arguments"], f"{where}.tool_calls[{index}].function.arguments", where)
         return
     content = message.get("content")
     if isinstance(content, str):

@@ -76,6 +76,19 @@ class RequestLimits:
             return room
         return requested_new_tokens
 
+    def check_text_size(self, text_bytes: int, bytes_per_token: int) -> None:
+        """Refuse (400) before tokenising a prompt whose text cannot fit: no token covers more than
+        ``bytes_per_token`` bytes, so ``text_bytes`` bytes are at least ``text_bytes / bytes_per_token``
+        tokens (halved again for tokenizers whose normalisers shrink text)."""
+        fewest_tokens = text_bytes // (2 * max(bytes_per_token, 1))
+        if fewest_tokens >= self.max_context_len:
+            raise RequestRefused(
+                f"This model's maximum context length is {self.max_context_len} tokens. However, the messages hold "
+                f"at least {text_bytes:,} bytes of text, at least {fewest_tokens:,} tokens, which leaves no room for the "
+                f"completion (the limit is set by {self.source}). Please reduce the length of the messages.",
+                param="messages",
+            )
+
     def apply(self, prompt_ids: Any, generation_config: Any) -> None:
         """``admit`` for a tokenized prompt (a list, or a ``[1, n]`` tensor), writing the result
         into the request's own ``GenerationConfig`` (its handler reads ``max_new_tokens`` back to

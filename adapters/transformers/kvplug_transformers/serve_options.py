@@ -19,6 +19,13 @@ EMBEDDED_MODEL_NAME = "kvplug-default"
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds from SIGTERM to exit, in-flight requests included
 MAX_SHUTDOWN_TIMEOUT = 3600.0
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body; text prompts of ~1 M tokens fit
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # uvicorn's default: an idle keep-alive connection is closed after it
+DEFAULT_TIMEOUT_HEADER = 10.0  # a request's line and headers must arrive within it
+DEFAULT_TIMEOUT_BODY = 30.0  # a request's body must arrive within it
+DEFAULT_STREAM_STALL_TIMEOUT = 30.0  # a client reading nothing of its response for this long is cut off
+DESCRIPTOR_RESERVE = 128  # file descriptors kept for the model, logs and the process besides connections
+ACCEPT_BACKLOG = 64  # connections the event loop may accept in one go (each a descriptor before it is counted)
+MAX_TIMEOUT = 3600.0
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,28 @@ class ServeOptions:
     overlap_schedule: bool | None = None
     torch_compile: bool = False
     host_memory: int | None = None
+    trust_request_chat_template: bool = False
+    limit_concurrency: int | None = None
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
+    timeout_header: float = DEFAULT_TIMEOUT_HEADER
+    timeout_body: float = DEFAULT_TIMEOUT_BODY
+    stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT
 
     def __post_init__(self) -> None:
+        for flag, value in (
+            ("--timeout-keep-alive", self.timeout_keep_alive), ("--timeout-header", self.timeout_header),
+            ("--timeout-body", self.timeout_body), ("--stream-stall-timeout", self.stream_stall_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT:
+                raise InvalidArgumentError(f"{flag} must be seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
+        interval = self.stats_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= MAX_TIMEOUT:
+            raise InvalidArgumentError(
+                f"--stats-interval must be seconds in [0, {MAX_TIMEOUT:g}] (0: off), got {self.stats_interval!r}"
+            )
+        limit = self.limit_concurrency
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise InvalidArgumentError(f"--limit-concurrency must be an int >= 1, got {limit!r}")
         if self.kv_backend not in ("kvplug", "native"):
             raise InvalidArgumentError(f"kv_backend must be 'kvplug' or 'native', got {self.kv_backend!r}")
         if not (isinstance(self.shutdown_timeout, (int, float)) and 0 < self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT):
@@ -64,6 +91,24 @@ class ServeOptions:
             raise InvalidArgumentError("--served-model-name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise InvalidArgumentError("--api-key must not be empty")
+
+    def connection_limit(self) -> int:
+        """``--limit-concurrency``, or what the process's file-descriptor limit leaves for
+        connections (``DESCRIPTOR_RESERVE`` kept for everything else, and ``ACCEPT_BACKLOG`` for
+        connections accepted but not yet counted)."""
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        reserve = DESCRIPTOR_RESERVE + ACCEPT_BACKLOG
+        room = None if soft == resource.RLIM_INFINITY else max(soft - reserve, 8)
+        if self.limit_concurrency is None:
+            return min(room, 4096) if room is not None else 4096
+        if room is not None and self.limit_concurrency > room:
+            raise InvalidArgumentError(
+                f"--limit-concurrency {self.limit_concurrency} needs more file descriptors than this process may open "
+                f"(ulimit -n {soft}, {reserve} of them kept for the rest): give at most {room}"
+            )
+        return self.limit_concurrency
 
     def model_name(self, model_path: str) -> str:
         """The id clients name the model by: ``--served-model-name``, else the checkpoint folder's

@@ -1,16 +1,24 @@
 """``kvplug serve``: transformers' OpenAI-compatible server with kvplug installed.
 
-The server is transformers' own (``transformers.cli.serve.Serve`` with continuous batching),
-started in a background thread; this module plans and installs kvplug first, then, while
-transformers builds its app, puts kvplug's guards in front of it:
+The handlers and the FastAPI app are transformers' own (continuous batching), built and served by
+``HttpServer`` in a background thread on a uvicorn server configured for it (no process-wide
+patch of uvicorn or transformers); this module plans and installs kvplug first. The HTTP layer
+(``http_*``, ``generation_routes``, ``handler_guards``, ``request_*``, ``stats_routes``) imports
+the integration, never the reverse:
 
-* every request body is checked (4xx naming the field), the model may be named by
-  ``--served-model-name`` or omitted, unsupported parameters (``n > 1`` ...) are refused, and so
-  are sampling parameters other than the server's (continuous batching applies one sampling
-  setting, the model's ``generation_config.json``, to every request);
+* every request gets the server's own id (a client's ``X-Request-ID`` is only echoed); its body
+  is parsed and checked off the event loop (4xx naming the field), and so is tokenising: no
+  request holds up another route;
+* the model may be named by ``--served-model-name`` or omitted, unsupported parameters (``n > 1``
+  ...) are refused, and so are sampling parameters other than the server's (continuous batching
+  applies one sampling setting, the model's ``generation_config.json``, to every request);
+  client chat templates only with ``--trust-request-chat-template``;
 * a prompt that cannot fit is refused with a 400 naming the limit, ``max_tokens`` is lowered to the
   room left (``finish_reason: "length"``), bodies over ``--max-request-bytes`` get 413: no request
   can stop the batching worker;
+* connections: read deadlines for heads and bodies (408), a connection cap (the longest-idle one
+  makes room, else 503), streams nobody reads are cut off with their rows freed, and no condition
+  can flood the log;
 * the worker is watched: if it dies anyway, running requests get a 503, ``/health`` and
   ``/kvplug/stats`` say so and the process exits with an error;
 * SIGTERM / Ctrl-C: new requests are refused at once, running ones may finish, what still runs
@@ -40,12 +48,14 @@ from kvplug.memory.model_shape import parse_dtype
 
 from kvplug_transformers.compat import require_transformers
 from kvplug_transformers.embedded_model import ensure_embedded_model
-from kvplug_transformers.handler_guards import guard_handlers
-from kvplug_transformers.http_guards import InFlightRequests, wrap_app
+from kvplug_transformers.http_guards import InFlightRequests
+from kvplug_transformers.http_protocol import ConnectionLimits
+from kvplug_transformers.http_server import HttpServer
+from kvplug_transformers.log_limits import RateLimitedLog
 from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
 from kvplug_transformers.request_limits import RequestLimits
 from kvplug_transformers.serve_options import ServeOptions, native_cb_options
-from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes, served_model
+from kvplug_transformers.stats_routes import ServedModel, served_model
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
@@ -149,36 +159,31 @@ def _run_server(
 ) -> tuple[str | None, list[str]]:
     """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
     non-daemon threads still alive)."""
-    from transformers.cli.serve import Serve
-
     stop = threading.Event()
-    inflight = InFlightRequests()
-    built: dict[str, Any] = {}
-    with _stop_on_signals(stop), _guards_added(adapter, opts, served, limits, inflight, built), _uvicorn_logging(opts):
+    inflight = InFlightRequests(stall_timeout=opts.stream_stall_timeout)
+    connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body)
+    with _stop_on_signals(stop):
         try:
-            server = Serve(
-                force_model=served.path,
-                continuous_batching=True,
-                device=str(device),
-                dtype=dtype_name,
-                host=opts.host,
-                port=opts.port,
-                log_level=_transformers_level(opts.log_level),
-                non_blocking=True,
-                **cb_options,
-            )
+            server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections)
         except KVPlugError:
             raise
         except Exception as error:  # transformers raises many types for a bad checkpoint
             raise KVPlugError(f"cannot load the model from {served.path}: {type(error).__name__}: {error}") from error
-        watch: WorkerWatch = built["watch"]
+        if not _is_loopback(opts.host) and not opts.api_key:
+            logger.warning(
+                "kvplug serve: listening on %s without --api-key: anyone who can reach this address can use the "
+                "server", opts.host,
+            )
+        server.start()
+        watch = server.watch
         death = None
         try:
             _wait_until_started(server, opts, stop)
             logger.info(
                 "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
-                "request; statistics at /kvplug/stats",
+                "request, %d connections; statistics at /kvplug/stats",
                 opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
+                connections.max_connections,
             )
             death = _watch(server, adapter, opts, stop, watch)
         finally:
@@ -188,6 +193,17 @@ def _run_server(
     if death is None:
         logger.info("kvplug serve: stopped")
     return death, threads_left
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_components(settings: Any, shape: Any, device: torch.device) -> None:
@@ -216,10 +232,10 @@ def _check_components(settings: Any, shape: Any, device: torch.device) -> None:
         quiet.setLevel(level)
 
 
-def _wait_until_started(server: Any, opts: ServeOptions, stop: threading.Event) -> None:
+def _wait_until_started(server: HttpServer, opts: ServeOptions, stop: threading.Event) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.server.started:
-        if not server._thread.is_alive():
+    while not server.started:
+        if not server.alive():
             raise KVPlugError(f"the HTTP server could not start on {opts.host}:{opts.port} (is the port in use?)")
         if stop.is_set():
             return
@@ -228,7 +244,7 @@ def _wait_until_started(server: Any, opts: ServeOptions, stop: threading.Event) 
         time.sleep(0.05)
 
 
-def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event, watch: WorkerWatch) -> str | None:
+def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading.Event, watch: WorkerWatch) -> str | None:
     """Block until a stop signal or the worker's death (returned), logging cache statistics every
     ``stats_interval`` s when they change."""
     last_logged, last_time = None, time.monotonic()
@@ -237,7 +253,7 @@ def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event,
         if death is not None:
             stop.wait(WORKER_DEATH_GRACE_S)
             return death
-        if not server._thread.is_alive():
+        if not server.alive():
             raise KVPlugError("the HTTP server thread exited unexpectedly")
         if opts.kv_backend != "kvplug" or opts.stats_interval <= 0:
             continue
@@ -249,7 +265,7 @@ def _watch(server: Any, adapter: Any, opts: ServeOptions, stop: threading.Event,
     return None
 
 
-def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeout: float) -> list[str]:
+def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests, timeout: float) -> list[str]:
     """Stop within ``timeout`` s: refuse new requests and close the listener at once, let running
     requests finish until ``timeout - margin``, abort the rest, stop the worker and the HTTP
     thread. Returns the names of non-daemon threads still alive at the deadline."""
@@ -257,7 +273,7 @@ def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeo
     deadline = start + timeout
     margin = min(2.0, timeout / 2)
     inflight.close("the server is shutting down")
-    uvicorn_server = server.server
+    uvicorn_server = server.uvicorn
     uvicorn_server.should_exit = True  # uvicorn closes its listening socket at its next tick
     running = inflight.count()
     if running:
@@ -273,14 +289,15 @@ def _shutdown(server: Any, watch: WorkerWatch, inflight: InFlightRequests, timeo
         logger.warning("kvplug serve: aborted %d request(s) still running at shutdown", aborted)
     if not watch.stop_worker(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
         logger.warning("kvplug serve: the batching worker did not stop in time")
-    thread = getattr(server, "_thread", None)
+    thread = server.thread
     if thread is not None:
         thread.join(timeout=max(deadline - time.monotonic() - margin / 4, 0.1))
         if thread.is_alive():
             uvicorn_server.force_exit = True
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))
     with contextlib.suppress(Exception):  # the model is being dropped anyway; never fail the stop on it
-        server._model_manager.shutdown()
+        server.model_manager.shutdown()
+    server.tokenizer.shutdown()
     logger.debug("kvplug serve: shutdown took %.2f s", time.monotonic() - start)
     return [
         t.name for t in threading.enumerate()
@@ -303,53 +320,6 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def _guards_added(
-    adapter: Any, opts: ServeOptions, served: ServedModel, limits: RequestLimits, inflight: InFlightRequests,
-    built: dict,
-) -> Iterator[None]:
-    """transformers builds its FastAPI app inside ``Serve``; wrap its ``build_server`` for the
-    duration so kvplug's guards and routes are on the app before it starts serving. The
-    ``WorkerWatch`` created for it lands in ``built["watch"]``."""
-    import transformers.cli.serving.server as server_module
-
-    original = server_module.build_server
-
-    def build_server_guarded(model_manager: Any, chat_handler: Any, **kwargs: Any) -> Any:
-        generation_state = kwargs["generation_state"]
-        watch = WorkerWatch(generation_state, limits, inflight)
-        built["watch"] = watch
-        guard_handlers(chat_handler, kwargs.get("completion_handler"), kwargs.get("response_handler"), served)
-        app = original(model_manager, chat_handler, **kwargs)
-        add_kvplug_routes(app, adapter, opts, served, generation_state, watch, inflight)
-        wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
-        return app
-
-    server_module.build_server = build_server_guarded
-    try:
-        yield
-    finally:
-        server_module.build_server = original
-
-
-@contextlib.contextmanager
-def _uvicorn_logging(opts: ServeOptions) -> Iterator[None]:
-    """transformers builds ``uvicorn.Config(..., log_level="info")``, which installs uvicorn's own
-    log format and level; have it log through the root logger at ``--log-level`` instead."""
-    import uvicorn
-
-    original = uvicorn.Config
-
-    def config(app: Any, **kwargs: Any) -> Any:
-        return original(app, **{**kwargs, "log_config": None, "log_level": opts.log_level})
-
-    uvicorn.Config = config
-    try:
-        yield
-    finally:
-        uvicorn.Config = original
 
 
 # (logger name prefix, message prefix) of lines that repeat what another line says, or say per
@@ -384,8 +354,9 @@ def _configure_logging(level_name: str) -> None:
     if not isinstance(level, int):
         raise InvalidArgumentError(f"--log-level must be debug, info, warning or error, got {level_name!r}")
     logging.basicConfig(level=level, format=LOG_FORMAT, force=True)
-    if level > logging.DEBUG:
-        for handler in logging.getLogger().handlers:
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RateLimitedLog())  # no client can flood the log
+        if level > logging.DEBUG:
             handler.addFilter(_RepeatedLines())
     logging.captureWarnings(True)
     for name in ("kvplug", "kvplug_transformers", "uvicorn", "uvicorn.error", "uvicorn.access"):
@@ -417,6 +388,11 @@ def _resolve_device(device: str) -> torch.device:
         raise InvalidArgumentError(
             f"--device must name a torch device (auto, cpu, cuda, cuda:1), got {device!r}"
         ) from error
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(
+            f"--device must be auto, cpu or a CUDA device (cuda, cuda:1), got {device!r}: kvplug serve runs the model "
+            f"there, and {resolved.type!r} holds no data to run it on"
+        )
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgumentError(f"--device {device} asked for CUDA, which is not available here")
     return resolved

@@ -46,14 +46,15 @@ class ServedModel:
     def card(self, max_context_len: int) -> dict:
         return {
             "id": self.name, "object": "model", "created": self.created, "owned_by": "kvplug",
-            "root": self.path, "max_model_len": max_context_len,
+            "root": self.name, "max_model_len": max_context_len,  # never the server's own paths
         }
 
 
 def add_kvplug_routes(
     app: Any, adapter: Any, opts: Any, served: ServedModel, generation_state: Any, watch: WorkerWatch,
-    inflight: InFlightRequests,
+    inflight: InFlightRequests, connections: Any = None,
 ) -> None:
+    """``connections``: the server's ``ConnectionLimits`` (their counters are in the stats)."""
     from fastapi.responses import JSONResponse
 
     app.router.routes[:] = [
@@ -70,6 +71,8 @@ def add_kvplug_routes(
         body = {
             "kv_backend": opts.kv_backend, "model": served.name, "max_context_len": watch.limits.max_context_len,
             **cache, "in_flight": inflight.count(), "worker": worker,
+            "connections": {**(connections.to_json() if connections is not None else {}),
+                            "stalled_streams": inflight.stalled_total},
         }
         return JSONResponse(body, status_code=200 if worker["alive"] else 503)
 
@@ -91,10 +94,11 @@ def add_kvplug_routes(
             )
         return JSONResponse(served.card(watch.limits.max_context_len))
 
-    app.add_api_route("/kvplug/stats", kvplug_stats, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    # response_model=None: the return annotations are strings here, which /openapi.json cannot resolve
+    app.add_api_route("/kvplug/stats", kvplug_stats, methods=["GET"], response_model=None)
+    app.add_api_route("/health", health, methods=["GET"], response_model=None)
+    app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=None)
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=None)
 
     async def refused(_request: Any, error: RequestRefused) -> JSONResponse:
         return JSONResponse(error.to_json(), status_code=error.status)

@@ -12,6 +12,7 @@ request, and transformers then answers 503 forever. The watch:
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
@@ -50,7 +51,15 @@ class LimitedManager:
     ) -> Any:
         self._limits.apply(inputs["input_ids"], generation_config)
         self._log(inputs, generation_config, kwargs, streaming=False)
-        return await self._inner.generate_non_streaming(model, processor, inputs, generation_config, **kwargs)
+        try:
+            return await self._inner.generate_non_streaming(model, processor, inputs, generation_config, **kwargs)
+        except asyncio.CancelledError:
+            # aborted (shutdown, or the client is gone): transformers would keep generating it
+            # to the end; free its row now, as its streaming path does
+            manager = getattr(self._inner, "_cb", None)
+            if manager is not None and kwargs.get("request_id") is not None:
+                manager.cancel_request(kwargs["request_id"])
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -155,6 +164,13 @@ class WorkerWatch:
         if self._inflight.closed_reason is not None:
             raise RequestRefused(self._inflight.closed_reason, status=503)
         return LimitedManager(self._get_manager(model_id, use_cb=use_cb), self.limits, self.sampling)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request in the batching worker (its row is freed at the worker's next step);
+        one that already finished, or never started, is left as it is."""
+        manager = self._batching_manager()
+        if manager is not None:
+            manager.cancel_request(request_id)
 
     def _batching_manager(self) -> Any:
         """transformers' ``ContinuousBatchingManager``, once the first request started it."""

@@ -1,0 +1,190 @@
+"""``GuardedH11Protocol``: uvicorn's HTTP/1.1 protocol with read deadlines and a connection cap.
+
+uvicorn waits forever for a request's head and body, and accepts connections until the process
+runs out of file descriptors. This subclass (given to the server's own ``uvicorn.Config`` as
+``http=``; uvicorn itself is untouched) closes a connection whose head does not arrive within
+``head_timeout`` s, or whose body does not arrive within ``body_timeout`` s, with a 408. At
+``max_connections`` open, a new connection closes the longest-idle one (no request on it: a
+half-sent head, or keep-alive between requests); when every one carries a request, the new one
+gets a 503 and is closed at once. Idle sockets cannot take the descriptors a real request needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvplug_transformers.request_limits import RequestRefused
+
+SEND_BUFFER_BYTES = 64 << 10  # the kernel's send buffer per connection (uvicorn's own write buffer pauses at 64 KiB)
+
+
+def raw_refusal(refusal: RequestRefused) -> bytes:
+    """A complete HTTP/1.1 response with OpenAI's error body that closes the connection."""
+    body = json.dumps(refusal.to_json()).encode()
+    reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(refusal.status, b"Error")
+    head = (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        % (refusal.status, reason, len(body))
+    )
+    return head + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """Built by uvicorn per connection; the limits come from ``ConnectionLimits``, bound with
+    ``ConnectionLimits.protocol()``."""
+
+    limits: Any = None  # a ConnectionLimits, set on the subclass ConnectionLimits.protocol() makes
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase: str | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        limits = self.limits
+        if len(self.server_state.connections) >= limits.max_connections:
+            limits.close_oldest_idle()  # an idle connection gives way to one that may carry a request
+        if len(self.server_state.connections) >= limits.max_connections:
+            self._refused = True
+            self.transport = transport
+            limits.note_refused_connection()
+            transport.write(raw_refusal(RequestRefused(
+                f"this server holds {limits.max_connections} open connections already (--limit-concurrency); "
+                "try again later", status=503,
+            )))
+            transport.close()
+            return
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # what a client that stops reading leaves unsent, in the kernel, is bounded
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        self._follow_state()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        self._follow_state()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        self.limits.idle.pop(self, None)
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow_state()
+
+    def _follow_state(self) -> None:
+        """Arm the deadline of what the client owes now: a request head, or the rest of a body."""
+        state = self.conn.their_state
+        if state is h11.IDLE and self.timeout_keep_alive_task is None:
+            phase = "head"
+        elif state is h11.SEND_BODY:
+            phase = "body"
+        else:
+            phase = None  # the request is read (or keep-alive's own timer watches an idle connection)
+        if state is h11.IDLE and self.conn.our_state is h11.IDLE and not self.transport.is_closing():
+            self.limits.idle.setdefault(self, None)  # no request on it now: it may be closed for room
+        else:
+            self.limits.idle.pop(self, None)
+        if phase == self._phase:
+            return
+        self._cancel_deadline()
+        self._phase = phase
+        if phase is not None:
+            timeout = self.limits.head_timeout if phase == "head" else self.limits.body_timeout
+            self._deadline = self.loop.call_later(timeout, self._expired, phase, timeout)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, phase: str, timeout: float) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        self.limits.note_timeout(phase)
+        what = "request head (line and headers)" if phase == "head" else "request body"
+        cycle = self.cycle
+        if cycle is None or not cycle.response_started:
+            self.transport.write(raw_refusal(RequestRefused(
+                f"the {what} did not arrive within {timeout:g} s "
+                f"({'--timeout-header' if phase == 'head' else '--timeout-body'})", status=408,
+            )))
+            if cycle is not None:
+                cycle.response_started = True
+                cycle.response_complete = True  # the app's own answer, if any, is dropped
+        self.transport.close()
+
+    def make_room(self) -> None:
+        """Closed to let a new connection in: it carried no request."""
+        self._cancel_deadline()
+        self.limits.idle.pop(self, None)
+        self.server_state.connections.discard(self)  # counted out now: connection_lost comes a tick later
+        if not self.transport.is_closing():
+            self.transport.write(raw_refusal(RequestRefused(
+                f"closed: this connection sent no request and the server holds {self.limits.max_connections} "
+                "connections (--limit-concurrency)", status=408,
+            )))
+            self.transport.close()
+
+
+class ConnectionLimits:
+    """What one connection may take: the open-connection cap and the read deadlines, with
+    counters of what was refused (``/kvplug/stats`` shows them).
+
+    Args:
+        max_connections: open connections at once; one more gets a 503 and is closed.
+        head_timeout: seconds a connection may take to send a request's line and headers.
+        body_timeout: seconds a request may take to send its body.
+    """
+
+    def __init__(self, max_connections: int, head_timeout: float, body_timeout: float) -> None:
+        self.max_connections = max_connections
+        self.head_timeout = head_timeout
+        self.body_timeout = body_timeout
+        self.refused_connections = 0
+        self.head_timeouts = 0
+        self.body_timeouts = 0
+        self.closed_for_room = 0
+        self.idle: dict[GuardedH11Protocol, None] = {}  # open connections with no request on them, oldest first
+
+    def close_oldest_idle(self) -> None:
+        """Close the longest-idle connection (one whose request has not fully arrived, or a
+        keep-alive one between requests), if any."""
+        if self.idle:
+            oldest = next(iter(self.idle))
+            self.closed_for_room += 1
+            oldest.make_room()
+
+    def protocol(self) -> type[GuardedH11Protocol]:
+        """A ``GuardedH11Protocol`` subclass bound to these limits (for ``uvicorn.Config(http=...)``)."""
+        return type("KVPlugH11Protocol", (GuardedH11Protocol,), {"limits": self})
+
+    def note_refused_connection(self) -> None:
+        self.refused_connections += 1
+
+    def note_timeout(self, phase: str) -> None:
+        if phase == "head":
+            self.head_timeouts += 1
+        else:
+            self.body_timeouts += 1
+
+    def to_json(self) -> dict:
+        return {
+            "refused_connections": self.refused_connections, "head_timeouts": self.head_timeouts,
+            "body_timeouts": self.body_timeouts, "closed_for_room": self.closed_for_room,
+        }

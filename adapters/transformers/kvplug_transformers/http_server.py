@@ -1,0 +1,134 @@
+"""``HttpServer``: transformers' serving handlers and FastAPI app, with kvplug's guards and routes,
+run by a uvicorn server configured for it, in a background thread.
+
+It builds what ``transformers.cli.serve.Serve`` builds (model manager, generation state, the
+handlers, ``build_server``'s app) but configures its own ``uvicorn.Config`` and ``uvicorn.Server``
+objects: nothing in transformers or uvicorn is replaced, so importing or running kvplug changes
+no module-level attribute of either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any
+
+from kvplug.interface import KVPlugError
+
+from kvplug_transformers.generation_routes import add_generation_routes
+from kvplug_transformers.handler_guards import guard_handlers
+from kvplug_transformers.http_guards import InFlightRequests, wrap_app
+from kvplug_transformers.http_protocol import ConnectionLimits
+from kvplug_transformers.prompt_tokens import OffLoopTokenizer
+from kvplug_transformers.request_limits import RequestLimits
+from kvplug_transformers.serve_options import ACCEPT_BACKLOG
+from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
+from kvplug_transformers.worker_watch import WorkerWatch
+
+logger = logging.getLogger("kvplug.serve")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tiktoken.model")
+
+
+class HttpServer:
+    """Loads the model (in the constructor) and serves it once ``start`` is called.
+
+    Args:
+        adapter: the ``TransformersHost`` (for ``/kvplug/stats``).
+        opts: the ``ServeOptions``.
+        served: the model's name and checkpoint.
+        device, dtype_name: for transformers' model manager.
+        cb_options: transformers' continuous-batching options (``cb_*``; native backend).
+        limits: what one request may hold.
+        inflight: the server's running requests.
+        connections: the connection cap and read deadlines.
+    """
+
+    def __init__(
+        self, adapter: Any, opts: Any, served: ServedModel, device: Any, dtype_name: str, cb_options: dict,
+        limits: RequestLimits, inflight: InFlightRequests, connections: ConnectionLimits,
+    ) -> None:
+        import uvicorn
+        from transformers import ContinuousBatchingConfig
+        from transformers.cli.serving.chat_completion import ChatCompletionHandler
+        from transformers.cli.serving.completion import CompletionHandler
+        from transformers.cli.serving.model_manager import ModelManager
+        from transformers.cli.serving.response import ResponseHandler
+        from transformers.cli.serving.server import build_server
+        from transformers.cli.serving.utils import GenerationState
+
+        self.model_manager = ModelManager(device=str(device), dtype=dtype_name, force_model=served.path)
+        cb_kwargs = {
+            key.removeprefix("cb_"): value for key, value in cb_options.items() if value is not None
+        }
+        generation_state = GenerationState(
+            continuous_batching=True, cb_config=ContinuousBatchingConfig(**cb_kwargs) if cb_kwargs else None
+        )
+        self.watch = WorkerWatch(generation_state, limits, inflight)
+        handlers = {
+            "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
+            "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
+            "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
+        }
+        processor = handlers["chat"]._resolve_model({})[2]
+        self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)
+        self.tokenizer = OffLoopTokenizer()
+        guarded = guard_handlers(
+            handlers["chat"], handlers["completion"], handlers["response"], served, limits, self.bytes_per_token,
+            self.tokenizer, opts.trust_request_chat_template,
+        )
+        app = build_server(
+            self.model_manager, handlers["chat"], completion_handler=handlers["completion"],
+            response_handler=handlers["response"], transcription_handler=None, generation_state=generation_state,
+        )
+        add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel)
+        add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections)
+        wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
+        config = uvicorn.Config(
+            app, host=opts.host, port=opts.port, log_config=None, log_level=opts.log_level,
+            # uvicorn's own check counts the connection asking too; ours refuses beyond the cap
+            http=connections.protocol(), limit_concurrency=connections.max_connections + 1,
+            timeout_keep_alive=opts.timeout_keep_alive, backlog=ACCEPT_BACKLOG,
+        )
+        self.uvicorn = uvicorn.Server(config)
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self.uvicorn.serve())
+
+        self.thread = threading.Thread(target=run, name="uvicorn-thread", daemon=False)
+        self.thread.start()
+
+    @property
+    def started(self) -> bool:
+        return bool(self.uvicorn.started)
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
+    """The most UTF-8 bytes one token's text takes in ``processor``'s vocabulary (an upper bound
+    of the text bytes one token covers); a model without a usable tokenizer fails here, at start."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        # transformers then builds an empty tokenizer and every request fails
+        raise KVPlugError(
+            f"the model in {path} has no tokenizer: kvplug serve needs one of {', '.join(TOKENIZER_FILES)} next to "
+            "config.json"
+        )
+    tokenizer = getattr(processor, "tokenizer", processor)
+    try:
+        vocab = tokenizer.get_vocab()
+        _ = tokenizer._tokenizer  # transformers' streaming decodes with the fast (Rust) tokenizer
+    except Exception as error:
+        raise KVPlugError(
+            f"the model in {path} has no usable tokenizer ({type(error).__name__}: {error}); kvplug serve needs "
+            "tokenizer.json (or the files to build a fast tokenizer) next to config.json"
+        ) from error
+    if len(vocab) < 2:
+        raise KVPlugError(f"the tokenizer of the model in {path} has {len(vocab)} token(s): not a usable tokenizer")
+    return max(len(token.encode("utf-8", errors="replace")) for token in vocab)
