@@ -36,11 +36,14 @@ from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
 from kvplug.backend_factory import BackendParts, create_backend
 from kvplug.backend_stats import BackendStats
 from kvplug.batch_lease import BatchLease, check_lease
+from kvplug.cache_guard import CacheGuard, hand_over  # issue 32 seam
+from kvplug.call_gate import CallGate, backend_call  # issue 32 seam
 from kvplug.decode_step import DecodeStep
-from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
+from kvplug.interface import AttentionBatch, ConcurrentUseError, ForwardPhase, InvalidArgumentError, PrefixCacheFault
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids
+from kvplug.prefix_cache import ownership  # issue 32 seam
 
 if TYPE_CHECKING:
     from kvplug.decode_graphs import DecodeGraphs
@@ -76,6 +79,11 @@ class KVBackend:
         self.attention_name = parts.attention_name
         self.device = self.tables.device
         self.graphs: DecodeGraphs | None = None
+        # issue 32 seam: driven by one thread at a time (kvplug.call_gate); a prefix cache that
+        # faults is replaced (kvplug.cache_guard); reset/evict on the cache itself are refused
+        self._gate = CallGate()
+        self.cache_guard = parts.cache_guard or CacheGuard(type(self.prefix_cache).__name__, "fail")
+        self.take_cache_ownership(self.prefix_cache)
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._admitted = 0
@@ -120,6 +128,7 @@ class KVBackend:
         return self.allocator.live_requests
 
     # ------------------------------------------------------------------ lifecycle
+    @backend_call  # issue 32 seam
     def admit(self, input_ids: torch.Tensor | Sequence[int]) -> Request:
         """Start a request: take a row, match and lock its longest cached prefix (at most
         ``len - 1`` tokens, so at least one token is computed), point the row at the match and
@@ -151,12 +160,14 @@ class KVBackend:
         blocks."""
         return self.allocator.loads_ready(request)
 
+    @backend_call  # issue 32 seam
     def allocate(self, requests: Sequence[Request], new_device_lens: Sequence[int] | None = None) -> None:
         """Set each request's ``device_len`` (default: ``num_tokens``, every known token) and give
         it the pages that takes, evicting cached prefixes when needed; all or nothing
         (``OutOfMemoryError`` says how many pages were needed and available)."""
         self.allocator.allocate(_request_list(requests), new_device_lens)
 
+    @backend_call  # issue 32 seam
     def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
         """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
         of each) and let the attention backend plan it. ``phase``: ``"prefill"`` or ``"decode"``."""
@@ -185,6 +196,7 @@ class KVBackend:
             self.attention.prepare_metadata(batch)
         return batch
 
+    @backend_call  # issue 32 seam
     def begin_decode(self, requests: Sequence[Request]) -> DecodeStep:
         """Stage one decode step over ``requests``: each has exactly one known token past its
         cached ones (after a prefill's ``append_tokens`` or the previous step's ``commit``); it
@@ -267,6 +279,7 @@ class KVBackend:
             check_lease(lease, states)
         return self.attention.forward(q, k, v, layer_id, batch)
 
+    @backend_call  # issue 32 seam
     def append_tokens(self, requests: Sequence[Request], token_ids: torch.Tensor | Sequence[int]) -> None:
         """After a forward that covered every known token: mark it done (``cached_len =
         device_len``) and append one sampled token per request to the token pool (one write).
@@ -294,6 +307,7 @@ class KVBackend:
         states.cached_len[rows] = device_lens
         states.num_tokens[rows] = num_tokens + 1
 
+    @backend_call  # issue 32 seam
     def cache_unfinished(self, request: Request) -> None:
         """After a non-final prefill chunk's forward: mark it done and move the computed
         page-aligned prefix into the prefix cache (the request keeps using it, locked)."""
@@ -301,6 +315,7 @@ class KVBackend:
         self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=False)
 
+    @backend_call  # issue 32 seam
     def finish(self, request: Request, *, computed: bool = False) -> None:
         """End a request: its page-aligned computed prefix goes into the prefix cache, every
         other page back to the free list, its row is freed.
@@ -324,6 +339,7 @@ class KVBackend:
             yield
 
     # ------------------------------------------------------------------ CUDA graphs
+    @backend_call  # issue 32 seam
     def decode_graphs(
         self,
         forward_fn: Callable[[DecodeStep], torch.Tensor],
@@ -355,8 +371,12 @@ class KVBackend:
 
     # ------------------------------------------------------------------ observation
     def stats(self) -> BackendStats:
+        """A snapshot; callable from any thread (a monitoring route): while another thread is inside a
+        call, a checked cache's sizes come from its own bookkeeping (no plugin call, no recovery)."""
         allocator = self.allocator
         free = allocator.num_free_pages
+        # issue 32 seam: sizes through the gate (a fault replaces the cache), or without the plugin
+        cached, evictable = self._cache_pages()
         return BackendStats(
             queried_tokens=self._queried_tokens,
             cache_hit_tokens=self._hit_tokens,
@@ -366,13 +386,63 @@ class KVBackend:
             running_requests=self.rows.num_live,
             num_pages=self.num_pages,
             free_pages=free,
-            cached_pages=allocator.num_cached_pages,
-            evictable_pages=allocator.num_evictable_pages,
+            cached_pages=cached,
+            evictable_pages=evictable,
             used_pages=self.num_pages - free,
             host_hit_tokens=allocator.host_hit_tokens,
             tier=self.prefix_cache.tier_stats().as_dict() if allocator.tiered else None,
+            prefix_cache=self.cache_guard.as_dict(),  # issue 32 seam
         )
 
+    # ------------------------------------------------------------------ the prefix cache (issue 32)
+    def _cache_pages(self) -> tuple[int, int]:
+        """(cached, evictable) pages of the prefix cache, for ``stats``."""
+        try:
+            size = self._checked_size_info()
+        except (ConcurrentUseError, PrefixCacheFault):  # another thread inside a call, or stopped: no plugin call
+            tracked = getattr(self.prefix_cache, "tracked_size_info", None)
+            size = tracked if tracked is not None else self.prefix_cache.size_info
+        return size.total_size // self.page_size, size.evictable_size // self.page_size
+
+    @backend_call
+    def _checked_size_info(self):
+        return self.prefix_cache.size_info
+
+    def take_cache_ownership(self, cache) -> None:
+        """Refuse ``reset`` / ``evict`` called on ``cache`` (and a checked cache's plugin) from outside
+        this backend's calls (``kvplug.prefix_cache.ownership``)."""
+        inner = getattr(cache, "inner", None)
+        for owned in (cache, inner) if inner is not None else (cache,):
+            if not ownership.is_owned(owned):
+                ownership.take_ownership(owned, self._gate.inside)
+
+    @backend_call
+    def cached_prefix_len(self, input_ids: torch.Tensor) -> int:
+        """Tokens of ``input_ids`` (shape ``[n]``, int32, host) the prefix cache holds now, in any
+        tier (a scheduler's look-up before admitting; nothing is locked)."""
+        cache = self.prefix_cache
+        if self.allocator.tiered:
+            match = cache.match_tiered(input_ids)
+            return int(match.handle.cached_len) + int(match.host_len)
+        return int(cache.match_prefix(input_ids).handle.cached_len)
+
+    @backend_call
+    def evict_prefix_cache(self, tokens: int) -> int:
+        """Evict at least ``tokens`` tokens of unlocked cached prefixes; their pages go to the free
+        list. Returns the tokens evicted (``InvalidArgumentError`` past the evictable size)."""
+        evicted = self.prefix_cache.evict(tokens)
+        self.allocator.evicted_tokens += int(evicted.shape[0])
+        page_starts = evicted[evicted % self.page_size == 0].to(self.device)
+        self.allocator.free_list.release(page_starts, immediately=True)
+        return int(evicted.shape[0])
+
+    @backend_call
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache: its pages go to the free list, and running requests keep the
+        prefixes they locked as their own pages. Returns the pages freed. Not with a host tier."""
+        return hand_over(self, self.prefix_cache, reset_old=True)
+
+    @backend_call  # issue 32 seam
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any memory invariant is broken (reads every live row)."""
         self.rows.check_integrity()

@@ -21,6 +21,7 @@ from kvplug.interface import (
     KVPoolConfig,
     OutOfMemoryError,
 )
+from kvplug.cache_guard import guarded_cache
 from kvplug.memory.allocator import PagedAllocator
 from kvplug.memory.capacity import num_pages_for_budget, parse_memory_size
 from kvplug.memory.model_shape import ModelShape, parse_dtype
@@ -46,6 +47,7 @@ class BackendParts:
     prefix_cache: BasePrefixCache
     attention: BaseAttentionBackend | None
     attention_name: str | None
+    cache_guard: Any = None  # issue 32: kvplug.cache_guard.CacheGuard (None: a guard that raises)
 
 
 def resolve_attention(name: str, device: torch.device, available: list[str]) -> str:
@@ -80,6 +82,8 @@ def create_backend(
     validate: bool | None = None,
     attention_options: Mapping[str, Any] | None = None,
     prefix_cache_options: Mapping[str, Any] | None = None,
+    on_cache_failure: str = "fallback",
+    fallback_prefix_cache: str = "naive",
 ) -> "KVBackend":
     """Build a ``KVBackend``.
 
@@ -105,6 +109,11 @@ def create_backend(
         prefix_cache_options: options of the prefix cache built by name (``PrefixCacheConfig.options``),
             e.g. ``{"host_memory": "32GiB"}`` for ``radix`` with a host-memory tier, whose page pool
             is then allocated next to the KV pool.
+        on_cache_failure: what a fault of an untrusted prefix cache does (``kvplug.cache_guard``):
+            ``"fallback"`` hands the pool to ``fallback_prefix_cache`` and goes on, ``"fail"``
+            raises ``PrefixCacheFault`` from then on.
+        fallback_prefix_cache: the registered name that takes over after a fault (its own name:
+            a fresh instance of the same factory).
     """
     from kvplug.backend import KVBackend
 
@@ -125,6 +134,8 @@ def create_backend(
         validate=validate,
         attention_options=attention_options,
         prefix_cache_options=prefix_cache_options,
+        on_cache_failure=on_cache_failure,
+        fallback_prefix_cache=fallback_prefix_cache,
     )
     return KVBackend(parts)
 
@@ -147,6 +158,8 @@ def build_parts(
     validate: bool | None,
     attention_options: Mapping[str, Any] | None,
     prefix_cache_options: Mapping[str, Any] | None = None,
+    on_cache_failure: str = "fallback",
+    fallback_prefix_cache: str = "naive",
 ) -> BackendParts:
     from kvplug.plugins import default_manager
 
@@ -167,6 +180,9 @@ def build_parts(
     if attention is not None and not isinstance(attention, str):
         raise InvalidArgumentError(f"attention must be a backend name or None, got {attention!r}")
     cache = _prefix_cache(prefix_cache, manager, device, page_size, prefix_cache_options or {})
+    # issue 32 seam: an untrusted cache is checked, and a guard replaces it when it faults
+    cache, guard = guarded_cache(cache, prefix_cache, manager, device, page_size, num_pages,
+                                 prefix_cache_options or {}, on_cache_failure, fallback_prefix_cache)
 
     pool_options = {"validate": device.type != "cuda" if validate is None else bool(validate)}
     pool_config = KVPoolConfig(
@@ -212,7 +228,7 @@ def build_parts(
         "kvplug backend: %d pages x %d tokens on %s (%s), prefix cache %s, attention %s",
         num_pages, page_size, device, kv_dtype, type(cache).__name__, name,
     )
-    return BackendParts(shape, pool, tables, rows, allocator, cache, backend, name)
+    return BackendParts(shape, pool, tables, rows, allocator, cache, backend, name, guard)
 
 
 def _num_pages(

@@ -407,6 +407,8 @@ class PagedAllocator:
         locations = self.page_table.locations(row, 0, aligned).clone()
         result = self.prefix_cache.insert_prefix(token_ids, locations)
         new_handle = result.handle
+        if not finished:  # issue 32 seam: every cache call before the first free, so a fault changes nothing
+            self.prefix_cache.lock_handle(new_handle)
         self.prefix_cache.lock_handle(old_handle, unlock=True)
         old_len = int(old_handle.cached_len)
         duplicate_end = max(int(result.cached_len), old_len)
@@ -421,7 +423,6 @@ class PagedAllocator:
             request._detach()
             del self._live[row]
             return
-        self.prefix_cache.lock_handle(new_handle)
         if duplicate_end > old_len:
             cached = new_handle.get_matched_indices()[old_len:duplicate_end]
             self.page_table.write_locations(row, old_len, cached)
