@@ -411,10 +411,10 @@ class KVBackend:
     def take_cache_ownership(self, cache) -> None:
         """Refuse ``reset`` / ``evict`` called on ``cache`` (and a checked cache's plugin) from outside
         this backend's calls (``kvplug.prefix_cache.ownership``)."""
-        inner = getattr(cache, "inner", None)
-        for owned in (cache, inner) if inner is not None else (cache,):
-            if not ownership.is_owned(owned):
-                ownership.take_ownership(owned, self._gate.inside)
+        while cache is not None:  # a checked cache's plugin, a hand-over layer's cache: all gated
+            if not ownership.is_owned(cache):
+                ownership.take_ownership(cache, self._gate.inside)
+            cache = getattr(cache, "inner", None)
 
     @backend_call
     def cached_prefix_len(self, input_ids: torch.Tensor) -> int:
@@ -439,8 +439,10 @@ class KVBackend:
     @backend_call
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache: its pages go to the free list, and running requests keep the
-        prefixes they locked as their own pages. Returns the pages freed. Not with a host tier."""
-        return hand_over(self, self.prefix_cache, reset_old=True)
+        prefixes they locked as their own pages (``kvplug.cache_guard.hand_over``: a prefix page two
+        requests share is copied; a request with no free page for its copy is ended). Returns the
+        pages freed. Not with a host tier."""
+        return hand_over(self, self.prefix_cache, reset_old=True).freed_pages
 
     @backend_call  # issue 32 seam
     def check_integrity(self) -> None:

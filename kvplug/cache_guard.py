@@ -9,30 +9,32 @@ guard then, by ``on_cache_failure``:
   run again on it (``kvplug.call_gate.backend_call``). The new cache is the fallback (``naive`` by
   default; a registered name, or the failing cache's own name for a fresh instance of the same
   factory); if that one faults too, ``naive``, which cannot. No request is failed: the call that met
-  the fault succeeds on the new cache, and requests that hold locked matches of the faulty cache keep
-  running, their prefix pages now owned by them (their K/V is intact: the cache only indexed it),
-  so they lose nothing but the chance to share those pages.
+  the fault succeeds on the new cache, and requests holding locked matches of the faulty cache keep
+  running on the same pages (their K/V is intact: the cache only indexed it).
 - ``"fail"``: the fault is raised to the caller and every later lifecycle call raises it too (a
   server then stops, ``kvplug serve --on-cache-failure fail``).
 
 ``hand_over`` computes the faulty cache's pages without asking it anything: all pages, minus the
-free list (with pending lazy frees), minus every page in a live request's row (past its locked
-prefix: its own; inside it: the prefix, which becomes its own). They go back to the free list, each
-live request's handle becomes an empty locked handle of the new cache (``prefix_len`` 0), and the
-allocator and the backend point at the new cache. ``KVBackend.reset_prefix_cache`` uses the same
-hand-over with the same cache reset.
+free list (with pending lazy frees), minus every page in a live request's row. They go back to the
+free list. A live request's pages past its locked prefix stay its own; its prefix pages cannot
+simply become its own too, since requests that matched the same prefix share them and a page has
+one owner: ``kvplug.prefix_cache.inherited.InheritedPrefixes``, in front of the new cache, holds
+them locked once per request, and they return to the free list through eviction once the last
+request using them is done. The allocator and the backend then point at the new cache.
+``KVBackend.reset_prefix_cache`` uses the same hand-over with the current cache reset.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from kvplug.interface import AllCleared, BasePrefixCache, BaseTieredPrefixCache, InvalidArgumentError, PrefixCacheFault
 from kvplug.prefix_cache import ownership
+from kvplug.prefix_cache.inherited import InheritedPrefixes
 
 if TYPE_CHECKING:
     from kvplug.backend import KVBackend
@@ -93,15 +95,15 @@ class CacheGuard:
         replacement = self.fallback if self.failures == 1 else LAST_RESORT
         try:
             cache, name = self._build(replacement)
-            freed = hand_over(backend, cache)
+            done = hand_over(backend, cache)
         except PrefixCacheFault as again:  # the replacement faulted at once: the last resort cannot
             logger.warning("kvplug: the replacement prefix cache %r failed too (%s)", replacement, again)
             cache, name = self._build(LAST_RESORT)
-            freed = hand_over(backend, cache)
+            done = hand_over(backend, cache)
         logger.warning(
-            "kvplug: prefix cache %r failed in %s (%s); %d of its pages went back to the free list, %d running "
-            "request(s) keep their prefixes as their own pages, prefix cache %r takes over",
-            self.name, during, fault, freed, len(backend.allocator.live_requests), name,
+            "kvplug: prefix cache %r failed in %s (%s); %d of its pages went back to the free list, %d pages of "
+            "running requests' locked prefixes are kept for them; prefix cache %r takes over",
+            self.name, during, fault, done.freed_pages, done.inherited_pages, name,
         )
         self.name = name
 
@@ -111,19 +113,30 @@ class CacheGuard:
                 "on_cache_failure": self.policy, "stopped": self.stopped is not None}
 
 
-def hand_over(backend: "KVBackend", cache: BasePrefixCache, *, reset_old: bool = False) -> int:
-    """Give ``backend``'s pool to ``cache`` (empty; may be the current cache with ``reset_old``,
-    which resets it here). Returns the pages that went back to the free list."""
+class HandOver(NamedTuple):
+    """What ``hand_over`` did.
+
+    Attributes:
+        freed_pages: pages the old cache held that went back to the free list.
+        inherited_pages: pages of running requests' locked prefixes, kept (``InheritedPrefixes``).
+    """
+
+    freed_pages: int
+    inherited_pages: int
+
+
+def hand_over(backend: "KVBackend", cache: BasePrefixCache, *, reset_old: bool = False) -> HandOver:
+    """Give ``backend``'s pool to ``cache`` (empty; the current cache itself with ``reset_old``,
+    which resets it here), asking the old cache nothing (see the module docstring)."""
     allocator, tables = backend.allocator, backend.tables
     old = allocator.prefix_cache
     if isinstance(cache, BaseTieredPrefixCache) or allocator.has_pending_loads:
         raise InvalidArgumentError("a prefix cache with a host tier cannot be handed over (loads may be running)")
-    size, num_pages = allocator.page_size, allocator.num_pages
+    size, num_pages, width = allocator.page_size, allocator.num_pages, tables.row_width
     kept = np.zeros(num_pages, dtype=bool)
     kept[allocator.free_list.snapshot(include_pending=True).cpu().numpy().astype(np.int64) // size] = True
     live = allocator.live_requests
-    width = tables.row_width
-    for request in live:  # every page of a live row is that request's from now on
+    for request in live:  # past its prefix: its own pages; its prefix: kept for it below
         end = min(request.allocated_len, width)
         if end:
             kept[tables.table[request.row, 0:end:size].cpu().numpy().astype(np.int64) // size] = True
@@ -131,28 +144,41 @@ def hand_over(backend: "KVBackend", cache: BasePrefixCache, *, reset_old: bool =
     listeners = tuple(getattr(old, "kv_event_listeners", ()))
     if reset_old:
         old.reset()
+        cache = old.inner if isinstance(old, InheritedPrefixes) else old  # never a layer over a layer
     # the new cache's answers first: if it faults here, the backend is still unchanged
+    holding = [request for request in live if request.prefix_len]
+    layer = InheritedPrefixes(cache, num_pages=num_pages, page_size=size) if holding else cache
     empty = torch.empty(0, dtype=torch.int32, device=getattr(cache, "device", torch.device("cpu")))
     handles = []
-    for _ in live:
-        handle = cache.match_prefix(empty).handle
-        cache.lock_handle(handle)
+    for request in live:
+        if request.prefix_len:
+            handle = layer.inherit(tables.table[request.row, : request.prefix_len].cpu())
+        else:
+            handle = layer.match_prefix(empty).handle
+            layer.lock_handle(handle)
         handles.append(handle)
-    if not reset_old:
-        ownership.release(old)
-        ownership.release(getattr(old, "inner", old))
+    for owned in _chain(old):
+        ownership.release(owned)
     allocator.free_list.release(torch.from_numpy(reclaimed).to(allocator.device), immediately=True)
     for request, handle in zip(live, handles):
         request.handle = handle
-    allocator.prefix_cache = cache
+    allocator.prefix_cache = layer
     allocator.tiered = False
-    backend.prefix_cache = cache
-    if cache is not old:
-        backend.take_cache_ownership(cache)
+    backend.prefix_cache = layer
+    backend.take_cache_ownership(layer)
+    if not reset_old:
         for listener in listeners:  # what subscribed to the old cache's events follows the new one
             listener(AllCleared())
-            cache.add_kv_event_listener(listener)
-    return int(reclaimed.size)
+            layer.add_kv_event_listener(listener)
+    return HandOver(int(reclaimed.size), layer.inherited_pages if holding else 0)
+
+
+def _chain(cache: Any) -> list:
+    """``cache`` and the caches it wraps (``.inner``), outermost first."""
+    chain = [cache]
+    while getattr(chain[-1], "inner", None) is not None and len(chain) < 8:
+        chain.append(chain[-1].inner)
+    return chain
 
 
 def checked(cache: BasePrefixCache, name: str, num_pages: int, page_size: int) -> BasePrefixCache:

@@ -32,6 +32,7 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.checked import CheckedPrefixCache
+from kvplug.prefix_cache.inherited import InheritedPrefixes
 from tests.faulty_cache import FaultyCache, FaultyCachePlugin, _LyingHandle, all_faults
 
 SHAPE = ModelShape(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
@@ -122,26 +123,41 @@ def test_each_fault_replaces_the_cache_and_the_backend_keeps_serving(manager, fa
     _all_pages_come_back(backend)
 
 
-def test_requests_holding_a_locked_match_keep_their_prefix_as_their_own_pages(manager):
+def test_requests_holding_a_locked_match_keep_it_through_the_hand_over(manager):
+    """Two requests share a cached prefix when the cache faults: both keep reading it from the
+    same pages (held for them, not owned twice), and it goes back to the free list after both."""
     backend = _backend(manager, "insert_prefix:raise", cache={"after": 1})
     prefix = list(range(1, 13))
     first = backend.admit(prefix + [50])
     backend.allocate([first])
     backend.finish(first, computed=True)  # insert 1 behaves: the prefix is cached
-    holder = backend.admit(prefix + [60])
-    assert holder.matched_len == 12 and holder.prefix_len == 12
-    pages = backend.page_table[holder.row, :12].clone()
-    backend.allocate([holder])
+    holders = [backend.admit(prefix + [60 + n]) for n in range(2)]
+    assert [h.matched_len for h in holders] == [12, 12]
+    pages = backend.page_table[holders[0].row, :12].clone()
+    assert torch.equal(backend.page_table[holders[1].row, :12], pages)
+    backend.allocate(holders)
     other = backend.admit([7, 8, 9, 10, 11])
     backend.allocate([other])
     backend.finish(other, computed=True)  # insert 2 raises: the cache is replaced, the finish goes on
     assert backend.stats().prefix_cache["cache_failures"] == 1
-    assert holder.prefix_len == 0 and torch.equal(backend.page_table[holder.row, :12], pages)
+    assert isinstance(backend.prefix_cache, InheritedPrefixes) and backend.prefix_cache.inherited_pages == 3
+    for holder in holders:
+        assert holder.prefix_len == 12 and torch.equal(backend.page_table[holder.row, :12], pages)
     backend.check_integrity()
-    backend.append_tokens([holder], [1])
-    step = backend.begin_decode([holder])
-    step.commit([2])
-    backend.finish(holder, computed=True)
+    assert backend.stats().cached_pages == 3 and backend.stats().evictable_pages == 0
+    backend.append_tokens(holders, [1, 2])
+    step = backend.begin_decode(holders)
+    step.commit([2, 3])
+    backend.finish(holders[0], computed=True)
+    backend.check_integrity()
+    assert backend.stats().evictable_pages == 0  # the other holder still locks the prefix
+    backend.finish(holders[1], computed=True)
+    backend.check_integrity()
+    assert backend.stats().evictable_pages >= 3
+    again = backend.admit(prefix + [70])  # naive now: no hit, and the pages come back when needed
+    assert again.matched_len == 0
+    backend.allocate([again])
+    backend.finish(again, computed=True)
     _all_pages_come_back(backend)
 
 
@@ -359,9 +375,12 @@ def test_reset_and_evict_on_an_owned_cache_are_refused_and_the_backend_routes_th
         backend.prefix_cache.evict(4)
     backend.check_integrity()
     freed = backend.reset_prefix_cache()
-    assert freed == 0 and holder.prefix_len == 0  # its prefix is its own now
+    assert freed == 0 and holder.prefix_len == 12  # its locked prefix is kept for it
     backend.check_integrity()
-    assert backend.prefix_cache.size_info.total_size == 0
+    assert backend.prefix_cache.size_info.protected_size == 12 and backend.prefix_cache.inner.size_info.total_size == 0
+    late = backend.admit(prefix + [4])
+    assert late.matched_len == 0  # the reset cache forgot the prefix
+    backend.finish(late)
     backend.append_tokens([holder], [3])
     backend.finish(holder, computed=True)
     assert backend.evict_prefix_cache(4) >= 4
