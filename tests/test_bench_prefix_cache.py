@@ -68,3 +68,16 @@ def test_a_cuda_suite_is_skipped_cleanly_without_cuda(tmp_path, monkeypatch, cap
 def test_bench_without_a_suite_prints_help(capsys):
     assert main(["bench"]) == 2
     assert "prefix-cache" in capsys.readouterr().out
+
+
+def test_checked_variant_runs_radix_behind_the_checks_with_the_same_work(tmp_path):
+    """``--checked`` (issue 32): each cache also behind ``CheckedPrefixCache``; same hits, same sizes."""
+    out = tmp_path / "checked.json"
+    assert main(["bench", "prefix-cache", "--quick", "--page-sizes", "4", "--no-sglang", "--checked",
+                 "--out", str(out)]) == 0
+    rows = {(row["workload"], row["operation"], row["cache"]): row for row in json.loads(out.read_text())["results"]}
+    for workload, operation in (("shared-prefix", "match+lock"), ("conversation", "insert"), ("evict", "evict")):
+        plain, checked = rows[(workload, operation, "kvplug-radix")], rows[(workload, operation, "kvplug-radix+checked")]
+        assert checked["n"] == plain["n"] > 0
+        for fact in ("hit_tokens_mean", "cached_tokens", "freed_tokens_mean"):
+            assert checked.get(fact) == plain.get(fact), (workload, fact)

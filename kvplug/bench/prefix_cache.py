@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvplug._version import __version__
-from kvplug.bench.prefix_cache_drivers import CacheDriver, KvplugDriver
+from kvplug.bench.prefix_cache_drivers import CacheDriver, CheckedKvplugDriver, KvplugDriver
 from kvplug.bench.timing import format_table, gc_paused, summarize_ns
 
 SUITE = "prefix-cache"
@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caches", default="radix", help="comma-separated kvplug prefix caches (default radix)")
     parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's RadixCache even if it imports")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checked", action="store_true",
+                        help="also run each cache behind CheckedPrefixCache (how a KVBackend runs an untrusted plugin)")
 
 
 Timings = dict[str, list[int]]
@@ -125,6 +127,8 @@ WORKLOADS = {"shared-prefix": shared_prefix, "conversation": conversation, "evic
 
 def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | None) -> list[CacheDriver]:
     drivers: list[CacheDriver] = [KvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
+    if getattr(args, "checked", False):
+        drivers += [CheckedKvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
     if sglang_version:
         from kvplug.bench.sglang_anchor import SGLangRadixDriver
 

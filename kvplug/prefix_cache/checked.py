@@ -96,10 +96,11 @@ class CheckedPrefixCache(BasePrefixCache):
         self.page_size = page_size
         self.device = getattr(inner, "device", torch.device("cpu"))
         self._pool_end = num_pages * page_size
-        self._offsets = np.arange(page_size, dtype=np.int64)
+        self._offsets = np.arange(page_size, dtype=np.int32)
         self._held = np.zeros(num_pages, dtype=bool)  # pages the cache holds
         self._locks = np.zeros(num_pages, dtype=np.int64)  # locks through handles, per page
         self._scratch = np.zeros(num_pages, dtype=np.int64)  # duplicate detection, never reset
+        self._order = np.arange(num_pages, dtype=np.int64)
         self._held_pages = 0
         self._locked_pages = 0
         self._listeners: list = []
@@ -130,37 +131,44 @@ class CheckedPrefixCache(BasePrefixCache):
         if value.dtype is not torch.int32 or value.dim() != 1:
             raise self._fault(method, f"returned {what} of dtype {value.dtype} and shape {tuple(value.shape)}, "
                                       "expected a 1-D int32 tensor")
-        return value.detach().cpu().numpy().astype(np.int64)
+        if value.device.type != "cpu" or value.requires_grad:
+            value = value.detach().cpu()
+        return value.numpy()  # a view: read here, copied (``_as_tensor``) before it is handed on
 
-    def _pages(self, method: str, locations: np.ndarray, what: str) -> np.ndarray:
-        """Page numbers of ``locations`` (shape ``[n]``, int64, host), checked: inside the pool,
-        whole pages, distinct. O(n)."""
+    def _pages(self, method: str, locations: np.ndarray, what: str, *, whole: bool = True) -> np.ndarray:
+        """Page numbers of ``locations`` (shape ``[n]``, int32, host), checked: inside the pool,
+        whole pages (``whole=False``: only that each page's first location starts a page), distinct.
+        O(n): one pass over the locations, the rest over their pages."""
         size, n = self.page_size, locations.size
         if n == 0:
-            return locations
+            return np.empty(0, dtype=np.int64)
         if n % size:
             raise self._fault(method, f"returned {n} locations as {what}: not whole pages of {size}")
-        low, high = int(locations.min()), int(locations.max())
+        by_page = locations.reshape(-1, size)
+        if whole and size > 1 and not ((by_page - by_page[:, :1]) == self._offsets).all():
+            raise self._fault(method, f"returned {what} that are not whole pages (each page's locations must be "
+                                      f"start .. start + {size - 1}, start a multiple of {size})")
+        starts = by_page[:, 0].astype(np.int64)
+        low, high = int(starts.min()), int(starts.max()) + size - 1  # whole pages: the starts bound them
         if low < 0 or high >= self._pool_end:
             bad = low if low < 0 else high
             raise self._fault(method, f"returned location {bad} in {what}, outside the pool [0, {self._pool_end}) "
                                       f"({self.num_pages} pages of {size})")
-        starts = locations[::size]
-        if size > 1 and ((starts % size).any() or not np.array_equal(
-                locations.reshape(-1, size), starts[:, None] + self._offsets)):
+        pages, misaligned = np.divmod(starts, size) if size > 1 else (starts, None)
+        if misaligned is not None and misaligned.any():
             raise self._fault(method, f"returned {what} that are not whole pages (each page's locations must be "
                                       f"start .. start + {size - 1}, start a multiple of {size})")
-        pages = starts // size
-        order = np.arange(pages.size, dtype=np.int64)
-        scratch = self._scratch
-        scratch[pages] = order  # a page listed twice keeps only its last position
-        if pages.size > 1 and not np.array_equal(scratch[pages], order):
-            twice = int(pages[np.flatnonzero(scratch[pages] != order)[0]])
-            raise self._fault(method, f"returned page {twice} (location {twice * size}) twice in {what}")
+        if pages.size > 1:
+            order = self._order[: pages.size]
+            scratch = self._scratch
+            scratch[pages] = order  # a page listed twice keeps only its last position
+            if not (scratch[pages] == order).all():
+                twice = int(pages[np.flatnonzero(scratch[pages] != order)[0]])
+                raise self._fault(method, f"returned page {twice} (location {twice * size}) twice in {what}")
         return pages
 
     def _as_tensor(self, locations: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(locations.astype(np.int32))
+        tensor = torch.from_numpy(locations.astype(np.int32))  # a copy: the plugin's tensor may change later
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     def _length(self, method: str, value: Any, limit: int, what: str) -> int:
@@ -230,9 +238,10 @@ class CheckedPrefixCache(BasePrefixCache):
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
         check_insert_shapes(input_ids, indices, self.device, self.page_size)
-        given = indices.detach().cpu().numpy().astype(np.int64)
+        given = indices.detach().cpu().numpy()
         try:
-            given_pages = self._pages("insert_prefix", given, "indices")
+            # kvplug's own locations (the allocator hands out whole pages): their page starts are checked
+            given_pages = self._pages("insert_prefix", given, "indices", whole=False)
         except PrefixCacheFault as error:  # the caller's locations, not the plugin's answer
             raise InvalidArgumentError(f"insert_prefix indices: {error}") from None
         n = given.size
@@ -249,9 +258,11 @@ class CheckedPrefixCache(BasePrefixCache):
         if located.size != n or not np.array_equal(located[cached_len:], given[cached_len:]):
             raise self._fault("insert_prefix", f"reports {cached_len} of {n} tokens cached before, but its handle "
                                                "does not keep the given locations after them")
-        pages = self._pages("insert_prefix", located, "the handle's locations")
+        # past cached_len the handle holds the given (checked) locations; before it, pages it held already
         first_new = cached_len // self.page_size
-        self._check_held("insert_prefix", pages[:first_new], "the cached part of its handle")
+        cached_pages = self._pages("insert_prefix", located[:cached_len], "the cached part of its handle")
+        self._check_held("insert_prefix", cached_pages, "the cached part of its handle")
+        pages = np.concatenate([cached_pages, given_pages[first_new:]])
         new_pages = given_pages[first_new:]
         if new_pages.size and self._held[new_pages].any():
             page = int(new_pages[np.flatnonzero(self._held[new_pages])[0]])
