@@ -417,6 +417,11 @@ class KVBackend:
             cache = getattr(cache, "inner", None)
 
     @backend_call
+    def available_pages(self) -> int:
+        """Pages an allocation could obtain now: free plus evictable from the prefix cache."""
+        return self.allocator.num_free_pages + self.allocator.num_evictable_pages
+
+    @backend_call
     def cached_prefix_len(self, input_ids: torch.Tensor) -> int:
         """Tokens of ``input_ids`` (shape ``[n]``, int32, host) the prefix cache holds now, in any
         tier (a scheduler's look-up before admitting; nothing is locked)."""

@@ -519,3 +519,77 @@ def test_serve_with_a_bad_host_memory_exits_before_it_is_healthy(server_deps, ca
 
 
 from tests.test_serve import _free_port, _run_kvplug, cache_dir, embedded, server_deps  # noqa: E402,F401 (fixtures)
+
+
+# ---------------------------------------------------------------------- a real server (issue 32 item 1)
+SERVED_FAULTS = ["match_prefix:raise", "lock_handle:raise", "insert_prefix:raise", "unlock:raise",
+                 "evict:short", "match_prefix:outside_pool", "size_info:overstates_evictable"]
+
+
+def _serve_faulty(fault: str, cache_dir, log, *extra: str, after: int = 2):
+    import os
+
+    from tests.serve_process import REPO_ROOT, free_port, start
+
+    port = free_port()
+    os.environ["KVPLUG_TEST_FAULT_AFTER"] = str(after)  # start() copies the environment
+    try:
+        process = start([str(REPO_ROOT / "tests" / "serve_with_faulty_cache.py"), fault, "serve", "--port", str(port),
+                         "--prefix-cache", "faulty", "--kv-memory", "1536KiB", "--max-seq-len", "256", "--page-size",
+                         "16", "--max-running-reqs", "4", *extra], cache_dir, log)
+    finally:
+        del os.environ["KVPLUG_TEST_FAULT_AFTER"]
+    return process, port
+
+
+def _chats(port: int, count: int) -> list[tuple[int, dict]]:
+    import json
+
+    from tests.serve_process import post
+
+    system = "You are a helpful assistant that answers about kv caches. " * 3
+    replies = []
+    for number in range(count):  # a shared prefix (hits), a small pool (evictions)
+        body = {"model": "kvplug-default", "max_tokens": 4,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"question {number}: " + "why? " * (number % 4 + 1)}]}
+        replies.append(post(port, "/v1/chat/completions", json.dumps(body).encode(), timeout=120))
+    return replies
+
+
+@pytest.mark.parametrize("fault", SERVED_FAULTS)
+def test_a_served_faulty_cache_plugin_is_replaced_and_every_request_is_answered(server_deps, cache_dir, tmp_path,  # noqa: F811
+                                                                                fault):
+    from tests.serve_process import get_json, stop, wait_ready
+
+    log = tmp_path / "serve.log"
+    process, port = _serve_faulty(fault, cache_dir, log)
+    try:
+        wait_ready(process, port, log)
+        replies = _chats(port, 10)
+        assert [status for status, _ in replies] == [200] * 10, (replies, log.read_text()[-3000:])
+        status, stats = get_json(port, "/kvplug/stats")
+        assert status == 200 and process.poll() is None
+        assert get_json(port, "/health")[0] == 200
+        text = log.read_text()
+        assert "prefix cache 'faulty' failed in" in text and "prefix cache 'naive' takes over" in text, text[-3000:]
+    finally:
+        code, _ = stop(process)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def test_on_cache_failure_fail_stops_the_server(server_deps, cache_dir, tmp_path):  # noqa: F811
+    from tests.serve_process import wait_ready
+
+    log = tmp_path / "serve.log"
+    process, port = _serve_faulty("match_prefix:raise", cache_dir, log, "--on-cache-failure", "fail", after=0)
+    try:
+        wait_ready(process, port, log)
+        statuses = [status for status, _ in _chats(port, 1)]
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = log.read_text()
+    assert statuses != [200] and code != 0, (statuses, text[-3000:])
+    assert "match_prefix raised RuntimeError" in text, text[-3000:]

@@ -49,6 +49,7 @@ class ServeOptions:
     overlap_schedule: bool | None = None
     torch_compile: bool = False
     host_memory: int | None = None
+    on_cache_failure: str = "fallback"  # issue 32: kvplug.cache_guard's policy
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("kvplug", "native"):
@@ -89,6 +90,7 @@ class ServeOptions:
             "overlap_schedule": self.overlap_schedule,
             "torch_compile": self.torch_compile,
             "host_memory": self.host_memory,
+            "backend_options": {"on_cache_failure": self.on_cache_failure},  # issue 32
         }
 
 

@@ -111,8 +111,7 @@ class StepTracker:
         during continuous batching every change goes through it."""
         available = self._available
         if available is None:
-            allocator = self.backend.allocator
-            available = self._available = allocator.num_free_pages + allocator.num_evictable_pages
+            available = self._available = self.backend.available_pages()  # issue 32 seam: through the cache guard
         return available
 
     def _backend_changed(self) -> None:
@@ -192,11 +191,7 @@ class StepTracker:
     def _cached_len(self, ids: torch.Tensor) -> int:
         """Tokens of ``ids`` cached in any tier: a prefix in host memory is a hit too, since
         admitting the request loads it (and ``reserve`` must not find a hit ``match`` missed)."""
-        cache = self.backend.prefix_cache
-        if self.backend.allocator.tiered:
-            match = cache.match_tiered(ids)
-            return int(match.handle.cached_len) + int(match.host_len)
-        return int(cache.match_prefix(ids).handle.cached_len)
+        return self.backend.cached_prefix_len(ids)  # issue 32 seam: through the backend's cache guard
 
     def reserve(self, request_id: str, capacity: int) -> bool:
         """Promise the request pages up to ``capacity`` tokens, admitting it first if ``match``
