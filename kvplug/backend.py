@@ -66,6 +66,21 @@ class KVBackend:
         allocator: the ``PagedAllocator``.
         graphs: the ``DecodeGraphs`` of ``decode_graphs`` (``None`` until then): decode steps
             that fit a captured size are staged padded into its buffers.
+        cache_guard: what a fault of an untrusted prefix cache does (``kvplug.cache_guard``).
+
+    One thread at a time (issue 32): a backend has one owner, the host's scheduler thread, and no
+    lock. The lifecycle calls (``admit``, ``allocate``, ``prepare``, ``begin_decode``,
+    ``append_tokens``, ``cache_unfinished``, ``finish``, ``decode_graphs``, the prefix-cache calls
+    below, ``check_integrity``) refuse a call from a second thread while another thread is inside one
+    (``ConcurrentUseError``, nothing changed; ``kvplug.call_gate``); calls from different threads one
+    after another are fine. ``stats`` may be called from any thread (a monitoring route).
+    ``forward``, ``input_ids``, ``loads_ready`` and ``DecodeStep.commit`` are not checked (per-layer
+    and per-step hot paths): they belong to the same thread.
+
+    The prefix cache is owned: ``reset`` / ``evict`` called on it directly raise
+    ``CacheOwnedError``; ``reset_prefix_cache`` / ``evict_prefix_cache`` do them with the pool's
+    accounting kept. An untrusted cache (a plugin's) is ``prefix_cache.inner`` of a
+    ``CheckedPrefixCache``, and after a hand-over ``prefix_cache`` may be an ``InheritedPrefixes``.
     """
 
     def __init__(self, parts: BackendParts) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, TypeVar
+from _thread import get_ident
+from typing import Any, Callable, NoReturn, TypeVar
 
 from kvplug.interface import ConcurrentUseError, PrefixCacheFault
 
@@ -29,36 +30,34 @@ MAX_REPLACEMENTS = 2
 
 
 class CallGate:
-    """Which thread is inside a backend call now (``None``: none)."""
+    """Which thread is inside a backend call now (``thread``: its ident, ``None``: none)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self.thread: int | None = None
-        self.thread_name: str | None = None
 
     def inside(self) -> bool:
         """Whether the current thread is inside a call (the backend is calling its cache)."""
-        return self.thread == threading.get_ident()
+        return self.thread == get_ident()
 
     def try_enter(self) -> bool:
         """Enter if no other thread is inside; ``False`` (nothing changed) when one is."""
-        if not self._lock.acquire(blocking=False):
+        if not self.lock.acquire(blocking=False):
             return False
-        self.thread = threading.get_ident()
-        self.thread_name = threading.current_thread().name
+        self.thread = get_ident()
         return True
 
-    def enter(self, what: str) -> None:
-        if not self.try_enter():
-            raise ConcurrentUseError(
-                f"KVBackend.{what} was called from thread {threading.current_thread().name!r} while thread "
-                f"{self.thread_name!r} is inside another call: a backend is driven by one thread at a time "
-                "(nothing was changed)"
-            )
+    def refuse(self, what: str) -> NoReturn:
+        inside = self.thread
+        name = next((thread.name for thread in threading.enumerate() if thread.ident == inside), str(inside))
+        raise ConcurrentUseError(
+            f"KVBackend.{what} was called from thread {threading.current_thread().name!r} while thread "
+            f"{name!r} is inside another call: a backend is driven by one thread at a time (nothing was changed)"
+        )
 
     def leave(self) -> None:
-        self.thread = self.thread_name = None
-        self._lock.release()
+        self.thread = None
+        self.lock.release()
 
 
 def backend_call(method: F) -> F:
@@ -68,20 +67,35 @@ def backend_call(method: F) -> F:
     @functools.wraps(method)
     def call(self, *args: Any, **kwargs: Any) -> Any:
         gate = self._gate
-        if gate.thread == threading.get_ident():  # the backend calling itself
+        ident = get_ident()
+        if gate.thread == ident:  # the backend calling itself
             return method(self, *args, **kwargs)
-        gate.enter(name)
+        if not gate.lock.acquire(False):
+            gate.refuse(name)
+        gate.thread = ident
         try:
-            guard = self.cache_guard
-            guard.check_running()
-            for attempt in range(MAX_REPLACEMENTS + 1):
-                try:
-                    return method(self, *args, **kwargs)
-                except PrefixCacheFault as fault:
-                    if attempt == MAX_REPLACEMENTS:
-                        raise
-                    guard.recover(self, fault, during=name)  # raises when the policy is "fail"
+            if self.cache_guard.stopped is not None:
+                self.cache_guard.check_running()
+            try:
+                return method(self, *args, **kwargs)
+            except PrefixCacheFault as fault:
+                return _recover_and_retry(self, method, name, fault, args, kwargs)
         finally:
-            gate.leave()
+            gate.thread = None
+            gate.lock.release()
 
     return call  # type: ignore[return-value]
+
+
+def _recover_and_retry(backend: Any, method: Callable, name: str, fault: PrefixCacheFault, args: tuple,
+                       kwargs: dict) -> Any:
+    """Replace the faulty cache and run the call again, up to ``MAX_REPLACEMENTS`` times."""
+    for attempt in range(MAX_REPLACEMENTS):
+        backend.cache_guard.recover(backend, fault, during=name)  # raises when the policy is "fail"
+        try:
+            return method(backend, *args, **kwargs)
+        except PrefixCacheFault as again:
+            if attempt == MAX_REPLACEMENTS - 1:
+                raise
+            fault = again
+    raise AssertionError("unreachable")
