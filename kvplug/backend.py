@@ -39,7 +39,7 @@ from kvplug.batch_lease import BatchLease, check_lease
 from kvplug.cache_guard import CacheGuard, hand_over  # issue 32 seam
 from kvplug.call_gate import CallGate, backend_call  # issue 32 seam
 from kvplug.decode_step import DecodeStep
-from kvplug.interface import AttentionBatch, ConcurrentUseError, ForwardPhase, InvalidArgumentError, PrefixCacheFault
+from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids
@@ -386,12 +386,11 @@ class KVBackend:
 
     # ------------------------------------------------------------------ observation
     def stats(self) -> BackendStats:
-        """A snapshot; callable from any thread (a monitoring route): while another thread is inside a
-        call, a checked cache's sizes come from its own bookkeeping (no plugin call, no recovery)."""
+        """A snapshot; callable from any thread (a monitoring route): it enters no gate, and a checked
+        cache's sizes come from its own bookkeeping (no plugin call, no recovery)."""
         allocator = self.allocator
         free = allocator.num_free_pages
-        # issue 32 seam: sizes through the gate (a fault replaces the cache), or without the plugin
-        cached, evictable = self._cache_pages()
+        cached, evictable = self._cache_pages()  # issue 32 seam: no call into an untrusted plugin
         return BackendStats(
             queried_tokens=self._queried_tokens,
             cache_hit_tokens=self._hit_tokens,
@@ -411,17 +410,13 @@ class KVBackend:
 
     # ------------------------------------------------------------------ the prefix cache (issue 32)
     def _cache_pages(self) -> tuple[int, int]:
-        """(cached, evictable) pages of the prefix cache, for ``stats``."""
-        try:
-            size = self._checked_size_info()
-        except (ConcurrentUseError, PrefixCacheFault):  # another thread inside a call, or stopped: no plugin call
-            tracked = getattr(self.prefix_cache, "tracked_size_info", None)
-            size = tracked if tracked is not None else self.prefix_cache.size_info
+        """(cached, evictable) pages of the prefix cache, for ``stats``: never a call into an untrusted
+        plugin (``stats`` runs on any thread, and must neither race the owner's calls through the
+        gate nor start a recovery), so a checked cache answers from its own bookkeeping."""
+        cache = self.prefix_cache
+        tracked = getattr(cache, "tracked_size_info", None)
+        size = tracked if tracked is not None else cache.size_info
         return size.total_size // self.page_size, size.evictable_size // self.page_size
-
-    @backend_call
-    def _checked_size_info(self):
-        return self.prefix_cache.size_info
 
     def take_cache_ownership(self, cache) -> None:
         """Refuse ``reset`` / ``evict`` called on ``cache`` (and a checked cache's plugin) from outside

@@ -625,3 +625,31 @@ def test_a_tiny_pool_with_a_host_tier_serves_two_rounds_of_chats(server_deps, ca
         assert first + second == [200] * 48 and process.poll() is None, text[-3000:]
     finally:
         stop(process)
+
+
+def test_stats_never_calls_an_untrusted_plugin(manager):
+    """``stats`` runs on a monitoring thread: a checked cache's sizes come from its bookkeeping, so a
+    plugin whose ``size_info`` raises neither breaks ``stats`` nor is replaced by it."""
+    backend = _backend(manager, "none")
+    request = backend.admit(list(range(1, 20)))
+    backend.allocate([request])
+    backend.finish(request, computed=True)
+    faulty = backend.prefix_cache.inner
+    faulty.method, faulty.fault = "size_info", "raise"  # from now on
+    calls = faulty.calls.get("size_info", 0)
+    stats = backend.stats()
+    assert stats.cached_pages == 4 and stats.prefix_cache["cache_failures"] == 0
+    assert faulty.calls.get("size_info", 0) == calls and backend.prefix_cache.inner is faulty
+    with pytest.raises(RuntimeError, match="size_info fails on purpose"):
+        faulty.size_info  # noqa: B018 (the plugin does raise when called)
+
+
+def test_stats_of_a_checked_cache_match_its_plugin(manager):
+    backend = _backend(manager, "none")
+    request = backend.admit(list(range(1, 20)))
+    backend.allocate([request])
+    backend.finish(request, computed=True)
+    stats = backend.stats()
+    assert stats.cached_pages == backend.prefix_cache.inner.size_info.total_size // 4 == 4
+    assert stats.prefix_cache == {"prefix_cache": "faulty", "cache_failures": 0, "last_cache_fault": None,
+                                  "on_cache_failure": "fallback", "stopped": False}
