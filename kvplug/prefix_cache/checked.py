@@ -22,7 +22,8 @@ pass through it: ``insert_prefix`` hands pages over, ``evict`` and ``reset`` tak
 - ``size_info`` totals what the cache holds and overstates neither evictable nor protected tokens
   (checked after every insert and evict too).
 
-The arguments kvplug passes are checked as well (whole pages, the right types); a bad one raises
+The arguments kvplug passes are checked more lightly (types, lengths, and that each inserted page
+starts a page, inside the pool, once: the allocator hands out whole pages); a bad one raises
 ``InvalidArgumentError`` and reaches no plugin. The wrapper is meant for a cache that only kvplug
 drives: it starts empty and every page it learns about comes from ``insert_prefix``.
 """
