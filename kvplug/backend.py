@@ -453,9 +453,8 @@ class KVBackend:
 
     @backend_call
     def reset_prefix_cache(self) -> int:
-        """Empty the prefix cache: its pages go to the free list, and running requests keep the
-        prefixes they locked as their own pages (``kvplug.cache_guard.hand_over``: a prefix page two
-        requests share is copied; a request with no free page for its copy is ended). Returns the
+        """Empty the prefix cache: its pages go to the free list, except running requests' locked
+        prefixes, kept for them until they finish (``kvplug.cache_guard.hand_over``). Returns the
         pages freed. Not with a host tier."""
         return hand_over(self, self.prefix_cache, reset_old=True).freed_pages
 
