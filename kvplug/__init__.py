@@ -31,6 +31,8 @@ if TYPE_CHECKING:
         BaseKVPool,
         BasePrefixCache,
         BaseTieredPrefixCache,
+        CacheOwnedError,
+        ConcurrentUseError,
         DuplicateComponentError,
         ForwardPhase,
         InsertResult,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
         PluginLoadError,
         PluginRegistrationError,
         PrefixCacheConfig,
+        PrefixCacheFault,
         SizeInfo,
         TierCopyError,
         TieredMatchResult,
@@ -69,6 +72,9 @@ _LAZY_NAMES: dict[str, str] = {
     "BasePrefixCache": "kvplug.interface",
     "BaseTieredPrefixCache": "kvplug.interface",
     "TierCopyError": "kvplug.interface",
+    "CacheOwnedError": "kvplug.interface",  # issue 32
+    "ConcurrentUseError": "kvplug.interface",  # issue 32
+    "PrefixCacheFault": "kvplug.interface",  # issue 32
     "TierStats": "kvplug.interface",
     "TieredMatchResult": "kvplug.interface",
     "DuplicateComponentError": "kvplug.interface",
@@ -142,6 +148,9 @@ __all__ = [
     "BasePrefixCache",
     "BaseTieredPrefixCache",
     "TierCopyError",
+    "CacheOwnedError",
+    "ConcurrentUseError",
+    "PrefixCacheFault",
     "TierStats",
     "TieredMatchResult",
     "DuplicateComponentError",

@@ -43,12 +43,15 @@ from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
 from kvplug.backend_factory import BackendParts, build_parts
 from kvplug.backend_stats import BackendStats
 from kvplug.memory.request import BatchLease, check_lease
+from kvplug.cache_guard import CacheGuard, hand_over  # issue 32 seam
+from kvplug.call_gate import CallGate, backend_call  # issue 32 seam
 from kvplug.decode_step import DecodeStep
 from kvplug.interface import AttentionBatch, ForwardPhase, InvalidArgumentError
 from kvplug.memory.allocator import PrefixLookup
 from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids, host_token_ids
+from kvplug.prefix_cache import ownership  # issue 32 seam
 
 if TYPE_CHECKING:
     from kvplug.decode_step import DecodeGraphs
@@ -74,6 +77,21 @@ class KVBackend:
         allocator: the ``PagedAllocator``.
         graphs: the ``DecodeGraphs`` of ``decode_graphs`` (``None`` until then): decode steps
             that fit a captured size are staged padded into its buffers.
+        cache_guard: what a fault of an untrusted prefix cache does (``kvplug.cache_guard``).
+
+    One thread at a time (issue 32): a backend has one owner, the host's scheduler thread, and no
+    lock. The lifecycle calls (``admit``, ``allocate``, ``prepare``, ``begin_decode``,
+    ``append_tokens``, ``cache_unfinished``, ``finish``, ``decode_graphs``, the prefix-cache calls
+    below, ``check_integrity``) refuse a call from a second thread while another thread is inside one
+    (``ConcurrentUseError``, nothing changed; ``kvplug.call_gate``); calls from different threads one
+    after another are fine. ``stats`` may be called from any thread (a monitoring route).
+    ``forward``, ``input_ids``, ``loads_ready`` and ``DecodeStep.commit`` are not checked (per-layer
+    and per-step hot paths): they belong to the same thread.
+
+    The prefix cache is owned: ``reset`` / ``evict`` called on it directly raise
+    ``CacheOwnedError``; ``reset_prefix_cache`` / ``evict_prefix_cache`` do them with the pool's
+    accounting kept. An untrusted cache (a plugin's) is ``prefix_cache.inner`` of a
+    ``CheckedPrefixCache``, and after a hand-over ``prefix_cache`` may be an ``InheritedPrefixes``.
     """
 
     def __init__(self, parts: BackendParts) -> None:
@@ -87,6 +105,11 @@ class KVBackend:
         self.attention_name = parts.attention_name
         self.device = self.tables.device
         self.graphs: DecodeGraphs | None = None
+        # issue 32 seam: driven by one thread at a time (kvplug.call_gate); a prefix cache that
+        # faults is replaced (kvplug.cache_guard); reset/evict on the cache itself are refused
+        self._gate = CallGate()
+        self.cache_guard = parts.cache_guard or CacheGuard(type(self.prefix_cache).__name__, "fail")
+        self.take_cache_ownership(self.prefix_cache)
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._admitted = 0
@@ -132,6 +155,7 @@ class KVBackend:
         return self.requests.live_requests
 
     # ------------------------------------------------------------------ lifecycle
+    @backend_call
     def lookup(self, input_ids: torch.Tensor | Sequence[int]) -> PrefixLookup:
         """How much of a prompt is cached, without admitting it or changing anything: an opaque
         ``PrefixLookup`` (``cached_len``: tokens an admission would find cached, host tier
@@ -139,6 +163,7 @@ class KVBackend:
         prompt matches it once. Host work only."""
         return self.allocator.lookup(host_token_ids(input_ids))
 
+    @backend_call  # issue 32 seam
     def admit(self, input_ids: torch.Tensor | Sequence[int] | PrefixLookup, *, match: bool = True) -> Request:
         """Start a request: take a row, match and lock its longest cached prefix (at most
         ``len - 1`` tokens, so at least one token is computed), point the row at the match and
@@ -168,12 +193,14 @@ class KVBackend:
         blocks."""
         return self.allocator.loads_ready(request)
 
+    @backend_call  # issue 32 seam
     def allocate(self, requests: Sequence[Request], new_device_lens: Sequence[int] | None = None) -> None:
         """Set each request's ``device_len`` (default: ``num_tokens``, every known token) and give
         it the pages that takes, evicting cached prefixes when needed; all or nothing
         (``OutOfMemoryError`` says how many pages were needed and available)."""
         self.allocator.allocate(_request_list(requests), new_device_lens)
 
+    @backend_call  # issue 32 seam
     def prepare(self, requests: Sequence[Request], phase: ForwardPhase | str) -> AttentionBatch:
         """Describe the next forward over ``requests`` (tokens ``cached_len .. device_len - 1``
         of each) and let the attention backend plan it. ``phase``: ``"prefill"`` or ``"decode"``
@@ -196,6 +223,7 @@ class KVBackend:
             self.attention.prepare_metadata(batch)
         return batch
 
+    @backend_call  # issue 32 seam
     def begin_decode(self, requests: Sequence[Request]) -> DecodeStep:
         """Stage one decode step over ``requests``: each has exactly one known token past its
         cached ones (after a prefill's ``append_tokens`` or the previous step's ``commit``); it
@@ -282,6 +310,7 @@ class KVBackend:
             check_lease(lease, states)
         return self.attention.forward(q, k, v, layer_id, batch)
 
+    @backend_call  # issue 32 seam
     def append_tokens(self, requests: Sequence[Request], token_ids: torch.Tensor | Sequence[int]) -> None:
         """After a forward that covered every known token: mark it done (``cached_len =
         device_len``) and append one sampled token per request to the token pool (one write).
@@ -314,6 +343,7 @@ class KVBackend:
             self.tables.host_tokens.reshape(-1)[cells] = host_token_ids(token_ids, allow_empty=True).numpy()
         states.appended(rows, known=on_host)
 
+    @backend_call
     def record_tokens(self, request: Request, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Tell kvplug the token ids ``request`` holds as the host knows them (its prompt first,
         then what it sampled): ids sampled on the device become keys the prefix cache can keep.
@@ -334,6 +364,7 @@ class KVBackend:
             self.tables.note_tokens(row, known, ids[known:end])
             self.requests.know(row, end)
 
+    @backend_call  # issue 32 seam
     def cache_unfinished(self, request: Request) -> None:
         """After a non-final prefill chunk's forward: mark it done and move the computed
         page-aligned prefix into the prefix cache (the request keeps using it, locked)."""
@@ -341,6 +372,7 @@ class KVBackend:
         self.allocator.mark_computed([request])
         self.allocator.cache_request(request, finished=False)
 
+    @backend_call  # issue 32 seam
     def finish(self, request: Request, *, computed: bool = False,
                tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> None:
         """End a request: its page-aligned computed prefix goes into the prefix cache, every
@@ -367,6 +399,7 @@ class KVBackend:
             yield
 
     # ------------------------------------------------------------------ CUDA graphs
+    @backend_call  # issue 32 seam
     def decode_graphs(
         self,
         forward_fn: Callable[[DecodeStep], torch.Tensor],
@@ -398,8 +431,11 @@ class KVBackend:
 
     # ------------------------------------------------------------------ observation
     def stats(self) -> BackendStats:
+        """A snapshot; callable from any thread (a monitoring route): it enters no gate, and a checked
+        cache's sizes come from its own bookkeeping (no plugin call, no recovery)."""
         allocator = self.allocator
         free = allocator.num_free_pages
+        cached, evictable = self._cache_pages()  # issue 32 seam: no call into an untrusted plugin
         return BackendStats(
             queried_tokens=self._queried_tokens,
             cache_hit_tokens=self._hit_tokens,
@@ -409,13 +445,65 @@ class KVBackend:
             running_requests=self.requests.num_live,
             num_pages=self.num_pages,
             free_pages=free,
-            cached_pages=allocator.num_cached_pages,
-            evictable_pages=allocator.num_evictable_pages,
+            cached_pages=cached,
+            evictable_pages=evictable,
             used_pages=self.num_pages - free,
             host_hit_tokens=allocator.host_hit_tokens,
             tier=self.prefix_cache.tier_stats().as_dict() if allocator.tiered else None,
+            prefix_cache=self.cache_guard.as_dict(),  # issue 32 seam
         )
 
+    # ------------------------------------------------------------------ the prefix cache (issue 32)
+    def _cache_pages(self) -> tuple[int, int]:
+        """(cached, evictable) pages of the prefix cache, for ``stats``: never a call into an untrusted
+        plugin (``stats`` runs on any thread, and must neither race the owner's calls through the
+        gate nor start a recovery), so a checked cache answers from its own bookkeeping."""
+        cache = self.prefix_cache
+        tracked = getattr(cache, "tracked_size_info", None)
+        size = tracked if tracked is not None else cache.size_info
+        return size.total_size // self.page_size, size.evictable_size // self.page_size
+
+    def take_cache_ownership(self, cache) -> None:
+        """Refuse ``reset`` / ``evict`` called on ``cache`` (and a checked cache's plugin) from outside
+        this backend's calls (``kvplug.prefix_cache.ownership``)."""
+        while cache is not None:  # a checked cache's plugin, a hand-over layer's cache: all gated
+            if not ownership.is_owned(cache):
+                ownership.take_ownership(cache, self._gate.inside)
+            cache = getattr(cache, "inner", None)
+
+    @backend_call
+    def available_pages(self) -> int:
+        """Pages an allocation could obtain now: free plus evictable from the prefix cache."""
+        return self.allocator.num_free_pages + self.allocator.num_evictable_pages
+
+    @backend_call
+    def cached_prefix_len(self, input_ids: torch.Tensor) -> int:
+        """Tokens of ``input_ids`` (shape ``[n]``, int32, host) the prefix cache holds now, in any
+        tier (a scheduler's look-up before admitting; nothing is locked)."""
+        cache = self.prefix_cache
+        if self.allocator.tiered:
+            match = cache.match_tiered(input_ids)
+            return int(match.handle.cached_len) + int(match.host_len)
+        return int(cache.match_prefix(input_ids).handle.cached_len)
+
+    @backend_call
+    def evict_prefix_cache(self, tokens: int) -> int:
+        """Evict at least ``tokens`` tokens of unlocked cached prefixes; their pages go to the free
+        list. Returns the tokens evicted (``InvalidArgumentError`` past the evictable size)."""
+        evicted = self.prefix_cache.evict(tokens)
+        self.allocator.evicted_tokens += int(evicted.shape[0])
+        locations = evicted.numpy()
+        self.allocator.free_list.release(locations[locations % self.page_size == 0], immediately=True)
+        return int(evicted.shape[0])
+
+    @backend_call
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache: its pages go to the free list, except running requests' locked
+        prefixes, kept for them until they finish (``kvplug.cache_guard.hand_over``). Returns the
+        pages freed. Not with a host tier."""
+        return hand_over(self, self.prefix_cache, reset_old=True).freed_pages
+
+    @backend_call  # issue 32 seam
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any memory invariant is broken (reads every live row)."""
         self.allocator.check_integrity()
@@ -447,6 +535,8 @@ def create_backend(
     validate: bool | None = None,
     attention_options: Mapping[str, Any] | None = None,
     prefix_cache_options: Mapping[str, Any] | None = None,
+    on_cache_failure: str = "fallback",
+    fallback_prefix_cache: str = "naive",
 ) -> "KVBackend":
     """Build a ``KVBackend``.
 
@@ -472,6 +562,11 @@ def create_backend(
         prefix_cache_options: options of the prefix cache built by name (``PrefixCacheConfig.options``),
             e.g. ``{"host_memory": "32GiB"}`` for ``radix`` with a host-memory tier, whose page pool
             is then allocated next to the KV pool.
+        on_cache_failure: what a fault of an untrusted prefix cache does (``kvplug.cache_guard``):
+            ``"fallback"`` hands the pool to ``fallback_prefix_cache`` and goes on, ``"fail"``
+            raises ``PrefixCacheFault`` from then on.
+        fallback_prefix_cache: the registered name that takes over after a fault (its own name:
+            a fresh instance of the same factory).
     """
     parts = build_parts(
         model_config,
@@ -490,5 +585,7 @@ def create_backend(
         validate=validate,
         attention_options=attention_options,
         prefix_cache_options=prefix_cache_options,
+        on_cache_failure=on_cache_failure,
+        fallback_prefix_cache=fallback_prefix_cache,
     )
     return KVBackend(parts)

@@ -22,6 +22,7 @@ from kvplug.interface import (
     KVPoolConfig,
     OutOfMemoryError,
 )
+from kvplug.cache_guard import guarded_cache
 from kvplug.memory.allocator import PagedAllocator
 from kvplug.memory.capacity import num_pages_for_budget, parse_memory_size
 from kvplug.memory.model_shape import ModelShape, parse_dtype
@@ -42,6 +43,7 @@ class BackendParts:
     prefix_cache: BasePrefixCache
     attention: BaseAttentionBackend | None
     attention_name: str | None
+    cache_guard: Any = None  # issue 32: kvplug.cache_guard.CacheGuard (None: a guard that raises)
 
 
 def resolve_attention(name: str, device: torch.device, available: list[str]) -> str:
@@ -76,6 +78,8 @@ def build_parts(
     validate: bool | None,
     attention_options: Mapping[str, Any] | None,
     prefix_cache_options: Mapping[str, Any] | None = None,
+    on_cache_failure: str = "fallback",
+    fallback_prefix_cache: str = "naive",
 ) -> BackendParts:
     from kvplug.plugins import default_manager
 
@@ -99,6 +103,9 @@ def build_parts(
     # prefix caches keep host data whatever the pool's device (SPEC section 3): matching,
     # inserting and evicting never wait for the device
     cache = _prefix_cache(prefix_cache, manager, page_size, prefix_cache_options or {})
+    # issue 32 seam: an untrusted cache is checked, and a guard replaces it when it faults
+    cache, guard = guarded_cache(cache, prefix_cache, manager, torch.device("cpu"), page_size, num_pages,
+                                 prefix_cache_options or {}, on_cache_failure, fallback_prefix_cache)
 
     pool_options = {"validate": device.type != "cuda" if validate is None else bool(validate)}
     pool_config = KVPoolConfig(
@@ -144,7 +151,7 @@ def build_parts(
         "kvplug backend: %d pages x %d tokens on %s (%s), prefix cache %s, attention %s",
         num_pages, page_size, device, kv_dtype, type(cache).__name__, name,
     )
-    return BackendParts(shape, pool, tables, allocator, cache, backend, name)
+    return BackendParts(shape, pool, tables, allocator, cache, backend, name, guard)
 
 
 def _num_pages(

@@ -24,6 +24,9 @@ class BackendStats:
             without one); ``cache_hit_tokens - host_hit_tokens`` were found on the device.
         tier: the host tier's counters (``kvplug.interface.TierStats.as_dict()``: host pages, loads,
             write-backs, bytes moved, drops, copy failures), ``None`` without a tier.
+        prefix_cache: the prefix cache's health (``kvplug.cache_guard.CacheGuard.as_dict()``): its
+            name now, ``cache_failures`` (faults of an untrusted cache, each replaced it),
+            ``last_cache_fault`` (a message or ``None``), ``on_cache_failure``, ``stopped``.
     """
 
     queried_tokens: int
@@ -39,6 +42,7 @@ class BackendStats:
     used_pages: int
     host_hit_tokens: int = 0
     tier: dict | None = None
+    prefix_cache: dict | None = None
 
     @property
     def hit_rate(self) -> float:

@@ -34,9 +34,10 @@ def kv_of(token_ids: torch.Tensor, positions: torch.Tensor, heads: int, dim: int
 class Soak:
     """One backend and the requests it runs, driven by ``rng`` (see the module docstring)."""
 
-    def __init__(self, manager, page_size: int, prefix_cache: str, rng: np.random.Generator, host_views: bool):
+    def __init__(self, manager, page_size: int, prefix_cache: str, rng: np.random.Generator, host_views: bool,
+                 **options):
         self.rng = rng
-        self.backend = _backend(manager, page_size, prefix_cache, host_views)
+        self.backend = _backend(manager, page_size, prefix_cache, host_views, **options)
         self.prefixes = [rng.integers(0, 500, int(rng.integers(8, 40))).tolist() for _ in range(4)]
         self.running: list = []  # requests with one known token past the cached ones
         self.tokens: dict[int, list[int]] = {}  # row -> every token id of its request
@@ -167,18 +168,19 @@ class _nothing:
         return False
 
 
-def _backend(manager, page_size: int, prefix_cache: str, host_views: bool) -> KVBackend:
+def _backend(manager, page_size: int, prefix_cache: str, host_views: bool, **options) -> KVBackend:
     if host_views:
         return create_backend(SHAPE, page_size=page_size, num_pages=160 // page_size + 2, max_running_reqs=6,
-                              max_seq_len=96, prefix_cache=prefix_cache, attention=None, manager=manager)
+                              max_seq_len=96, prefix_cache=prefix_cache, attention=None, manager=manager, **options)
     from tests.test_backend import _backend_with_tables  # the torch path a GPU table takes
 
     return _backend_with_tables(manager, page_size, host_views=False, prefix_cache=prefix_cache,
-                                num_pages=160 // page_size + 2)
+                                num_pages=160 // page_size + 2, **options)
 
 
-def run_soak(manager, page_size: int, prefix_cache: str, host_views: bool, operations: int, seed: int) -> Soak:
-    soak = Soak(manager, page_size, prefix_cache, np.random.default_rng(seed), host_views)
+def run_soak(manager, page_size: int, prefix_cache: str, host_views: bool, operations: int, seed: int,
+             **options) -> Soak:
+    soak = Soak(manager, page_size, prefix_cache, np.random.default_rng(seed), host_views, **options)
     next_check = 0
     while soak.operations < operations:
         soak.step()
@@ -212,3 +214,24 @@ def test_a_million_operations_keep_kv_contents_and_invariants(manager, page_size
     soak = run_soak(manager, page_size, prefix_cache, host_views, operations=220_000, seed=100 + page_size)
     print(f"page {page_size} {prefix_cache} host_views={host_views}: {soak.operations} operations, "
           f"{soak.refused} refused calls, {soak.backend.stats()}")
+
+
+# a faulty cache plugin (issue 32): it misbehaves after some calls, a fresh instance of it takes
+# over and misbehaves again, then ``naive``; the K/V of every running request stays exact through
+# both hand-overs (their locked prefixes become their own pages) and every invariant holds
+FAULTY_CONFIGS = [(4, "insert_prefix:raise", False), (1, "match_prefix:twice", True), (16, "evict:short", True),
+                  (4, "size_info:overstates_evictable", False), (4, "unlock:raise", True),
+                  (1, "insert_prefix:huge_cached_len", False), (16, "match_prefix:outside_pool", False)]
+
+
+@pytest.mark.parametrize("page_size, fault, host_views", FAULTY_CONFIGS)
+def test_random_lifecycle_with_a_faulty_cache_plugin(page_size, fault, host_views):
+    from tests.faulty_cache import FaultyCachePlugin
+
+    manager = kvplug.PluginManager(entry_points=False)
+    manager.register(FaultyCachePlugin(), "faulty-cache-soak")
+    soak = run_soak(manager, page_size, "faulty", host_views, operations=6_000, seed=page_size,
+                    prefix_cache_options={"fault": fault, "after": 40}, fallback_prefix_cache="faulty")
+    stats = soak.backend.stats()
+    assert stats.prefix_cache["cache_failures"] == 2 and stats.prefix_cache["prefix_cache"] == "naive", stats
+    assert soak.refused > 50 and stats.finished_requests > 30

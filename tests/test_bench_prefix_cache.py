@@ -96,3 +96,16 @@ def test_a_baseline_copy_of_the_prefix_caches_runs_beside_in_the_same_process(tm
     assert hits["kvplug-radix"] == hits["baseline-radix"]  # both did the same work
     assert not list(copy.glob("__pycache__/*"))  # the rewritten modules leave no bytecode behind
     assert kvplug.prefix_cache.radix.RadixPrefixCache is RadixPrefixCache
+
+
+def test_checked_variant_runs_radix_behind_the_checks_with_the_same_work(tmp_path):
+    """``--checked`` (issue 32): each cache also behind ``CheckedPrefixCache``; same hits, same sizes."""
+    out = tmp_path / "checked.json"
+    assert main(["bench", "prefix-cache", "--quick", "--page-sizes", "4", "--no-sglang", "--checked",
+                 "--out", str(out)]) == 0
+    rows = {(row["workload"], row["operation"], row["cache"]): row for row in json.loads(out.read_text())["results"]}
+    for workload, operation in (("shared-prefix", "match+lock"), ("conversation", "insert"), ("evict", "evict")):
+        plain, checked = rows[(workload, operation, "kvplug-radix")], rows[(workload, operation, "kvplug-radix+checked")]
+        assert checked["n"] == plain["n"] > 0
+        for fact in ("hit_tokens_mean", "cached_tokens", "freed_tokens_mean"):
+            assert checked.get(fact) == plain.get(fact), (workload, fact)

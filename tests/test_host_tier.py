@@ -19,6 +19,7 @@ from kvplug.builtin.prefix_caches import create_radix
 from kvplug.interface import BaseTieredPrefixCache, InvalidArgumentError, TierCopyError
 from kvplug.memory.host_pool import HostKVPool
 from kvplug.memory.model_shape import ModelShape
+from kvplug.prefix_cache import ownership
 from kvplug.testing import TieredKit, check_tiered_prefix_cache
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
@@ -448,7 +449,7 @@ def test_a_match_reaching_pages_still_copying_orders_that_copy():
     out = backend.page_table[first.row, :17].long()
     world.rows[:, :, out] = _fingerprint_rows(prefix + [99], 0, 17)
     backend.finish(first, computed=True)
-    backend.prefix_cache.evict(16)  # the prefix goes to host memory
+    backend.evict_prefix_cache(16)  # the prefix goes to host memory
     assert backend.prefix_cache.host_size_info.total_size == 16
     HostKVPool_read = HostKVPool.read
     try:
@@ -495,6 +496,7 @@ def test_cuda_round_trip_uses_pinned_memory_and_a_side_stream():
         prefix_cache_options={"host_memory": "64MiB"},
     )
     cache = backend.prefix_cache
+    ownership.release(cache)  # driven directly below, not through the backend (issue 32: else evict is refused)
     assert cache.host_pool.pinned
     kv = backend.pool.kv_buffer
     kv.copy_(torch.randn_like(kv))
@@ -564,7 +566,7 @@ def test_cuda_loads_run_behind_the_compute_stream_and_are_ordered_before_reads(p
     out = backend.page_table[first.row, : first.device_len].long()
     world.rows[:, :, out] = _fingerprint_rows(prefix + [1], 0, first.device_len).cuda()
     backend.finish(first, computed=True)
-    backend.prefix_cache.evict(backend.prefix_cache.size_info.evictable_size)
+    backend.evict_prefix_cache(backend.prefix_cache.size_info.evictable_size)
     world.rows[:, :, out] = -1.0  # the freed pages are reused
     loading = backend.admit(prefix + [2])
     assert loading.matched_len == 4 * page_size

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvplug._version import __version__
-from kvplug.bench.prefix_cache_drivers import CacheDriver, KvplugDriver
+from kvplug.bench.prefix_cache_drivers import CacheDriver, CheckedKvplugDriver, KvplugDriver
 from kvplug.bench.timing import format_table, gc_paused, summarize_ns
 
 SUITE = "prefix-cache"
@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", metavar="DIR", default=None,
                         help="also run the radix cache of another version in the same process: DIR is a copy of its "
                              "kvplug/prefix_cache (e.g. git archive REF kvplug/prefix_cache | tar -x -C /tmp)")
+    parser.add_argument("--checked", action="store_true",
+                        help="also run each cache behind CheckedPrefixCache (how a KVBackend runs an untrusted plugin)")
 
 
 Timings = dict[str, list[int]]
@@ -132,6 +134,8 @@ def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | Non
         from kvplug.bench.prefix_cache_baseline import BaselineRadixDriver
 
         drivers.append(BaselineRadixDriver(baseline, page_size))
+    if getattr(args, "checked", False):
+        drivers += [CheckedKvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
     if sglang_version:
         from kvplug.bench.sglang_anchor import SGLangRadixDriver
 

@@ -87,3 +87,19 @@ class KvplugDriver(CacheDriver):
 
     def total_tokens(self) -> int:
         return self.cache.size_info.total_size
+
+
+class CheckedKvplugDriver(KvplugDriver):
+    """``KvplugDriver`` behind ``CheckedPrefixCache``, as a ``KVBackend`` runs an untrusted plugin:
+    measures what checking every answer costs (``--checked``)."""
+
+    #: pool size the checks assume: every location the workloads use lies below it
+    POOL_TOKENS = 3 << 20
+
+    def __init__(self, name: str, page_size: int, device: str = "cpu") -> None:
+        super().__init__(name, page_size, device)
+        from kvplug.prefix_cache.checked import CheckedPrefixCache
+
+        self.name = f"kvplug-{name}+checked"
+        self.cache = CheckedPrefixCache(self.cache, num_pages=self.POOL_TOKENS // page_size, page_size=page_size,
+                                        name=name)

@@ -50,7 +50,8 @@ DEFAULTS = {
 }
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
 KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
-                     "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile", "host_memory")
+                     "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile", "host_memory",
+                     "on_cache_failure")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 COMPONENT_DESCRIPTIONS = {
@@ -142,6 +143,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory", metavar="SIZE",
         help="a host-memory tier under the radix prefix cache: pinned host memory ('32GiB', '512MiB') that keeps "
         "prefixes evicted from the KV pool and loads them back on a hit (default: none)",
+    )
+    parser.add_argument(  # issue 32
+        "--on-cache-failure", choices=("fallback", "fail"),
+        help="when a third-party prefix cache raises or answers outside the contract: 'fallback' (default) hands "
+        "its pages back and serves on with the naive cache; 'fail' stops the server",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, metavar="FRACTION",
@@ -346,6 +352,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "timeout_header": args.timeout_header,
         "timeout_body": args.timeout_body,
         "stream_stall_timeout": args.stream_stall_timeout,
+        "on_cache_failure": args.on_cache_failure or "fallback",  # issue 32
     }
 
 

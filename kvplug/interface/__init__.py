@@ -6,12 +6,15 @@ plugins or handles kvplug's errors (``kvplug plugins``, a host's CLI) does not i
 """
 
 from kvplug.interface.errors import (
+    CacheOwnedError,
+    ConcurrentUseError,
     DuplicateComponentError,
     InvalidArgumentError,
     KVPlugError,
     OutOfMemoryError,
     PluginLoadError,
     PluginRegistrationError,
+    PrefixCacheFault,
     TierCopyError,
     UnknownComponentError,
 )
@@ -41,6 +44,9 @@ __all__ = [
     "KV_MEDIUM_DEVICE",
     "KV_MEDIUM_HOST",
     "BaseTieredPrefixCache",
+    "CacheOwnedError",
+    "ConcurrentUseError",
+    "PrefixCacheFault",
     "CopyDone",
     "HostLoad",
     "TierCopyError",

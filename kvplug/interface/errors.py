@@ -49,3 +49,34 @@ class TierCopyError(KVPlugError, RuntimeError):
     failed load leaves the prefix host-resident) or the entries the copy was for are dropped (a
     failed write-back), never pointing at bytes that were not copied.
     """
+
+
+class PrefixCacheFault(KVPlugError, RuntimeError):
+    """A prefix-cache plugin raised, or gave an answer that breaks the contract (a location outside
+    the pool or twice, a length that disagrees with its locations, an eviction short of what was
+    asked ...), found where kvplug received it (``kvplug.prefix_cache.checked``).
+
+    Raised before kvplug used the answer. A ``KVBackend`` that catches it replaces the cache
+    (``on_cache_failure``, ``kvplug.cache_guard``); the message names the plugin, the method and
+    what it did.
+
+    Attributes:
+        plugin: the cache's name (registered name, else its class).
+        method: the ``BasePrefixCache`` member that failed.
+    """
+
+    def __init__(self, message: str, *, plugin: str = "", method: str = "") -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.method = method
+
+
+class ConcurrentUseError(KVPlugError, RuntimeError):
+    """A ``KVBackend`` was called from a second thread while a call from another thread was still
+    running: a backend is driven by one thread at a time; the refused call changed nothing."""
+
+
+class CacheOwnedError(KVPlugError, RuntimeError):
+    """``reset`` or ``evict`` was called directly on a prefix cache a ``KVBackend`` owns: the
+    backend's page accounting would break (evicted locations never reach its free list, a reset
+    drops pages live requests lock). Use ``KVBackend.reset_prefix_cache`` / ``evict_prefix_cache``."""

@@ -222,6 +222,11 @@ class BasePrefixCache(ABC):
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` (or a subclass) if an internal invariant is broken."""
 
+    #: ``True`` for a cache kvplug ships and tests (the built-ins): a ``KVBackend`` uses its answers
+    #: as they are. Any other cache is wrapped in ``kvplug.prefix_cache.checked.CheckedPrefixCache``,
+    #: which checks every answer where kvplug receives it (additive to version 1).
+    trusted: ClassVar[bool] = False
+
     # ------------------------------------------------------------------ KV cache events (optional)
     #: ``True`` for a cache that reports its pages to listeners through ``emit_kv_event``: every
     #: page it starts caching (``BlockStored``, once, when it enters the cache), every page it

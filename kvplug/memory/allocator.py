@@ -193,6 +193,12 @@ class PagedAllocator:
         # a load), so a PrefixLookup made before it is matched again instead of trusted
         self._epoch = 0
 
+    def replace_cache(self, cache: BasePrefixCache) -> None:
+        """Use ``cache`` from now on (a hand-over: ``kvplug.cache_guard``); earlier lookups are stale."""
+        self.prefix_cache = cache
+        self.tiered = isinstance(cache, BaseTieredPrefixCache)
+        self._epoch += 1
+
     # ------------------------------------------------------------------ sizes
     @property
     def num_free_pages(self) -> int:
@@ -495,22 +501,26 @@ class PagedAllocator:
         self._epoch += 1
         result = self.prefix_cache.insert_prefix(token_ids, torch.from_numpy(locations))
         new_handle = result.handle
+        # every cache call before the first free, so a fault of the cache changes nothing here
+        if not finished:
+            self.prefix_cache.lock_handle(new_handle)
         self.prefix_cache.lock_handle(old_handle, unlock=True)
         old_len = int(old_handle.cached_len)
         duplicate_end = max(int(result.cached_len), old_len)
+        kept_end = max(duplicate_end, int(new_handle.cached_len))
+        shared = None
+        if not finished and duplicate_end > old_len:
+            shared = new_handle.get_matched_indices()[old_len:duplicate_end]
         self.free_list.release(locations[old_len:duplicate_end:size])
         if finished:
             for load in self._loads.pop(row, ()):  # its pages go back to the pool: later users wait for the copy
                 load.order_before()
-            kept_end = max(duplicate_end, int(new_handle.cached_len))
             end = min(request.allocated_len, table.row_width)
             self.free_list.release(table.host_locations(row, kept_end, end)[::size])
             self.states.close(request)
             return
-        self.prefix_cache.lock_handle(new_handle)
-        if duplicate_end > old_len:
-            cached = new_handle.get_matched_indices()[old_len:duplicate_end]
-            table.write_locations(row, old_len, cached)
+        if shared is not None:
+            table.write_locations(row, old_len, shared)
         self.states.rehandle(request, new_handle)
 
     def check_live(self, request: Request) -> None:

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from kvplug.interface import InvalidArgumentError, OutOfMemoryError, TierCopyError
+from kvplug.memory.host_tier_size import check_host_tier_fits
 from kvplug.memory.paced_copies import PacedHostCopies
 
 #: Largest device staging buffer of one copy: big copies run at full DMA speed from a few MiB on,
@@ -88,6 +89,7 @@ class HostKVPool:
         self._device_tokens = kv_buffer.view(2, num_layers, device_pages * page_size, heads, head_dim)
         pin = self._is_cuda if pin is None else pin
         self._registered = False
+        check_host_tier_fits(num_pages * self._page_bytes(kv_buffer))  # issue 32: before it is granted, not at first touch
         try:
             self.buffer = torch.empty((num_pages, *self._page_shape), dtype=kv_buffer.dtype)
             if pin:

@@ -95,6 +95,7 @@ class RadixPrefixCache(BasePrefixCache):
     """
 
     publishes_kv_events = True
+    trusted = True  # built in: a KVBackend uses its answers unchecked (the tiered subclass too)
 
     def __init__(self, config: PrefixCacheConfig, *, tier: TierPolicy | None = None) -> None:
         options = dict(config.options)

@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from kvplug.interface import InvalidArgumentError
-from kvplug.memory.capacity import num_pages_for_budget
+from kvplug.memory.capacity import num_pages_for_budget, parse_memory_size
+from kvplug.memory.host_tier_size import host_tier_pages
 from kvplug.memory.model_shape import ModelShape
 
 from kvplug_transformers.settings import KVPlugSettings
@@ -138,6 +139,9 @@ def plan_pool(
             f"request may need max_seq_len={max_seq_len:,} tokens ({needed_pages:,} pages, "
             f"{(needed_pages + 1) * page_bytes:,} bytes with the dummy page); raise the KV memory or lower max_seq_len"
         )
+    if settings.host_memory is not None:  # issue 32: a tier below one page or past free memory fails here, at start-up
+        pool_in_host = (num_pages + 1) * page_bytes if device.type == "cpu" else 0
+        host_tier_pages(parse_memory_size(settings.host_memory), page_bytes, also_needed=pool_in_host)
     default_batch = DEFAULT_BATCH_TOKENS.get(device.type, DEFAULT_BATCH_TOKENS["cpu"])
     max_batch_tokens = settings.max_batch_tokens or cb_max_batch_tokens or default_batch
     return PoolPlan(

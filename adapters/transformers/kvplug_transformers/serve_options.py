@@ -62,6 +62,7 @@ class ServeOptions:
     timeout_header: float = DEFAULT_TIMEOUT_HEADER
     timeout_body: float = DEFAULT_TIMEOUT_BODY
     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT
+    on_cache_failure: str = "fallback"  # issue 32: kvplug.cache_guard's policy
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -134,6 +135,7 @@ class ServeOptions:
             "overlap_schedule": self.overlap_schedule,
             "torch_compile": self.torch_compile,
             "host_memory": self.host_memory,
+            "backend_options": {"on_cache_failure": self.on_cache_failure},  # issue 32
         }
 
 

@@ -119,8 +119,7 @@ class StepTracker:
         during continuous batching every change goes through it."""
         available = self._available
         if available is None:
-            allocator = self.backend.allocator
-            available = self._available = allocator.num_free_pages + allocator.num_evictable_pages
+            available = self._available = self.backend.available_pages()  # issue 32 seam: through the cache guard
         return available
 
     def _backend_changed(self) -> None:
