@@ -1,0 +1,49 @@
+#!/bin/bash
+# `kvplug bench serve` on the GPU machine: a folder checkpoint of Qwen3-0.6B geometry (random bf16
+# weights, the embedded model's byte-level tokenizer; logits of ids the tokenizer cannot decode are
+# zeroed so every streamed chunk carries text) served by `kvplug serve` and by `kvplug serve
+# --kv-backend native`, driven in one run through the openai client, streaming: multi-turn chats over
+# a shared system prompt. Needs the server's wheels in .whl-serve/ (fastapi, uvicorn, openai,
+# pydantic and their dependencies for Python 3.12), carried to the machine. Output: $OUT/serve.json.
+#   KVPLUG_ARGS / NATIVE_ARGS  extra `kvplug serve` arguments of each side
+#   BENCH_ARGS                 extra `kvplug bench serve` arguments
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-/tmp/device-serve-bench-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve .whl-serve/*.whl || exit 1
+export PYTHONPATH=/tmp/site-serve${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e ./adapters/transformers > "$OUT/install.log" 2>&1 || {
+    tail -5 "$OUT/install.log"; exit 1; }
+CKPT=/tmp/qwen3-0.6b-geometry
+[ -f "$CKPT/config.json" ] || python3 - "$CKPT" <<'PY' || exit 1
+import sys, torch
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from kvplug.bench.e2e_model import MODEL_SHAPES
+from kvplug_transformers import embedded_model
+shape = MODEL_SHAPES["qwen3-0.6b"]
+tokenizer = embedded_model.build_tokenizer()
+config = Qwen3Config(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                     num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+                     num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim, vocab_size=shape.vocab_size,
+                     max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=True,
+                     eos_token_id=embedded_model.EOS_TOKEN_ID, pad_token_id=embedded_model.PAD_TOKEN_ID,
+                     torch_dtype="bfloat16")
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+with torch.no_grad():
+    model.get_input_embeddings().weight[len(tokenizer):].zero_()  # undecodable ids never win
+model.generation_config = GenerationConfig(eos_token_id=embedded_model.EOS_TOKEN_ID,
+                                           pad_token_id=embedded_model.PAD_TOKEN_ID, do_sample=False)
+model.save_pretrained(sys.argv[1])
+tokenizer.save_pretrained(sys.argv[1])
+print("checkpoint written to", sys.argv[1])
+PY
+COMMON="--max-seq-len 4096 --log-level warning"
+timeout 500 python3 -m kvplug bench serve \
+    --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 64 --cuda-graph-max-bs 64 ${KVPLUG_ARGS:-}" \
+    --serve-args "$CKPT $COMMON --kv-backend native ${NATIVE_ARGS:-}" \
+    --dataset multi-turn --conversations 48 --turns 3 --system-chars 2000 --question-chars 100 \
+    --output-tokens 64 --max-concurrency 48 ${BENCH_ARGS:-} --out "$OUT/serve.json" 2>&1 | tee "$OUT/bench.log"
+cp /tmp/kvplug-bench-serve-*.log "$OUT/" 2>/dev/null
