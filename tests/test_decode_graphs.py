@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import kvplug
-from kvplug.attention.graph_padding import default_batch_sizes, padded_size
+from kvplug.decode_step import default_batch_sizes, padded_size
 from kvplug.interface import InvalidArgumentError
 from tests.attention_reference import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.decode_world import make_world, run_scenario

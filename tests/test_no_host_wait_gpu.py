@@ -41,7 +41,7 @@ def _sleep_cycles() -> int:
 def _backend(host_memory: str | None):
     options = {"host_memory": host_memory} if host_memory else None
     return kvplug.create_backend(
-        SHAPE, page_size=16, num_pages=64, max_running_reqs=8, max_seq_len=512, prefix_cache="radix",
+        SHAPE, page_size=16, num_pages=64, max_running_reqs=8, max_seq_len=1024, prefix_cache="radix",
         attention="triton", device="cuda", prefix_cache_options=options,
     )
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvplug.attention.graph_padding import default_batch_sizes
+from kvplug.decode_step import default_batch_sizes
 from kvplug.interface import AttentionBatch, AttentionConfig, BaseAttentionBackend, ForwardPhase
 from kvplug.plugins import PluginManager, default_manager
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend, SharedReadEnds
