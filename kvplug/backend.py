@@ -60,7 +60,7 @@ __all__ = [
     "BackendStats", "BatchLease", "DecodeStep", "KVBackend", "ModelShape", "PrefixLookup", "Request", "create_backend",
 ]
 
-# ForwardPhase(value) goes through Enum's lookup machinery, about 1 us: a dict for the usual spellings
+# ForwardPhase(value) goes through Enum's lookup machinery: a dict for the usual spellings
 _PHASES: dict = {phase.value: phase for phase in ForwardPhase} | {phase: phase for phase in ForwardPhase}
 
 

@@ -35,7 +35,7 @@ def build_decode_batch(
         table_rows: shape ``[bs]``, int64, host (numpy).
         cached_lens: shape ``[bs]``, int64, host (numpy); the new token's position.
         num_padded: trailing requests that are CUDA-graph padding (on the dummy row).
-        flat_table: ``page_table.view(-1)`` from a caller that keeps one (making it costs ~1 us);
+        flat_table: ``page_table.view(-1)`` from a caller that keeps one (making a view is a torch call);
             for a CPU table its numpy view, so ``out_loc`` is gathered by numpy into the buffer.
         row_starts: shape ``[bs]``, int64, host; ``table_rows * row_width``, from a caller that
             keeps it.

@@ -1,8 +1,7 @@
 """``DecodeStager``: a decode step's ``AttentionBatch`` for a page table used through torch (a
 GPU's), at the fewest host-side calls.
 
-On the H200 hosts every torch call costs 2-19 us of host time whatever its size, so the per-step
-cost is the number of calls. A step here makes: a few numpy writes into a persistent pinned host
+Every torch call costs host time whatever its size, so the per-step cost is the number of calls. A step here makes: a few numpy writes into a persistent pinned host
 buffer (rows, cached lengths, device lengths; new pages' slots; page-list ``indptr`` and
 last-page lengths) and one kernel launch that reads it in place and derives the rest on the
 device (``triton_kernels.decode_step``; a copy and torch ops off CUDA or without Triton): the

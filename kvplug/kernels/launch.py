@@ -2,8 +2,8 @@
 
 ``kernel[grid](...)`` binds every argument, derives the specialization key (dtypes, 16-byte
 alignment of pointers, integer sizes and divisibility), looks the compiled kernel up and builds
-launch metadata for hooks: 20-40 us of host time per launch on the H200 hosts, where the launch
-itself takes ~9 us. Eager decode launches three kernels per layer, so this is most of an eager
+launch metadata for hooks: several times the host time of the launch itself (BENCHMARKS.md).
+Eager decode launches three kernels per layer, so this is most of an eager
 step's host time. ``FastLauncher`` keeps the compiled kernel per *its own* key (the same facts:
 dtype and 16-byte alignment of each tensor, 32-bit range, ``== 1`` and ``% 16 == 0`` of each int,
 the constexprs and launch options) and calls the compiled launcher directly after the first

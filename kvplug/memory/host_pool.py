@@ -19,7 +19,7 @@ the gathers and scatters that touch the KV pool run on the current (compute) str
   hand the device pages out again at once; the copy of staging to host memory is handed to a
   worker thread (``paced_copies``) that issues it on the copy stream after the gather, one
   16 MiB chunk at a time: while the copy engine is kept fed, every other device -> host copy
-  (a step's sampled ids) waits for all of it (18-19 ms behind 1 GiB on an H200; ~0.3 ms paced).
+  (a step's sampled ids) waits for all of it (figures in BENCHMARKS.md).
 - ``read`` (host -> device): first every queued write of the pages it reads is issued (usually
   none is left: those pages were written long before); then the copy stream copies host pages
   into a device staging buffer and a third stream, the *load stream*, scatters staging into the
@@ -353,9 +353,9 @@ class HostKVPool:
 
 def _as_words(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (last dimension contiguous) viewed as the widest integer words its rows divide
-    into. Gathering a page by 8-byte words instead of 2-byte elements is 2.75x faster on the H200
-    (1 GiB of pages: 0.61 vs 1.68 ms, ``benchmarks/page_gather_speed.py``), and the gather and the
-    scatter of a load run on the compute stream, in the way of the model's kernels."""
+    into: wide words gather a page several times faster than 2-byte elements
+    (``benchmarks/page_gather_speed.py``), and the gather and the scatter of a load run on the
+    compute stream, in the way of the model's kernels."""
     row_bytes = tensor.shape[-1] * tensor.element_size()
     for dtype in (torch.int64, torch.int32, torch.int16):
         if row_bytes % dtype.itemsize == 0 and dtype.itemsize >= tensor.element_size():

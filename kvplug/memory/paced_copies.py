@@ -1,15 +1,11 @@
 """Device -> host copies of the host-memory tier, issued one small chunk at a time by a worker thread.
 
-Why (measured on an H200, ``benchmarks/copy_engine_contention.py``): device -> host copies share
-one copy engine whatever their stream, and while another stream keeps the engine fed, a copy from
-the compute stream waits for everything queued before it. A 1 KiB device -> host copy issued
-right after a 1 GiB write-back was queued waits **18-19 ms** (in 64 or 8 MiB chunks alike); it
-also waits 19.3 ms when a worker keeps *two* 16 MiB chunks queued at all times (the engine never
-runs dry), but only **0.18-0.35 ms** when the worker keeps *one* queued and issues the next when
-it completes (host -> device copies do not wait at all: 0.02-0.04 ms). A serving engine copies a
-few bytes to the host every step (its sampled ids), so a write-back issued at once stalls the
-step behind it; issued one chunk at a time, that step waits for at most one chunk, and the
-write-back still runs at ~0.9 of the engine's speed (1 GiB in 21.7-21.9 ms instead of 19.9).
+Why: device -> host copies share one copy engine whatever their stream, and while another
+stream keeps the engine fed (even with two chunks queued), a copy from the compute stream waits
+for everything queued before it. A serving engine copies a few bytes to the host every step (its
+sampled ids), so a write-back issued at once stalls the step behind it; with one chunk in flight
+that step waits for at most one chunk, at a small cost in write-back speed (measured:
+BENCHMARKS.md, "Host-memory tier on the H200"; ``benchmarks/copy_engine_contention.py``).
 
 How: ``submit`` queues a copy (a host view and a device view of the same shape, and the event that
 says the device view is ready: the gather that filled it, on the compute stream) and returns at

@@ -25,7 +25,7 @@ def host_token_ids(values: torch.Tensor | np.ndarray | Sequence[int], *, allow_e
             raise InvalidArgumentError(f"token ids must be a 1-D integer tensor, got shape {tuple(values.shape)}, {dtype}")
         array = values.detach().cpu().numpy()
     else:
-        # numpy converts the list in C: a Python check per token costs ~1 ms per 8k-token prompt.
+        # numpy converts the list in C: a Python check per token would cost more than the match.
         # Floats, strings, None or out-of-int64 values give a non-integer array; all-bool lists a
         # bool one (a bool mixed into ints reads as 0 / 1, as numpy and torch both read it)
         try:

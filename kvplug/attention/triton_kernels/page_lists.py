@@ -2,8 +2,8 @@
 
 FlashInfer takes a batch's pages as one CSR array: request ``i``'s ``pages_i = ceil(len_i / S)``
 page numbers start at ``indptr[i]``. Built from torch ops this is an upload, a
-``repeat_interleave``, a gather and a divide: four to six calls whose host cost (10-55 us each
-on the H200 hosts) dominated the step. Here one launch does it: each program recomputes its
+``repeat_interleave``, a gather and a divide: four to six calls whose host cost dominated the
+step. Here one launch does it: each program recomputes its
 request's start as the sum of the earlier requests' page counts (``bs`` loads, far cheaper than a
 second launch for a prefix sum), then copies every ``S``-th table entry of its row, divided by
 ``S``. Programs of a request split its pages in strided blocks, so one long request still fills
