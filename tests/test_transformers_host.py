@@ -582,3 +582,38 @@ def test_host_plugin_registers_the_transformers_host():
     assert manager.available("host") == ["transformers"]
     host = manager.create("host", "transformers", prefix_cache="naive", page_size=4)
     assert isinstance(host, TransformersHost) and host.settings.page_size == 4
+
+
+def _multi_turn_hits(model, references, monkeypatch, *, remember: bool) -> int:
+    """Hit tokens of a second turn (each prompt plus its answer) after a first, with sampled ids
+    treated as device-only (none becomes known through a commit, as on a GPU)."""
+    from kvplug.memory.request import RequestTable
+    from kvplug_transformers.step_tracker import StepTracker
+
+    monkeypatch.setattr(RequestTable, "_extend_known", lambda self, rows, before: None)
+    if not remember:
+        monkeypatch.setattr(StepTracker, "remember", lambda self, state: None)
+    host = TransformersHost(max_seq_len=256, num_pages=256, page_size=4)
+    config = _generation_config()
+    with host.installed_context():
+        try:
+            first = model.generate_batch(PROMPTS[:3], generation_config=config, persistent_manager=True)
+            answers = [result.generated_tokens for result in first.values()]
+            before = host.stats().cache_hit_tokens
+            second_prompts = [prompt + answer for prompt, answer in zip(PROMPTS[:3], answers)]
+            model.generate_batch(second_prompts, generation_config=config, persistent_manager=True)
+            return host.stats().cache_hit_tokens - before
+        finally:
+            model.destroy_cached_continuous_batching_manager()
+    assert answers == references[:3]
+
+
+def test_a_next_turn_hits_the_answer_the_host_reported_at_finish(checkpoint, monkeypatch):
+    """The step tracker reports transformers' host copy of the generated ids at finish, so a
+    conversation's next turn hits its previous answer even when sampled ids stay on the device."""
+    model, references = checkpoint
+    reported = _multi_turn_hits(model, references, monkeypatch, remember=True)
+    monkeypatch.undo()
+    unreported = _multi_turn_hits(model, references, monkeypatch, remember=False)
+    prompt_pages = sum(len(prompt) // 4 * 4 for prompt in PROMPTS[:3])  # what kvplug knew: the prompts
+    assert unreported <= prompt_pages < reported

@@ -370,20 +370,20 @@ class StepTracker:
         self._states[state.request_id] = state
 
     def finish(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
         self._waiting_prompts.pop(request_id, None)
         self._declined.discard(request_id)
         tracked = self._tracked.get(request_id)
         if tracked is not None:
-            self._release(tracked)
+            self._release(tracked)  # reads the request's state: forgotten only after
             self._report()
+        self._states.pop(request_id, None)
 
     def finish_all(self) -> None:
-        self._states.clear()
         self._waiting_prompts.clear()
         self._declined.clear()
         for tracked in list(self._tracked.values()):
             self._release(tracked)
+        self._states.clear()
         self._step_marker, self._step, self._batch, self._decode_step = None, [], None, None
         self._step_committed = False
         self._report()
