@@ -337,6 +337,12 @@ class CheckedPrefixCache(BasePrefixCache):
         held, locked = self._held_pages * self.page_size, self._locked_pages * self.page_size
         return SizeInfo(held - locked, locked)
 
+    def held_pages(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pages the cache holds (shape ``[n]``, int64, host, ascending) and each one's lock
+        count (same shape): what a host that quarantines the cache hands over, asking it nothing."""
+        pages = np.flatnonzero(self._held)
+        return pages, self._locks[pages].copy()
+
     def check_integrity(self) -> None:
         self.inner.check_integrity()
         assert int(self._held.sum()) == self._held_pages, "checked cache: held page count drifted"
