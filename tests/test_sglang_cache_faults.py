@@ -12,7 +12,7 @@ up to the pool, no page is free while a running request's row points at it, and 
 requests own a page; at the end, with every request finished, an eviction of everything gives the
 allocator back every page. Also: ``--kvplug-on-cache-failure fail`` stops with one error naming
 the plugin and what it did; a node matched before the fault and locked after it; the flag on
-SGLang's parser.
+SGLang's parser; every namespace quarantined at once, KV-event consumers told, a fault inside a flush.
 """
 
 from __future__ import annotations
@@ -281,3 +281,69 @@ def test_the_flag_needs_kv_backend_kvplug(capsys):
         parse("--kvplug-on-cache-failure", "fail")
     assert exit_info.value.code == 2
     assert "--kvplug-on-cache-failure select kvplug components: add --kv-backend kvplug" in capsys.readouterr().err
+
+
+# ============================================================================ namespaces, events, flush
+
+
+def test_every_namespace_of_the_plugin_is_quarantined_at_once():
+    """A LoRA adapter's namespace (``extra_key``) has its own cache of the plugin: both go."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    world, plugin = faulty_world("evict:twice", 0, page_size=1)
+    cache, allocator = world.cache, world.allocator
+    for extra_key, tokens in ((None, [1, 2, 3, 4]), ("lora-a", [1, 2, 3, 4, 5])):
+        cache.insert(InsertParams(key=RadixKey(array("q", tokens), extra_key), value=allocator.alloc(len(tokens))))
+    assert len(plugin.built) == 2 and tree_cache_tokens(world) == 9
+    key = RadixKey(array("q", [1, 2, 3, 4, 9]), "lora-a")
+    cache.evict(EvictParams(num_tokens=2))  # one namespace's plugin answers a page twice
+    assert cache.quarantine.failures == 1
+    spaces = list(cache._spaces)
+    assert len(spaces) == 2 and not any(isinstance(space.cache, CheckedPrefixCache) for space in spaces)
+    assert cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len == 0  # quarantined: nothing matched
+    assert len(world.free_locations()) + tree_cache_tokens(world) == SIZE
+    cache.root_node_handle("lora-b")  # a new namespace gets the fallback, not the plugin
+    assert len(plugin.built) == 2
+    drain(world)
+
+
+def test_kv_event_consumers_are_told_the_plugins_blocks_are_gone():
+    from sglang.srt.disaggregation.kv_events import AllBlocksCleared
+
+    table, allocator = make_pools(size=SIZE, page_size=1, max_requests=6, max_context=64)
+    manager = kvplug.PluginManager(entry_points=False)
+    manager.register(FaultyPlugin("match_prefix:outside_pool", 1), "faulty-cache-sglang-tests")
+    params = cache_params(table, allocator, 1, enable_kv_cache_events=True)
+    cache = build_prefix_cache(build_context(params), name="faulty", manager=lambda: manager)
+    world = World(cache, allocator, table, 1)
+    cache.take_events()
+    admit(world, "first", [1, 2, 3, 4], [5])
+    finish(world, "first")
+    admit(world, "second", [1, 2, 3, 4, 6], [7])  # its match faults
+    assert cache.quarantine.failures == 1
+    events = cache.take_events()
+    assert isinstance(events[-1], AllBlocksCleared)
+    finish(world, "second")
+    admit(world, "third", [8, 9], [1])
+    finish(world, "third")
+    assert cache.take_events() == []  # naive publishes nothing (and the plugin is not called again)
+    drain(world)
+
+
+def test_a_fault_in_a_flush_quarantines_and_the_flush_completes():
+    """SGLang's ``/flush_cache``: ``tree_cache.reset()`` then the allocator's ``clear()``."""
+    world, plugin = faulty_world("none", 0, page_size=1)
+    rng = random.Random(3)
+    serve(world, rng, 6, "before the flush")
+    for rid in list(world.requests):
+        finish(world, rid)
+    assert tree_cache_tokens(world) > 0
+    faulty = plugin.built[0]  # from its next size_info on, it lies: the reset's own check meets it
+    faulty.method, faulty.fault, faulty.after = "size_info", "wrong_total", faulty.calls.get("size_info", 0)
+    world.cache.reset()
+    assert world.cache.quarantine.failures == 1 and "size_info after reset" in world.cache.quarantine.last_fault
+    world.allocator.clear()
+    assert tree_cache_tokens(world) == 0 and len(world.free_locations()) == SIZE
+    serve(world, rng, 6, "after the flush")
+    drain(world)
