@@ -170,7 +170,7 @@ class KvplugPrefixCache(BasePrefixCache):
             lora_names=params.kv_event_lora_names,
         )
         listen = self._listen if self.kv_events.enabled else None
-        self._spaces = self._guarded("its construction", lambda: CacheSpaces(self._new_cache, listen))
+        self._spaces = self._guarded("the tree cache's construction", lambda: CacheSpaces(self._new_cache, listen))
         self.kv_events.record_all_cleared()  # as RadixCache does on construction (its first reset)
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -470,7 +470,7 @@ class KvplugPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ keys
     def _space(self, key: RadixKey) -> CacheSpace:
-        return self._guarded("a namespace's creation", lambda: self._spaces.get((key.extra_key, key.cache_salt)))
+        return self._guarded("creating a namespace's cache", lambda: self._spaces.get((key.extra_key, key.cache_salt)))
 
     def _key_ids(self, key: RadixKey) -> torch.Tensor:
         """The page-aligned key as token ids: shape ``[n]``, int32, cpu."""

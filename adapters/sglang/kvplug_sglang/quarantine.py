@@ -150,7 +150,7 @@ class CacheQuarantine:
         self.last_fault = str(fault)
         if self.policy == "fail":
             message = (
-                f"kvplug prefix cache {self.name!r} failed in SGLang's {during} and the scheduler stops "
+                f"kvplug prefix cache {self.name!r} failed in {_call(during)} and the scheduler stops "
                 f"(--kvplug-on-cache-failure fail): {fault}"
             )
             logger.error("%s", message)
@@ -158,8 +158,13 @@ class CacheQuarantine:
 
     def replaced(self, fault: PrefixCacheFault, during: str, evictable: int, locked: int) -> None:
         logger.warning(
-            "kvplug prefix cache %r failed in SGLang's %s (%s): quarantined; %d of its pages are evictable "
+            "kvplug prefix cache %r failed in %s (%s): quarantined; %d of its pages are evictable "
             "now (back to SGLang's allocator on the next eviction), %d pages of running requests' locked "
             "prefixes are kept until they finish; prefix cache %r takes over",
-            self.name, during, fault, evictable, locked, FALLBACK,
+            self.name, _call(during), fault, evictable, locked, FALLBACK,
         )
+
+
+def _call(during: str) -> str:
+    """``"SGLang's match_prefix"`` for an SGLang API name, else ``during`` as it is."""
+    return f"SGLang's {during}" if during.isidentifier() else during
