@@ -23,6 +23,8 @@ import zlib
 from array import array
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.sglang_helpers import (
     EVICT_ALL,
@@ -171,6 +173,22 @@ def test_a_faulty_plugin_is_quarantined_and_sglang_keeps_serving(fault, page_siz
         assert plugin.built[0].calls == calls, "the quarantined plugin was called again"
         world.cache.sanity_check()
         drain(world)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fault=st.sampled_from(all_faults()),
+    after=st.integers(0, 40),
+    page_size=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_faults_in_random_lifecycles_keep_the_allocator_whole(fault, after, page_size, seed):
+    """Any fault, from any call count on, anywhere in a random lifecycle: conservation after every
+    step, every page back at the end."""
+    rng = random.Random(seed)
+    world, _ = faulty_world(fault, after, page_size=page_size)
+    serve(world, rng, 16, f"{fault} after {after}")
+    drain(world)
 
 
 def test_every_fault_is_met_at_least_once():
@@ -346,4 +364,20 @@ def test_a_fault_in_a_flush_quarantines_and_the_flush_completes():
     world.allocator.clear()
     assert tree_cache_tokens(world) == 0 and len(world.free_locations()) == SIZE
     serve(world, rng, 6, "after the flush")
+    drain(world)
+
+
+def test_a_fault_in_the_size_check_after_an_eviction_loses_no_page():
+    """The plugin evicted, then its ``size_info`` fails the wrapper's check: those pages were never
+    handed back, so the quarantine must still count them (found by the random test above)."""
+    world, plugin = faulty_world("none", 0, page_size=1)
+    admit(world, "first", list(range(100, 112)), [1])
+    finish(world, "first")
+    cached = tree_cache_tokens(world)
+    faulty = plugin.built[0]  # the eviction's first size_info (how much is evictable) passes, its check fails
+    faulty.method, faulty.fault, faulty.after = "size_info", "wrong_total", faulty.calls.get("size_info", 0) + 1
+    result = world.cache.evict(EvictParams(num_tokens=4))
+    assert world.cache.quarantine.failures == 1 and "size_info after evict" in world.cache.quarantine.last_fault
+    assert len(world.free_locations()) + tree_cache_tokens(world) == SIZE
+    assert result.num_tokens_evicted >= 4 and tree_cache_tokens(world) == cached - result.num_tokens_evicted
     drain(world)

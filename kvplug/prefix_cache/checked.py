@@ -272,7 +272,12 @@ class CheckedPrefixCache(BasePrefixCache):
                                                "of a prefix that was locked)")
         self._held[new_pages] = True
         self._held_pages += int(new_pages.size)
-        self._check_size("insert_prefix")
+        try:
+            self._check_size("insert_prefix")
+        except PrefixCacheFault:  # the caller keeps the pages: the bookkeeping says so too
+            self._held[new_pages] = False
+            self._held_pages -= int(new_pages.size)
+            raise
         return InsertResult(cached_len, CheckedHandle(self, handle, n, self._as_tensor(located), pages))
 
     def evict(self, size: int) -> torch.Tensor:
@@ -296,7 +301,12 @@ class CheckedPrefixCache(BasePrefixCache):
                                        "request) holds")
         self._held[pages] = False
         self._held_pages -= int(pages.size)
-        self._check_size("evict")
+        try:
+            self._check_size("evict")
+        except PrefixCacheFault:  # nothing was handed back: the pages stay the cache's (``held_pages``)
+            self._held[pages] = True
+            self._held_pages += int(pages.size)
+            raise
         return self._as_tensor(locations)
 
     def reset(self) -> None:
