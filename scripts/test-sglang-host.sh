@@ -20,7 +20,8 @@
 # Then: `launch_server --help` must list kvplug's flags (the plugin loaded), and pytest runs
 # tests/test_sglang_host.py, tests/test_sglang_graphs.py (the decode CUDA-graph hooks, eagerly;
 # test_sglang_graphs_gpu.py skips here: no CUDA), tests/test_sglang_kv_events.py and
-# tests/test_sglang_server.py (real servers on tiny random models, about four minutes).
+# tests/test_sglang_server.py (real servers on tiny random models, about four minutes), and the
+# faulty-plugin tests (tests/test_sglang_cache_faults.py, tests/test_sglang_server_cache_faults.py).
 #   usage: bash scripts/test-sglang-host.sh [VENV_DIR]   (default: $TMPDIR/kvplug-sglang-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -133,4 +134,4 @@ phase "environment ready; tests"
 PYTHONWARNINGS="ignore::DeprecationWarning:sys" exec "$py" -m pytest -q -p no:cacheprovider \
   tests/test_sglang_host.py tests/test_sglang_graphs.py tests/test_sglang_graphs_gpu.py tests/test_sglang_kv_events.py \
   tests/test_sglang_server.py tests/test_sglang_host_tier.py tests/test_sglang_host_tier_gpu.py \
-  tests/test_sglang_server_host_tier.py
+  tests/test_sglang_server_host_tier.py tests/test_sglang_cache_faults.py tests/test_sglang_server_cache_faults.py

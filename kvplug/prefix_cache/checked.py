@@ -296,7 +296,12 @@ class CheckedPrefixCache(BasePrefixCache):
                                        "request) holds")
         self._held[pages] = False
         self._held_pages -= int(pages.size)
-        self._check_size("evict")
+        try:
+            self._check_size("evict")
+        except PrefixCacheFault:  # nothing was handed back: the pages stay the cache's (``held_pages``)
+            self._held[pages] = True
+            self._held_pages += int(pages.size)
+            raise
         return self._as_tensor(locations)
 
     def reset(self) -> None:
@@ -336,6 +341,12 @@ class CheckedPrefixCache(BasePrefixCache):
         """What the wrapper knows the cache holds, from its own bookkeeping (no plugin call)."""
         held, locked = self._held_pages * self.page_size, self._locked_pages * self.page_size
         return SizeInfo(held - locked, locked)
+
+    def held_pages(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pages the cache holds (shape ``[n]``, int64, host, ascending) and each one's lock
+        count (same shape): what a host that quarantines the cache hands over, asking it nothing."""
+        pages = np.flatnonzero(self._held)
+        return pages, self._locks[pages].copy()
 
     def check_integrity(self) -> None:
         self.inner.check_integrity()

@@ -29,15 +29,21 @@ _NO_TOKENS = torch.empty(0, dtype=torch.int32)
 
 
 class CacheSpace:
-    """One namespace: its kvplug cache, the handle of its empty prefix (the root) and its recency."""
+    """One namespace: its kvplug cache, the handle of its empty prefix (the root) and its recency;
+    ``inherited``: the hand-over record once its cache was quarantined (``quarantine``), else ``None``."""
 
-    __slots__ = ("namespace", "cache", "root", "last_used")
+    __slots__ = ("namespace", "cache", "root", "last_used", "inherited")
 
     def __init__(self, namespace: Namespace, cache: BasePrefixCache) -> None:
         self.namespace = namespace
+        self.last_used = 0
+        self.inherited = None
+        self.replace(cache)
+
+    def replace(self, cache: BasePrefixCache) -> None:
+        """Make ``cache`` this namespace's cache (a new root from it)."""
         self.cache = cache
         self.root = CacheNode(self, cache.match_prefix(_NO_TOKENS).handle)
-        self.last_used = 0
 
 
 class CacheNode:
@@ -98,6 +104,8 @@ class CacheSpaces:
         default namespace keeps its (emptied) cache and event listener; the others are dropped."""
         for space in self._spaces.values():
             space.cache.reset()
+            if space.inherited is not None:
+                space.inherited.forget()
         default = self._spaces[DEFAULT_NAMESPACE].cache
         self._spaces = {DEFAULT_NAMESPACE: CacheSpace(DEFAULT_NAMESPACE, default)}
         self.get(DEFAULT_NAMESPACE)

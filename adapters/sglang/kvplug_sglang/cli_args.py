@@ -1,4 +1,5 @@
-"""``--kv-backend``, ``--prefix-cache``, ``--kvplug-attention`` and ``--kvplug-host-memory`` on SGLang's server parser.
+"""``--kv-backend``, ``--prefix-cache``, ``--kvplug-attention``, ``--kvplug-host-memory`` and
+``--kvplug-on-cache-failure`` on SGLang's server parser.
 
 ``add_kvplug_arguments(parser)`` runs right after ``ServerArgs.add_cli_args(parser)``: it adds the
 four arguments and wraps that parser's ``parse_known_args`` (which ``parse_args`` calls), so the
@@ -10,6 +11,11 @@ rejected through ``parser.error``: exit status 2 with the usage line, like any a
 copies pages of kvplug's KV pool) and a prefix cache that has a host tier (it is asked: one is
 built with the option ``host_memory`` and must be a ``BaseTieredPrefixCache``); it travels in
 ``--radix-cache-backend kvplug:NAME+host_memory=BYTES``.
+
+``--kvplug-on-cache-failure {fallback,fail}`` (needs ``--kv-backend kvplug``) says what happens
+when an untrusted prefix-cache plugin raises or answers outside the contract (``quarantine``):
+``fallback`` (default) quarantines it and ``naive`` takes over, ``fail`` stops the scheduler with
+the fault; it travels as ``+on_cache_failure=fail`` in ``--radix-cache-backend`` (``names``).
 
 Name checks ask kvplug's plugin manager, so third-party prefix caches and attention backends
 installed as kvplug plugins are accepted, and an unknown name is rejected with the list of
@@ -92,6 +98,15 @@ def add_kvplug_arguments(
         "of (pinned) host memory, e.g. 32GiB, and loaded back when a request is admitted with them. "
         "Needs --kv-backend kvplug and a prefix cache with a host tier (radix).",
     )
+    group.add_argument(
+        "--kvplug-on-cache-failure",
+        choices=names.ON_CACHE_FAILURE_CHOICES,
+        default=None,
+        help="When an untrusted kvplug prefix-cache plugin raises or answers outside the contract: "
+        "'fallback' (default) quarantines it (its pages go back to the pool, running requests keep "
+        "their prefixes) and kvplug's 'naive' cache takes over; 'fail' stops the server with the fault. "
+        "Needs --kv-backend kvplug.",
+    )
     original = parser.parse_known_args
 
     def parse_known_args(args: Any = None, namespace: Any = None):
@@ -139,13 +154,22 @@ def translate_namespace(
     prefix_cache = getattr(ns, "prefix_cache", None)
     attention = getattr(ns, "kvplug_attention", None)
     host_memory = getattr(ns, "kvplug_host_memory", None)
+    on_cache_failure = getattr(ns, "kvplug_on_cache_failure", None)
     if kv_backend != "kvplug":
         if host_memory is not None:
             return (
                 "--kvplug-host-memory needs --kv-backend kvplug: the host tier copies pages of kvplug's KV pool "
                 "(--radix-cache-backend kvplug:NAME alone keeps SGLang's own pools and has no host tier)"
             )
-        given = [flag for flag, value in (("--prefix-cache", prefix_cache), ("--kvplug-attention", attention)) if value]
+        given = [
+            flag
+            for flag, value in (
+                ("--prefix-cache", prefix_cache),
+                ("--kvplug-attention", attention),
+                ("--kvplug-on-cache-failure", on_cache_failure),
+            )
+            if value
+        ]
         if given:
             return (
                 f"{' and '.join(given)} select kvplug components: add --kv-backend kvplug "
@@ -160,7 +184,7 @@ def translate_namespace(
         problem = _host_tier_problem(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory, manager)
         if problem:
             return problem
-    radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory)
+    radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory, on_cache_failure)
     attention_backend = names.attention_backend_name(attention or names.DEFAULT_ATTENTION)
     current = getattr(ns, "radix_cache_backend", None)
     if current not in (None, radix_backend, names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE)):

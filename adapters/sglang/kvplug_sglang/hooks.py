@@ -12,7 +12,8 @@ SGLang's ``load_plugins`` applies them in every process:
 - around ``KVCacheConfigurator._build_default_req_pool``: the table becomes ``KvplugReqToTokenPool``;
 - around ``sglang.srt.mem_cache.registry.get_radix_cache_factory`` (what ``create_tree_cache`` looks
   names up with): ``kvplug:NAME+host_memory=BYTES`` (``--kvplug-host-memory``, see ``names.py``)
-  resolves to ``kvplug:NAME``'s factory with that host-memory tier.
+  resolves to ``kvplug:NAME``'s factory with that host-memory tier; ``+on_cache_failure=fail``
+  (``--kvplug-on-cache-failure fail``) likewise passes that policy to the factory.
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -89,11 +90,12 @@ def around_get_radix_cache_factory(original: Callable[..., Any], name: str, *arg
     factory = original(name, *args, **kwargs)
     if factory is not None or names.prefix_cache_of(name) is None:
         return factory
-    base, host_memory = names.split_host_memory(name)
-    factory = original(base, *args, **kwargs) if host_memory is not None else None
+    rest, on_cache_failure = names.split_on_cache_failure(name)
+    base, host_memory = names.split_host_memory(rest)
+    factory = original(base, *args, **kwargs) if base != name else None
     if factory is None:
         return None
-    return functools.partial(factory, host_memory=host_memory)
+    return functools.partial(factory, host_memory=host_memory, on_cache_failure=on_cache_failure)
 
 
 HOOKS = (

@@ -6,7 +6,9 @@ Every choice is carried by SGLang's own server-argument fields, so it reaches ev
 - prefix cache ``NAME`` -> ``--radix-cache-backend kvplug:NAME`` (one SGLang radix-cache backend
   is registered per kvplug prefix-cache name, third-party ones included); with a host-memory tier
   of ``B`` bytes -> ``kvplug:NAME+host_memory=B`` (SGLang has no field for it; the registry lookup
-  resolves the suffixed name to ``NAME``'s factory with the option, ``hooks.py``);
+  resolves the suffixed name to ``NAME``'s factory with the option, ``hooks.py``); with
+  ``--kvplug-on-cache-failure fail`` the suffix ``+on_cache_failure=fail`` follows (the default,
+  ``fallback``, is spelled by its absence);
 - kvplug attention ``auto`` -> ``--attention-backend kvplug``; any other kvplug attention ``NAME``
   (``torch``, ``triton``, ``flashinfer``, ``fa3``, ``"P,D"``) -> ``--attention-backend kvplug:NAME``.
 
@@ -25,18 +27,41 @@ DEFAULT_ATTENTION = "auto"
 
 
 HOST_MEMORY_OPTION = "+host_memory="
+ON_CACHE_FAILURE_OPTION = "+on_cache_failure="
+ON_CACHE_FAILURE_DEFAULT = "fallback"
+ON_CACHE_FAILURE_CHOICES = ("fallback", "fail")
 
 
-def radix_cache_backend_name(prefix_cache: str, host_memory: Optional[int] = None) -> str:
+def radix_cache_backend_name(
+    prefix_cache: str, host_memory: Optional[int] = None, on_cache_failure: Optional[str] = None
+) -> str:
     """SGLang ``--radix-cache-backend`` value for kvplug prefix cache ``prefix_cache``, with a
-    host-memory tier of ``host_memory`` bytes when given."""
+    host-memory tier of ``host_memory`` bytes when given, and ``on_cache_failure`` when it is not
+    the default."""
     name = f"{PREFIX}{SEPARATOR}{prefix_cache}"
-    return name if host_memory is None else f"{name}{HOST_MEMORY_OPTION}{int(host_memory)}"
+    if host_memory is not None:
+        name = f"{name}{HOST_MEMORY_OPTION}{int(host_memory)}"
+    if on_cache_failure not in (None, ON_CACHE_FAILURE_DEFAULT):
+        name = f"{name}{ON_CACHE_FAILURE_OPTION}{on_cache_failure}"
+    return name
+
+
+def split_on_cache_failure(radix_cache_backend: str) -> tuple[str, str]:
+    """``(backend name without the option, the policy)`` of a ``--radix-cache-backend`` value;
+    ``ValueError`` for an unknown policy."""
+    base, found, policy = radix_cache_backend.partition(ON_CACHE_FAILURE_OPTION)
+    if not found:
+        return radix_cache_backend, ON_CACHE_FAILURE_DEFAULT
+    if policy not in ON_CACHE_FAILURE_CHOICES:
+        raise ValueError(f"expected {base}{ON_CACHE_FAILURE_OPTION}{'|'.join(ON_CACHE_FAILURE_CHOICES)}, "
+                         f"got {radix_cache_backend!r}")
+    return base, policy
 
 
 def split_host_memory(radix_cache_backend: str) -> tuple[str, Optional[int]]:
     """``(backend name without the option, host-memory bytes or None)`` of a
-    ``--radix-cache-backend`` value; ``ValueError`` for a malformed byte count."""
+    ``--radix-cache-backend`` value (without ``+on_cache_failure=``); ``ValueError`` for a
+    malformed byte count."""
     base, found, size = radix_cache_backend.partition(HOST_MEMORY_OPTION)
     if not found:
         return radix_cache_backend, None
@@ -48,7 +73,8 @@ def split_host_memory(radix_cache_backend: str) -> tuple[str, Optional[int]]:
 def prefix_cache_of(radix_cache_backend: Optional[str]) -> Optional[str]:
     """The kvplug prefix-cache name inside a ``--radix-cache-backend`` value, or ``None``."""
     if radix_cache_backend and radix_cache_backend.startswith(PREFIX + SEPARATOR):
-        return radix_cache_backend[len(PREFIX + SEPARATOR) :].partition(HOST_MEMORY_OPTION)[0]
+        name = radix_cache_backend[len(PREFIX + SEPARATOR) :].partition(ON_CACHE_FAILURE_OPTION)[0]
+        return name.partition(HOST_MEMORY_OPTION)[0]
     return None
 
 

@@ -39,6 +39,15 @@ asked about device-resident nodes. Loading at admission rather than in ``match_p
 SGLang matches every waiting request on each scheduling pass, and loading for requests it then
 does not admit would churn the pool.
 
+Faults (issue 32). Untrusted caches (``trusted`` False) come in a ``CheckedPrefixCache``
+(``radix_backends``); a ``PrefixCacheFault`` from any call this class makes into a cache (match,
+insert, lock, unlock, evict, sizes, reset, a namespace's creation) quarantines the plugin and the
+call runs again on the ``naive`` fallback, or, with ``--kvplug-on-cache-failure fail``, stops the
+scheduler with the fault (``quarantine``). Each cache call is guarded on its own, so a call that
+met the fault halfway (a checkpoint's second insert, one namespace of an eviction) neither repeats
+what succeeded nor loses it; sizes for SGLang's lock deltas come from the wrappers' own
+bookkeeping (``tracked_size_info``), so a lock is never taken twice.
+
 Stream order (CUDA). The copies that touch the KV pool (the write-back's gather, the load's
 scatter) are queued on the scheduler's current stream, SGLang 0.5.23's ``schedule_stream``. Its
 overlap scheduler launches every forward on the model runner's ``forward_stream`` after
@@ -67,7 +76,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvplug.interface import BasePrefixCache as KvplugBasePrefixCache
-from kvplug.interface import BaseTieredPrefixCache, TierCopyError, TierStats
+from kvplug.interface import BaseTieredPrefixCache, PrefixCacheFault, SizeInfo, TierCopyError, TierStats
+from kvplug.prefix_cache.checked import CheckedPrefixCache
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -87,6 +97,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from kvplug_sglang.cache_spaces import CacheNode, CacheSpace, CacheSpaces, Namespace
 from kvplug_sglang.kv_events import SGLangEventTranslator
+from kvplug_sglang.quarantine import CacheQuarantine, hand_over
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +114,9 @@ class KvplugPrefixCache(BasePrefixCache):
         name: the kvplug prefix-cache name, for messages.
         fence_stream: the stream SGLang's forwards run on (``model_runner.forward_stream``) on CUDA;
             tier copies wait for it (see the module docstring). ``None``: no fence (CPU).
+        on_cache_failure: ``"fallback"`` or ``"fail"`` (``--kvplug-on-cache-failure``, ``quarantine``).
+        fallback: builds one empty trusted cache (``naive``) with ``params.page_size`` on the CPU,
+            the replacement of a faulty one; default: kvplug's ``naive`` from the default manager.
     """
 
     # SGLang reads these off any tree cache; kvplug caches hold full-attention KV only
@@ -114,6 +128,8 @@ class KvplugPrefixCache(BasePrefixCache):
         factory: Callable[[Namespace], KvplugBasePrefixCache],
         name: str,
         fence_stream: Any = None,
+        on_cache_failure: str = "fallback",
+        fallback: Optional[Callable[[], KvplugBasePrefixCache]] = None,
     ) -> None:
         if params.is_eagle:
             raise NotImplementedError(
@@ -127,6 +143,15 @@ class KvplugPrefixCache(BasePrefixCache):
                 f"--radix-eviction-policy must be 'lru', got {params.eviction_policy!r}"
             )
         self.name = name
+        if fallback is None:
+            from kvplug.plugins import default_manager
+
+            def fallback() -> KvplugBasePrefixCache:
+                return default_manager().create_prefix_cache("naive", device="cpu", page_size=params.page_size)
+
+        self.quarantine = CacheQuarantine(name, on_cache_failure, fallback)
+        self._factory = factory
+        self._spaces: Optional[CacheSpaces] = None
         self._fence_stream = fence_stream
         self._warned_no_events = False
         self.disable = params.disable
@@ -144,7 +169,8 @@ class KvplugPrefixCache(BasePrefixCache):
             dynamo_format=params.dynamo_kv_event_format,
             lora_names=params.kv_event_lora_names,
         )
-        self._spaces = CacheSpaces(factory, self._listen if self.kv_events.enabled else None)
+        listen = self._listen if self.kv_events.enabled else None
+        self._spaces = self._guarded("the tree cache's construction", lambda: CacheSpaces(self._new_cache, listen))
         self.kv_events.record_all_cleared()  # as RadixCache does on construction (its first reset)
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -152,17 +178,50 @@ class KvplugPrefixCache(BasePrefixCache):
     # ------------------------------------------------------------------ tree-wide
     @property
     def root_node(self) -> CacheNode:
-        return self._spaces.get((None, None), touch=False).root
+        return self._guarded("root_node", lambda: self._spaces.get((None, None), touch=False)).root
 
     def root_node_handle(self, extra_key: Optional[str] = None) -> CacheNode:
-        return self._spaces.get((extra_key, None), touch=False).root
+        return self._guarded("root_node_handle", lambda: self._spaces.get((extra_key, None), touch=False)).root
 
     def is_root(self, node: CacheNode) -> bool:
         return node.cached_len == 0
 
     def reset(self) -> None:
-        self._spaces.reset()
+        self._guarded("reset", self._spaces.reset)
         self.kv_events.record_all_cleared()
+
+    # ------------------------------------------------------------------ faults (module docstring)
+    def _new_cache(self, namespace: Namespace) -> KvplugBasePrefixCache:
+        """A new namespace's cache: the plugin's, or the fallback once the plugin was quarantined."""
+        return self.quarantine.fallback() if self.quarantine.tripped else self._factory(namespace)
+
+    def _guarded(self, during: str, call: Callable[[], Any]) -> Any:
+        """``call()``; after a fault, the plugin quarantined, ``call()`` once more (on the fallback:
+        ``call`` reads the namespace's cache when it runs)."""
+        try:
+            return call()
+        except PrefixCacheFault as fault:
+            self._quarantine(fault, during)
+        return call()
+
+    def _quarantine(self, fault: PrefixCacheFault, during: str) -> None:
+        """Hand every namespace's checked cache over to a fallback (or raise, policy ``fail``)."""
+        self.quarantine.record(fault, during)
+        evictable = locked = 0
+        for space in self._spaces or ():
+            old = space.cache
+            if not isinstance(old, CheckedPrefixCache):
+                continue
+            inherited, free_now, held = hand_over(old, self.quarantine.fallback())
+            evictable += free_now
+            locked += held
+            space.inherited = inherited
+            space.replace(inherited.layer)
+            if self.kv_events.enabled:  # the plugin is not called again, so it publishes nothing more
+                self._listen(space)
+        if self.kv_events.enabled:  # what the plugin published is gone for event consumers
+            self.kv_events.record_all_cleared()
+        self.quarantine.replaced(fault, during, evictable, locked)
 
     def _listen(self, space: CacheSpace) -> None:
         """Publish ``space``'s kvplug events through SGLang's recorder (events enabled)."""
@@ -185,6 +244,9 @@ class KvplugPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ matching and inserting
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        return self._guarded("match_prefix", lambda: self._match_prefix(params))
+
+    def _match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
         space = self._space(key)
         ids = self._key_ids(key)
@@ -276,7 +338,8 @@ class KvplugPrefixCache(BasePrefixCache):
     def touch_prefix(self, key: RadixKey) -> None:
         ids = self._key_ids(key)
         if not self.disable and ids.numel():
-            self._space(key).cache.match_prefix(ids)
+            space = self._space(key)
+            self._guarded("touch_prefix", lambda: space.cache.match_prefix(ids))
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Cache ``params.key`` (page-aligned) at ``params.value`` (shape ``[n]``, int64, any device).
@@ -286,7 +349,7 @@ class KvplugPrefixCache(BasePrefixCache):
         if self.disable or ids.numel() == 0:
             return InsertResult(prefix_len=0, last_device_node=space.root)
         value = ids if params.value is None else params.value[: ids.numel()].to("cpu", torch.int32)
-        result = space.cache.insert_prefix(ids, value)
+        result = self._guarded("insert", lambda: space.cache.insert_prefix(ids, value))
         return InsertResult(prefix_len=result.cached_len, last_device_node=CacheNode(space, result.handle))
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -297,12 +360,13 @@ class KvplugPrefixCache(BasePrefixCache):
         ids = self._key_ids(key)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         locations = row[: ids.numel()].to("cpu", torch.int32)
-        result = space.cache.insert_prefix(ids, locations)
+        during = "cache_finished_req" if req.finished() else "cache_unfinished_req"
+        result = self._guarded(during, lambda: space.cache.insert_prefix(ids, locations))
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, ids.numel())
         # split at the page-aligned prompt end, so evicting the output leaves the prompt cached
         prompt_len = len(req.origin_input_ids) // self.page_size * self.page_size
         if 0 < prompt_len < ids.numel() and result.handle.cached_len == ids.numel():
-            space.cache.insert_prefix(ids[:prompt_len], locations[:prompt_len])
+            self._guarded(during, lambda: space.cache.insert_prefix(ids[:prompt_len], locations[:prompt_len]))
         protected = req.kv.cache_protected_len
         if result.cached_len > protected:  # another request cached these first: free our copies
             self.token_to_kv_pool_allocator.free_segment(row[protected : result.cached_len], start_pos=protected)
@@ -329,19 +393,25 @@ class KvplugPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: CacheNode) -> IncLockRefResult:
-        return IncLockRefResult(delta=self._lock(node, unlock=False))
+        if self.disable or node.cached_len == 0:
+            return IncLockRefResult(delta=0)
+        return IncLockRefResult(delta=self._guarded("inc_lock_ref", lambda: self._lock(node, unlock=False)))
 
     def dec_lock_ref(self, node: CacheNode, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
-        return DecLockRefResult(delta=self._lock(node, unlock=True))
+        if self.disable or node.cached_len == 0:
+            return DecLockRefResult(delta=0)
+        return DecLockRefResult(delta=self._guarded("dec_lock_ref", lambda: self._lock(node, unlock=True)))
 
     def _lock(self, node: CacheNode, *, unlock: bool) -> int:
-        """Lock or unlock ``node``; returns the change of the evictable size (SGLang's ``delta``)."""
-        if self.disable or node.cached_len == 0:
-            return 0
-        cache = node.space.cache
-        before = cache.size_info.evictable_size
-        cache.lock_handle(node.handle, unlock=unlock)
-        return cache.size_info.evictable_size - before
+        """Lock or unlock ``node`` (one issued by a quarantined cache through the layer that holds
+        its pages now); returns the change of the evictable size (SGLang's ``delta``)."""
+        space = node.space
+        cache, handle = space.cache, node.handle
+        if space.inherited is not None and space.inherited.is_stale(handle):
+            handle = space.inherited.handle_for(handle)
+        before = _tracked_size(cache).evictable_size
+        cache.lock_handle(handle, unlock=unlock)
+        return _tracked_size(cache).evictable_size - before
 
     # ------------------------------------------------------------------ eviction and sizes
     def evict(self, params: EvictParams) -> EvictResult:
@@ -350,27 +420,35 @@ class KvplugPrefixCache(BasePrefixCache):
         if self.disable or wanted <= 0:
             return EvictResult()
         start = time.perf_counter()
-        freed: list[torch.Tensor] = []
         num_freed = 0
         for space in self._spaces.least_recently_used_first():
-            take = min(wanted - num_freed, space.cache.size_info.evictable_size)
-            if take > 0:
-                if isinstance(space.cache, BaseTieredPrefixCache):
-                    self._fence()  # the write-back reads the evicted pages
-                freed.append(space.cache.evict(take))
-                num_freed += freed[-1].numel()
+            # one namespace at a time: a fault in one keeps what the others freed
+            evicted = self._guarded("evict", lambda: self._evict_space(space, wanted - num_freed))
+            if evicted.numel():
+                self.token_to_kv_pool_allocator.free(evicted.to(self.device, torch.int64))
+                num_freed += evicted.numel()
             if num_freed >= wanted:
                 break
-        if freed:
-            self.token_to_kv_pool_allocator.free(torch.cat(freed).to(self.device, torch.int64))
         self.update_eviction_metrics(num_freed, start)
         return EvictResult(num_tokens_evicted=num_freed)
 
+    def _evict_space(self, space: CacheSpace, wanted: int) -> torch.Tensor:
+        """Up to ``wanted`` tokens evicted from ``space`` (shape ``[n]``, int32, cpu)."""
+        take = min(wanted, space.cache.size_info.evictable_size)
+        if take <= 0:
+            return _NO_TOKENS
+        if isinstance(space.cache, BaseTieredPrefixCache):
+            self._fence()  # the write-back reads the evicted pages
+        evicted = space.cache.evict(take)
+        if space.inherited is not None:
+            space.inherited.evicted(evicted)
+        return evicted
+
     def evictable_size(self) -> int:
-        return self._spaces.evictable_size()
+        return self._guarded("evictable_size", self._spaces.evictable_size)
 
     def protected_size(self) -> int:
-        return self._spaces.protected_size()
+        return self._guarded("protected_size", self._spaces.protected_size)
 
     def full_evictable_size(self) -> int:
         return self.evictable_size()
@@ -383,15 +461,16 @@ class KvplugPrefixCache(BasePrefixCache):
 
     def sanity_check(self) -> None:
         for space in self._spaces:
-            space.cache.check_integrity()
+            self._guarded("sanity_check", lambda: space.cache.check_integrity())
 
     def pretty_print(self) -> None:
         for space in self._spaces:
-            print(f"kvplug prefix cache {self.name!r} namespace {space.namespace!r}: {space.cache.size_info}")
+            size = self._guarded("pretty_print", lambda: space.cache.size_info)
+            print(f"kvplug prefix cache {self.name!r} namespace {space.namespace!r}: {size}")
 
     # ------------------------------------------------------------------ keys
     def _space(self, key: RadixKey) -> CacheSpace:
-        return self._spaces.get((key.extra_key, key.cache_salt))
+        return self._guarded("creating a namespace's cache", lambda: self._spaces.get((key.extra_key, key.cache_salt)))
 
     def _key_ids(self, key: RadixKey) -> torch.Tensor:
         """The page-aligned key as token ids: shape ``[n]``, int32, cpu."""
@@ -404,3 +483,9 @@ class KvplugPrefixCache(BasePrefixCache):
         if isinstance(tokens, array) and tokens.typecode == "q":
             return torch.frombuffer(tokens, dtype=torch.int64, count=length).to(torch.int32)
         return torch.as_tensor(list(tokens[:length]), dtype=torch.int64).to(torch.int32)
+
+
+def _tracked_size(cache: KvplugBasePrefixCache) -> SizeInfo:
+    """``cache``'s sizes, from a wrapper's own bookkeeping when it has one (no plugin call)."""
+    tracked = getattr(cache, "tracked_size_info", None)
+    return tracked if tracked is not None else cache.size_info

@@ -13,6 +13,12 @@ with the option ``host_memory`` and must be a ``BaseTieredPrefixCache``; it is a
 KV pool's storage (``KvplugMHATokenToKVPool.kvplug_pool``), which only ``--kv-backend kvplug``
 builds: over SGLang's own pools the factory refuses. Other namespaces (LoRA adapters, cache
 salts) get device-only caches, so the tier's host memory is allocated once, at startup.
+
+A cache whose class is not ``trusted`` (a third-party plugin) is built inside a
+``CheckedPrefixCache`` over the pool SGLang's allocator hands out (``allocator.size // page_size``
+pages plus page 0, SGLang's padding page), so its faults are quarantined (``quarantine``; a tiered
+cache is not checked, as in ``KVBackend``). ``on_cache_failure`` (``--kvplug-on-cache-failure``,
+spelled ``+on_cache_failure=fail`` in the backend name) picks the policy.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvplug.cache_guard import checked
 from kvplug.interface import BaseTieredPrefixCache
 from kvplug.plugins import PluginManager, default_manager
 
-from kvplug_sglang import names
+from kvplug_sglang import names, quarantine
 from kvplug_sglang.cache_spaces import DEFAULT_NAMESPACE
 
 logger = logging.getLogger(__name__)
@@ -38,9 +45,11 @@ def build_prefix_cache(
     name: str,
     manager: Optional[Callable[[], PluginManager]] = None,
     host_memory: Optional[int] = None,
+    on_cache_failure: str = names.ON_CACHE_FAILURE_DEFAULT,
 ) -> Any:
     """SGLang radix-cache factory: ``ctx`` is SGLang's ``TreeCacheBuildContext``; ``host_memory``:
-    bytes of the host-memory tier (``None``: none)."""
+    bytes of the host-memory tier (``None``: none); ``on_cache_failure``: ``"fallback"`` or
+    ``"fail"`` for an untrusted cache that faults."""
     from kvplug_sglang.prefix_cache import KvplugPrefixCache
 
     unsupported = [
@@ -66,10 +75,12 @@ def build_prefix_cache(
     options = {"split_refreshes_tail": True} if name == "radix" else {}
 
     kv_pool = _kvplug_kv_pool(params, name) if host_memory is not None else None
+    num_pages = pool_pages(params.token_to_kv_pool_allocator, params.page_size)
 
     def new_cache(namespace):
         if kv_pool is None or namespace != DEFAULT_NAMESPACE:
-            return get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size, **options)
+            cache = get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size, **options)
+            return checked(cache, name, num_pages, params.page_size)
         cache = get_manager().create_prefix_cache(
             name, device="cpu", page_size=params.page_size, host_memory=host_memory, **options
         )
@@ -82,9 +93,21 @@ def build_prefix_cache(
         _log_tier(cache, host_memory)
         return cache
 
-    cache = KvplugPrefixCache(params, new_cache, name, fence_stream=_forward_stream(ctx) if kv_pool is not None else None)
+    def fallback():
+        return get_manager().create_prefix_cache(quarantine.FALLBACK, device="cpu", page_size=params.page_size)
+
+    cache = KvplugPrefixCache(
+        params, new_cache, name, fence_stream=_forward_stream(ctx) if kv_pool is not None else None,
+        on_cache_failure=on_cache_failure, fallback=fallback,
+    )
     logger.info("kvplug-sglang: tree cache is kvplug prefix cache %r (page size %d)", name, params.page_size)
     return cache
+
+
+def pool_pages(allocator: Any, page_size: int) -> int:
+    """Pages a checked cache may be given: SGLang's allocator hands out pages ``1 ..
+    allocator.size // page_size`` (page 0 is its padding page, counted so that locations start at 0)."""
+    return int(allocator.size) // page_size + 1
 
 
 def _kvplug_kv_pool(params: Any, name: str) -> Any:
