@@ -37,7 +37,7 @@ from kvplug.plugins import PluginManager
 from kvplug.plugins.loading import PluginSelection, kvplug_entry_points
 
 HOST_NAME = "transformers"
-INSTALL_HINT = "pip install ./adapters/transformers (or: pip install kvplug-transformers)"
+INSTALL_HINT = "pip install -e ./adapters/transformers (from the root of the kvplug repository)"
 _FRACTION = re.compile(r"^\s*([0-9]+\.[0-9]*|\.[0-9]+|[0-9]*\.?[0-9]+%)\s*$")
 
 DEFAULTS = {
