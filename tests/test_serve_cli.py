@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from kvplug.cli import build_parser
 from kvplug.cli.serve import check_port_free, validate
@@ -87,10 +88,6 @@ def test_vllm_and_sglang_aliases(manager):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--kv-backend", "native", "--prefix-cache", "naive"], "--prefix-cache configures kvplug's cache"),
-        (["--kv-backend", "native", "--attention", "torch", "--max-running-reqs", "4"],
-         "--attention, --max-running-reqs configure"),
-        (["--kv-backend", "native", "--stats-interval", "1"], "--stats-interval configures kvplug's cache"),
         (["--page-size", "0"], "--page-size must be an int >= 1, got 0"),
         (["--max-running-reqs", "0"], "--max-running-reqs must be an int >= 1, got 0"),
         (["--port", "70000"], "--port must be an int in [1, 65535], got 70000"),
@@ -100,19 +97,53 @@ def test_vllm_and_sglang_aliases(manager):
         (["--dtype", "int3"], "--dtype must be auto, bfloat16, float16 or float32, got 'int3'"),
         (["--kv-memory", "2.0"], "--kv-memory as a fraction must lie in (0, 1]"),
         (["--max-request-bytes", "lots"], "--max-request-bytes must be a size"),
-        (["--kv-backend", "native", "--disable-cuda-graph"], "--disable-cuda-graph configures kvplug's cache"),
         (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be an int in [1, 64], got 0"),
         (["--max-running-reqs", "8", "--cuda-graph-max-bs", "16"], "--cuda-graph-max-bs must be an int in [1, 8]"),
-        (["--cuda-graph-max-bs", "8", "--disable-cuda-graph"], "--cuda-graph-max-bs has no effect with --disable-cuda-graph"),
-        (["--enable-torch-compile", "--disable-cuda-graph"], "--enable-torch-compile compiles the model kvplug captures"),
-        (["--kv-backend", "native", "--disable-overlap-schedule"], "--disable-overlap-schedule configures kvplug's cache"),
-        (["--kv-backend", "native", "--enable-torch-compile"], "--enable-torch-compile configures kvplug's cache"),
     ],
 )
 def test_every_bad_combination_names_the_flag_and_the_rule(manager, argv, message):
     with pytest.raises(KVPlugError) as refused:
         validate(_parse(*argv), manager)
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "note", "dropped"),
+    [
+        (["--kv-backend", "native", "--prefix-cache", "naive"], "--prefix-cache configures kvplug's cache: ignored", {}),
+        (["--kv-backend", "native", "--attention", "torch", "--max-running-reqs", "4"],
+         "--attention, --max-running-reqs configure kvplug's cache: ignored with --kv-backend native", {}),
+        (["--kv-backend", "native", "--stats-interval", "1"], "--stats-interval configures", {}),
+        (["--kv-backend", "native", "--disable-cuda-graph", "--disable-overlap-schedule", "--enable-torch-compile"],
+         "--disable-cuda-graph, --disable-overlap-schedule, --enable-torch-compile configure", {}),
+        (["--cuda-graph-max-bs", "8", "--disable-cuda-graph"], "--cuda-graph-max-bs sizes kvplug's CUDA graphs: ignored "
+         "with --disable-cuda-graph", {"cuda_graph_max_bs": None}),
+        (["--enable-torch-compile", "--disable-cuda-graph"], "--enable-torch-compile compiles the model kvplug captures "
+         "in its CUDA graphs: ignored", {"torch_compile": False}),
+    ],
+)
+def test_a_flag_with_no_effect_is_accepted_and_named_never_refused(manager, argv, note, dropped):
+    """One rule for flags that do nothing (issue 29 item 8): accepted, dropped, named in a start-up
+    warning, so one command line serves both sides of an A/B."""
+    from kvplug_transformers.serve_options import ServeOptions
+    from kvplug_transformers.settings import KVPlugSettings
+
+    options = validate(_parse(*argv), manager)
+    assert len(options["ignored_flags"]) == 1 and note in options["ignored_flags"][0], options["ignored_flags"]
+    assert {key: options[key] for key in dropped} == dropped
+    serve_options = ServeOptions(**options)
+    KVPlugSettings().updated(**serve_options.kvplug_settings())  # what remains is valid host settings
+    assert serve_options.no_effect_on(torch.device("cuda")) == options["ignored_flags"]
+
+
+def test_cuda_only_flags_on_the_cpu_are_named_as_ignored(manager):
+    from kvplug_transformers.serve_options import ServeOptions
+
+    options = ServeOptions(**validate(_parse("--cuda-graph-max-bs", "8", "--enable-torch-compile"), manager))
+    assert options.no_effect_on(torch.device("cuda")) == ()
+    assert options.no_effect_on(torch.device("cpu")) == (
+        "--cuda-graph-max-bs, --enable-torch-compile: CUDA only (graphs, compile and overlap), ignored on cpu",)
+    assert ServeOptions(**validate(_parse(), manager)).no_effect_on(torch.device("cpu")) == ()
 
 
 def test_bad_flag_shows_the_serve_usage():
@@ -135,6 +166,16 @@ def test_help_lists_the_registered_components_one_line_each():
         assert sum(1 for line in lines if line.startswith(f"  {name} ")) == 1, name
     naive = next(line for line in lines if line.startswith("  naive "))
     assert "caches nothing" in naive
+    # what auto picks is what kvplug.attention.auto picks; fa3 is sgl-kernel's (issue 29 item 6)
+    from kvplug.attention.auto import choose_backend_name
+
+    auto = next(line for line in lines if line.startswith("  auto "))
+    assert "fa3" not in auto.split("(never")[0] and auto.index("flashinfer") < auto.index("triton")
+    config = type("Config", (), {"pool": type("Pool", (), {"device": torch.device("cuda")})})()
+    assert choose_backend_name(config, importable=lambda module: True) == "flashinfer"
+    assert choose_backend_name(config, importable=lambda module: module == "triton") == "triton"
+    fa3 = next(line for line in lines if line.startswith("  fa3 "))
+    assert "sgl-kernel" in fa3 and "flash-attn" not in fa3
     for flag in ("--max-model-len", "--model-path", "--gpu-memory-utilization", "--api-key", "--served-model-name",
                  "--shutdown-timeout", "MODEL"):
         assert flag in result.stdout

@@ -57,11 +57,11 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp1
 COMPONENT_DESCRIPTIONS = {
     ("prefix_cache", "radix"): "a radix tree of cached prompt prefixes shared across requests; LRU eviction",
     ("prefix_cache", "naive"): "caches nothing: every prompt is computed in full (a baseline to compare with)",
-    ("attention", "auto"): "torch on CPU; on CUDA the best available of fa3, flashinfer, triton, torch",
+    ("attention", "auto"): "torch on CPU; on CUDA flashinfer if it imports, else triton, else torch (never fa3: name it)",
     ("attention", "torch"): "reference PyTorch kernels (CPU and CUDA)",
     ("attention", "triton"): "Triton kernels (CUDA)",
     ("attention", "flashinfer"): "FlashInfer kernels (CUDA; needs the flashinfer package)",
-    ("attention", "fa3"): "FlashAttention 3 (Hopper GPUs; needs flash-attn 3)",
+    ("attention", "fa3"): "sgl-kernel's FlashAttention 3 paged kernel (Hopper GPUs; needs sgl-kernel: pip install -e '.[fa3]')",
 }
 
 
@@ -254,25 +254,29 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
     for name, value in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    # a flag with no effect here is accepted, dropped and named in a start-up warning (never an
+    # error): one command line then serves both sides of an A/B (--kv-backend kvplug / native, CUDA / CPU)
+    ignored: list[str] = []
     if args.kv_backend == "native":
-        ignored = [f"--{name.replace('_', '-')}" for name in KVPLUG_ONLY_FLAGS if name in given]
-        if ignored:
-            verb = "configures" if len(ignored) == 1 else "configure"
-            raise InvalidArgumentError(
-                f"{', '.join(ignored)} {verb} kvplug's cache and {'has' if len(ignored) == 1 else 'have'} no effect "
-                "with --kv-backend native "
-                "(transformers' own cache); drop them or use --kv-backend kvplug"
-            )
+        named = [f"--{name.replace('_', '-')}" for name in KVPLUG_ONLY_FLAGS if name in given]
+        if named:
+            verb = "configures" if len(named) == 1 else "configure"
+            ignored.append(f"{', '.join(named)} {verb} kvplug's cache: ignored with --kv-backend native "
+                           "(transformers' own cache)")
+            for name in KVPLUG_ONLY_FLAGS:
+                setattr(args, name, DEFAULTS.get(name))
     _check_int("--page-size", args.page_size, low=1)
     _check_int("--max-running-reqs", args.max_running_reqs, low=1)
     _check_int("--port", args.port, low=1, high=65535)
     if args.cuda_graph_max_bs is not None:
         _check_int("--cuda-graph-max-bs", args.cuda_graph_max_bs, low=1, high=args.max_running_reqs)
-        if args.disable_cuda_graph:
-            raise InvalidArgumentError("--cuda-graph-max-bs has no effect with --disable-cuda-graph; give one of them")
-    if args.enable_torch_compile and args.disable_cuda_graph:
-        raise InvalidArgumentError("--enable-torch-compile compiles the model kvplug captures in its CUDA graphs; "
-                                   "it has no effect with --disable-cuda-graph")
+        if args.disable_cuda_graph and args.kv_backend == "kvplug":
+            ignored.append("--cuda-graph-max-bs sizes kvplug's CUDA graphs: ignored with --disable-cuda-graph")
+            args.cuda_graph_max_bs = None
+    if args.enable_torch_compile and args.disable_cuda_graph and args.kv_backend == "kvplug":
+        ignored.append("--enable-torch-compile compiles the model kvplug captures in its CUDA graphs: ignored with "
+                       "--disable-cuda-graph")
+        args.enable_torch_compile = None
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None:
             _check_int(flag, value, low=2 if flag == "--max-seq-len" else 1)
@@ -353,6 +357,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "timeout_body": args.timeout_body,
         "stream_stall_timeout": args.stream_stall_timeout,
         "on_cache_failure": args.on_cache_failure or "fallback",  # issue 32
+        "ignored_flags": tuple(ignored),
     }
 
 

@@ -83,6 +83,8 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("no MODEL given: serving the embedded default model from %s", model_path)
         logger.warning("the embedded model has random weights: its output text is meaningless")
     device = _resolve_device(opts.device)
+    for note in opts.no_effect_on(device):
+        logger.warning("kvplug serve: %s", note)
     config = _load_config(model_path)
     logger.debug("model config: %s", json.dumps(config.to_dict(), sort_keys=True, default=str))
     context_len = model_context_len(config)
