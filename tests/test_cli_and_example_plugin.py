@@ -169,6 +169,24 @@ def test_plugins_and_capacity_import_no_torch(tmp_path):
     assert "pages that fit: 23,404 of 16 token(s)" in result.stdout and result.stdout.splitlines()[-1] == "light"
 
 
+def test_the_installed_example_plugin_registers_without_importing_torch(installed_example):
+    """A third-party plugin's hook runs for every ``kvplug`` command: the example's imports torch only
+    when its cache is built (issue 29 item 7)."""
+    script = (
+        "import sys\n"
+        "from kvplug.cli import main\n"
+        "assert main(['plugins']) == 0\n"
+        "assert 'torch' not in sys.modules, 'registering the example plugin imported torch'\n"
+        "import kvplug\n"
+        "cache = kvplug.create_prefix_cache('page-hash', page_size=4)\n"
+        "assert 'torch' in sys.modules and type(cache).__name__ == 'PageHashPrefixCache'\n"
+        "print('light')\n"
+    )
+    result = run_kvplug("-c", script, pythonpath=installed_example)
+    assert result.returncode == 0, result.stderr
+    assert "page-hash" in result.stdout and result.stdout.splitlines()[-1] == "light"
+
+
 def test_every_public_name_and_sub_package_is_importable_from_the_top_level():
     script = (
         "import kvplug\n"
