@@ -226,7 +226,7 @@ def test_served_model_name_log_format_and_level(cache_dir, tmp_path):
     port, log = free_port(), tmp_path / "serve.log"
     process = start(
         ["-m", "kvplug", "serve", "--port", str(port), "--served-model-name", "tiny", "--kv-memory", "4MiB",
-         "--max-seq-len", "256", "--log-level", "warning"],
+         "--max-seq-len", "256", "--log-level", "warning", "--cuda-graph-max-bs", "4"],
         cache_dir, log,
     )
     try:
@@ -243,6 +243,10 @@ def test_served_model_name_log_format_and_level(cache_dir, tmp_path):
     # --log-level warning: no INFO line from any logger (uvicorn's access and startup lines included)
     assert not [line for line in lines if " INFO " in line or line.startswith("INFO:")], lines
     assert all(" WARNING " in line or " ERROR " in line for line in lines), lines
+    # the address is shown whatever the level, and a CUDA-only flag on the CPU is named as ignored (issue 29)
+    assert any(f"listening on http://127.0.0.1:{port}/v1" in line for line in lines), lines
+    assert any("--cuda-graph-max-bs: CUDA only (graphs, compile and overlap), ignored on cpu" in line
+               for line in lines), lines
 
 
 def test_info_log_has_one_format_and_one_pool_line(cache_dir, tmp_path):

@@ -75,3 +75,5 @@ def test_serve_with_host_memory_loads_evicted_prefixes_back(server_deps, cache_d
     output = log.read_text()
     assert code == 0, output[-4000:]
     assert "host tier" in output and "Traceback" not in output
+    # the tier's size is in the start-up log, next to the pool's (issue 29 item 9)
+    assert "kvplug host-memory tier: 16,777,216 bytes (16.0 MiB) under the radix cache, about" in output

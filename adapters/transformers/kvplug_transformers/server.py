@@ -102,6 +102,11 @@ def serve(adapter: Any, **options: Any) -> int:
         settings = adapter.settings.updated(**opts.kvplug_settings())
         plan = plan_pool(settings, shape, device, context_len=context_len)
         logger.info("kvplug KV pool: %s", describe_pool(plan))
+        if opts.host_memory:
+            logger.info(
+                "kvplug host-memory tier: %s bytes (%.1f MiB) under the radix cache, about %s tokens",
+                f"{opts.host_memory:,}", opts.host_memory / (1 << 20), f"{opts.host_memory // shape.kv_bytes_per_token():,}",
+            )
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
         _check_components(settings, shape, device)
         limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))
@@ -181,7 +186,9 @@ def _run_server(
         death = None
         try:
             _wait_until_started(server, opts, stop)
-            logger.info(
+            # the address is what an operator needs whatever --log-level hides: at least a warning's level
+            logger.log(
+                max(logging.INFO, logger.getEffectiveLevel()),
                 "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
                 "request, %d connections; statistics at /kvplug/stats",
                 opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
