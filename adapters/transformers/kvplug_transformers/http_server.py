@@ -65,12 +65,15 @@ class HttpServer:
         generation_state = GenerationState(
             continuous_batching=True, cb_config=ContinuousBatchingConfig(**cb_kwargs) if cb_kwargs else None
         )
+        self.generation_state = generation_state
         self.watch = WorkerWatch(generation_state, limits, inflight)
+        self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
         handlers = {
             "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
             "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
             "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
         }
+        self._chat = handlers["chat"]
         processor = handlers["chat"]._resolve_model({})[2]
         self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)
         self.tokenizer = OffLoopTokenizer()
@@ -83,7 +86,8 @@ class HttpServer:
             response_handler=handlers["response"], transcription_handler=None, generation_state=generation_state,
         )
         add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel)
-        add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections)
+        add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections,
+                          ready=self.ready)
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(
             app, host=opts.host, port=opts.port, log_config=None, log_level=opts.log_level,
@@ -102,6 +106,31 @@ class HttpServer:
 
         self.thread = threading.Thread(target=run, name="uvicorn-thread", daemon=False)
         self.thread.start()
+
+    def start_worker(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
+        """Start transformers' batching worker now, as the first request would, and wait until it
+        has built its batch processor (kvplug's KV pool, or transformers' own cache): a pool that
+        cannot be built fails the start, not the first request. Returns False when ``stop`` came first.
+
+        Raises:
+            KVPlugError: the worker died while building (its error in the message).
+        """
+        model_id, model, processor = self._chat._resolve_model({})
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        if not self.generation_state.use_continuous_batching(model, modality):
+            raise KVPlugError(f"transformers will not run {model_id} with continuous batching; kvplug serve needs it")
+        manager = self.generation_state.get_manager(model_id, use_cb=True)  # through WorkerWatch: RequestLimits apply
+        manager.init_cb(model, model.generation_config)
+        while not stop.is_set():
+            error = self.watch.worker_error()
+            if error is not None:
+                raise KVPlugError(f"the batching worker failed while building the KV cache: {error}")
+            batching = getattr(getattr(self.generation_state, "_cb_manager", None), "_cb", None)
+            if batching is not None and getattr(batching, "batch_processor", None) is not None:
+                self.ready.set()
+                return True
+            stop.wait(poll_s)
+        return False
 
     @property
     def started(self) -> bool:

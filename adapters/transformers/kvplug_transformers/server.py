@@ -52,6 +52,7 @@ from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.http_server import HttpServer
 from kvplug_transformers.log_limits import RateLimitedLog
+from kvplug_transformers.model_checks import check_model_config
 from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
 from kvplug_transformers.request_limits import RequestLimits
 from kvplug_transformers.serve_options import ServeOptions, native_cb_options
@@ -95,6 +96,7 @@ def serve(adapter: Any, **options: Any) -> int:
             f"give at most {context_len:,}"
         )
     dtype_name, kv_dtype = _resolve_dtype(opts.dtype, config, device, embedded=opts.model is None)
+    check_model_config(config, model_path, opts.kv_backend, kv_dtype)
     shape = model_shape(config, kv_dtype)
 
     cb_options: dict[str, Any] = {}
@@ -186,15 +188,22 @@ def _run_server(
         death = None
         try:
             _wait_until_started(server, opts, stop)
-            # the address is what an operator needs whatever --log-level hides: at least a warning's level
-            logger.log(
-                max(logging.INFO, logger.getEffectiveLevel()),
-                "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
-                "request, %d connections; statistics at /kvplug/stats",
-                opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
-                connections.max_connections,
-            )
-            death = _watch(server, adapter, opts, stop, watch)
+            # the pool is built and the worker started now, not at the first request: what cannot be
+            # built fails the start, and /health says "starting" (503) until then
+            logger.info("kvplug serve: building the KV cache and starting the batching worker (/health answers "
+                        "503 starting until then)")
+            built_at = time.monotonic()
+            if server.start_worker(stop):
+                logger.info("kvplug serve: KV cache built, batching worker running (%.2f s)", time.monotonic() - built_at)
+                # the address is what an operator needs whatever --log-level hides: at least a warning's level
+                logger.log(
+                    max(logging.INFO, logger.getEffectiveLevel()),
+                    "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
+                    "request, %d connections; statistics at /kvplug/stats",
+                    opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
+                    connections.max_connections,
+                )
+                death = _watch(server, adapter, opts, stop, watch)
         finally:
             threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
     if opts.kv_backend == "kvplug":
