@@ -107,6 +107,55 @@ def test_every_bad_combination_names_the_flag_and_the_rule(manager, argv, messag
     assert message in str(refused.value)
 
 
+def test_vllm_and_sglang_spellings_of_kvplug_flags(manager, checkpoint):
+    """Issue 29 item 4: each alias sets what its kvplug flag sets; two spellings that disagree are an error."""
+    for argv, key, value in (
+        (["--max-num-seqs", "8"], "max_running_reqs", 8), (["--max-running-requests", "6"], "max_running_reqs", 6),
+        (["--max-num-batched-tokens", "512"], "max_batch_tokens", 512), (["--block-size", "32"], "page_size", 32),
+        (["--mem-fraction-static", "0.4"], "kv_memory", 0.4), (["--disable-radix-cache"], "prefix_cache", "naive"),
+        (["--enable-prefix-caching"], "prefix_cache", "radix"), (["--no-enable-prefix-caching"], "prefix_cache", "naive"),
+        (["--trust-remote-code"], "trust_remote_code", True), (["--seed", "7"], "seed", 7),
+        (["--disable-log-requests"], "log_requests", False), (["--uvicorn-log-level", "warning"], "uvicorn_log_level",
+                                                               "warning"),
+        (["--tp", "1", "--kv-cache-dtype", "auto"], "max_running_reqs", 64),
+        (["--max-num-seqs", "8", "--max-running-reqs", "8"], "max_running_reqs", 8),
+        ([str(checkpoint), "--tokenizer", str(checkpoint)], "model", str(checkpoint)),
+    ):
+        assert validate(_parse(*argv), manager)[key] == value, argv
+    defaults = validate(_parse(), manager)
+    assert (defaults["trust_remote_code"], defaults["seed"], defaults["log_requests"]) == (False, None, True)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-num-seqs", "8", "--max-running-reqs", "4"],
+     "--max-num-seqs 8 (vLLM's name for --max-running-reqs) and --max-running-reqs 4 disagree"),
+    (["--block-size", "8", "--page-size", "16"], "--block-size 8 (vLLM's name for --page-size) and --page-size 16"),
+    (["--disable-radix-cache", "--prefix-cache", "radix"], "--disable-radix-cache means --prefix-cache naive"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: kvplug serve runs the model on one device"),
+    (["--tp", "4"], "--tensor-parallel-size 4"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8': kvplug's KV pool stores K/V in the model's dtype"),
+    (["--chat-template", "t.jinja"], "--chat-template: kvplug serve uses the checkpoint's chat template"),
+    (["--tokenizer", "/elsewhere"], "--tokenizer '/elsewhere': kvplug serve uses the tokenizer next to"),
+    (["--mem-fraction-static", "0.5", "--kv-memory", "1GiB"], "give --kv-memory or --gpu-memory-utilization"),
+])
+def test_an_alias_that_cannot_apply_is_refused_with_the_reason(manager, argv, message):
+    with pytest.raises(InvalidArgumentError) as refused:
+        validate(_parse(*argv), manager)
+    assert message in str(refused.value)
+
+
+def test_help_has_the_alias_table_one_line_each():
+    from kvplug.cli.serve import ALIAS_NOTES, VALUE_ALIASES, aliases_help
+
+    lines = aliases_help().splitlines()
+    assert len(lines) == 1 + len(VALUE_ALIASES) + len(ALIAS_NOTES)
+    for flag in ("--max-num-seqs", "--max-running-requests", "--max-num-batched-tokens", "--block-size",
+                 "--mem-fraction-static", "--disable-radix-cache", "--enable-prefix-caching", "--tokenizer",
+                 "--trust-remote-code", "--chat-template", "--seed", "--kv-cache-dtype", "--disable-log-requests",
+                 "--uvicorn-log-level", "--tensor-parallel-size"):
+        assert sum(1 for line in lines if line.strip().startswith(flag)) == 1, flag
+
+
 @pytest.mark.parametrize(
     ("argv", "note", "dropped"),
     [
@@ -148,12 +197,12 @@ def test_cuda_only_flags_on_the_cpu_are_named_as_ignored(manager):
 
 def test_bad_flag_shows_the_serve_usage():
     result = subprocess.run(
-        [sys.executable, "-m", "kvplug", "serve", "--tensor-parallel-size=2"],
+        [sys.executable, "-m", "kvplug", "serve", "--speculative-model=draft"],
         capture_output=True, text=True, timeout=60, env=kvplug_env(__import__("pathlib").Path("/nonexistent")),
     )
     assert result.returncode == 2
     assert "usage: kvplug serve" in result.stderr
-    assert "unrecognized arguments: --tensor-parallel-size=2" in result.stderr
+    assert "unrecognized arguments: --speculative-model=draft" in result.stderr
 
 
 def test_help_lists_the_registered_components_one_line_each():
@@ -179,6 +228,7 @@ def test_help_lists_the_registered_components_one_line_each():
     for flag in ("--max-model-len", "--model-path", "--gpu-memory-utilization", "--api-key", "--served-model-name",
                  "--shutdown-timeout", "MODEL"):
         assert flag in result.stdout
+    assert "vLLM / SGLang flags (one line each):" in result.stdout and "  --max-num-seqs " in result.stdout
 
 
 def test_busy_port_is_refused_before_the_model_loads(tmp_path):
@@ -298,3 +348,33 @@ def test_default_served_name_is_the_checkpoint_folder_or_kvplug_default():
     for bad in ({"shutdown_timeout": 0}, {"max_request_bytes": 10}, {"served_model_name": " "}, {"api_key": ""}):
         with pytest.raises(InvalidArgumentError):
             ServeOptions(**bad)
+
+
+def test_a_vllm_command_line_serves(cache_dir, tmp_path):
+    """A vLLM-style command line starts and serves; --disable-log-requests drops transformers' request
+    line and --uvicorn-log-level warning uvicorn's info lines, while kvplug's own stay (issue 29 item 4)."""
+    from kvplug_transformers.embedded_model import ensure_embedded_model
+
+    model = ensure_embedded_model(cache_dir)
+    port, log = free_port(), tmp_path / "serve.log"
+    process = start(
+        ["-m", "kvplug", "serve", "--model", str(model), "--tokenizer", str(model), "--port", str(port),
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--block-size", "16", "--max-model-len", "256",
+         "--kv-memory", "4MiB", "--enable-prefix-caching", "--trust-remote-code", "--seed", "0", "--tp", "1",
+         "--kv-cache-dtype", "auto", "--disable-log-requests", "--uvicorn-log-level", "warning"],
+        cache_dir, log,
+    )
+    try:
+        wait_ready(process, port, log)
+        import json as json_module
+
+        from tests.serve_process import post
+
+        status, reply = post(port, "/v1/completions", json_module.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+        assert status == 200, reply
+    finally:
+        code, _ = stop(process)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert "[Request received]" not in text and "uvicorn.error: Uvicorn running on" not in text, text[-3000:]
+    assert "kvplug serve: listening on" in text and "kvplug KV pool: 1,008 tokens = 63 pages x 16 tokens" in text

@@ -54,6 +54,29 @@ KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_int
                      "on_cache_failure")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
+# vLLM / SGLang spellings of kvplug serve's own flags: (alias, the flag it stands for, whose flag)
+VALUE_ALIASES = (
+    ("--max-num-seqs", "--max-running-reqs", "vLLM"),
+    ("--max-running-requests", "--max-running-reqs", "SGLang"),
+    ("--max-num-batched-tokens", "--max-batch-tokens", "vLLM"),
+    ("--block-size", "--page-size", "vLLM"),
+    ("--mem-fraction-static", "--gpu-memory-utilization", "SGLang"),
+)
+# one line each in --help, after the aliases above
+ALIAS_NOTES = (
+    ("--disable-radix-cache", "= --prefix-cache naive (SGLang)"),
+    ("--enable-prefix-caching", "= --prefix-cache radix, the default; --no-enable-prefix-caching = naive (vLLM)"),
+    ("--tokenizer PATH", "accepted when PATH is the model's folder (its tokenizer is always the one used)"),
+    ("--trust-remote-code", "passed to transformers when it loads the config and the model"),
+    ("--seed N", "seeds torch at start (sampling reproducible across runs)"),
+    ("--kv-cache-dtype auto", "accepted; fp8 and other KV dtypes refused: the pool stores K/V in the model's dtype"),
+    ("--disable-log-requests", "drops transformers' per-request log line"),
+    ("--uvicorn-log-level L", "uvicorn's loggers only (--log-level sets every logger)"),
+    ("--tensor-parallel-size/--tp/--tp-size 1", "accepted; more is refused: kvplug serve runs on one device"),
+    ("--chat-template", "refused: the checkpoint's template is used (send one per request with "
+     "--trust-request-chat-template)"),
+)
+
 COMPONENT_DESCRIPTIONS = {
     ("prefix_cache", "radix"): "a radix tree of cached prompt prefixes shared across requests; LRU eviction",
     ("prefix_cache", "naive"): "caches nothing: every prompt is computed in full (a baseline to compare with)",
@@ -76,7 +99,15 @@ class _ServeParser(argparse.ArgumentParser):
         return parsed, extras
 
     def format_help(self) -> str:
-        return super().format_help() + "\n" + components_help() + "\n"
+        return super().format_help() + "\n" + aliases_help() + "\n\n" + components_help() + "\n"
+
+
+def aliases_help() -> str:
+    """The vLLM / SGLang flags ``kvplug serve`` takes, one line each."""
+    lines = ["vLLM / SGLang flags (one line each):"]
+    lines += [f"  {alias:<40} = {target} ({whose})" for alias, target, whose in VALUE_ALIASES]
+    lines += [f"  {alias:<40} {note}" for alias, note in ALIAS_NOTES]
+    return "\n".join(lines)
 
 
 def components_help() -> str:
@@ -163,6 +194,22 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", help="model and KV dtype: auto, bfloat16, float16 (half), float32 (float)"
     )
+    for alias, target, _ in VALUE_ALIASES:  # listed in one table at the end of --help
+        value_type = float if target == "--gpu-memory-utilization" else int
+        parser.add_argument(alias, dest=_alias_dest(alias), type=value_type, help=argparse.SUPPRESS)
+    parser.add_argument("--disable-radix-cache", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--chat-template", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--tensor-parallel-size", "--tp", "--tp-size", dest="tensor_parallel_size", type=int,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     parser.add_argument(
@@ -248,8 +295,60 @@ def parse_kv_memory(text: str | None) -> int | float | None:
     return parse_size("--kv-memory", text)
 
 
+def _alias_dest(flag: str) -> str:
+    return "alias_" + flag.lstrip("-").replace("-", "_")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _apply_aliases(args: argparse.Namespace) -> None:
+    """Fold the vLLM / SGLang flags into kvplug serve's own (``VALUE_ALIASES``, ``ALIAS_NOTES``);
+    two spellings of one setting with different values are an error, and so is an alias that
+    cannot apply here (with the reason)."""
+    for alias, target, whose in VALUE_ALIASES:
+        value = getattr(args, _alias_dest(alias), None)
+        if value is None:
+            continue
+        current = getattr(args, _dest(target), None)
+        if current is not None and current != value:
+            raise InvalidArgumentError(f"{alias} {value} ({whose}'s name for {target}) and {target} {current} disagree")
+        setattr(args, _dest(target), value)
+    caches = []
+    if getattr(args, "disable_radix_cache", False):
+        caches.append(("--disable-radix-cache", "naive"))
+    enable = getattr(args, "enable_prefix_caching", None)
+    if enable is not None:
+        caches.append(("--enable-prefix-caching" if enable else "--no-enable-prefix-caching",
+                       "radix" if enable else "naive"))
+    for flag, cache in caches:
+        if args.prefix_cache is not None and args.prefix_cache != cache:
+            raise InvalidArgumentError(f"{flag} means --prefix-cache {cache}, but --prefix-cache is {args.prefix_cache!r}")
+        args.prefix_cache = cache
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None and tp != 1:
+        raise InvalidArgumentError(
+            f"--tensor-parallel-size {tp}: kvplug serve runs the model on one device (transformers' continuous "
+            "batching here has no tensor parallelism); give 1 or leave it out"
+        )
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", None)
+    if kv_cache_dtype is not None and kv_cache_dtype != "auto":
+        raise InvalidArgumentError(
+            f"--kv-cache-dtype {kv_cache_dtype!r}: kvplug's KV pool stores K/V in the model's dtype (--dtype); "
+            "only 'auto' applies"
+        )
+    if getattr(args, "chat_template", None) is not None:
+        raise InvalidArgumentError(
+            "--chat-template: kvplug serve uses the checkpoint's chat template (tokenizer_config.json or "
+            "chat_template.jinja next to config.json); put yours there, or send it per request with "
+            "--trust-request-chat-template"
+        )
+
+
 def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]:
     """Check every argument that needs no model or transformers; return the host's keyword options."""
+    _apply_aliases(args)
     given = {name for name in (*DEFAULTS, *KVPLUG_ONLY_FLAGS) if getattr(args, name, None) is not None}
     for name, value in DEFAULTS.items():
         if getattr(args, name, None) is None:
@@ -302,6 +401,14 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
                 f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}"
             ) from error
     model = _model_path(args)
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None:
+        same = model is not None and os.path.abspath(os.path.expanduser(tokenizer)) == model
+        if not same:
+            raise InvalidArgumentError(
+                f"--tokenizer {tokenizer!r}: kvplug serve uses the tokenizer next to the model's config.json "
+                f"({model or 'the embedded model'}); a tokenizer from elsewhere is not supported"
+            )
     kv_memory = parse_kv_memory(args.kv_memory)
     if args.gpu_memory_utilization is not None:
         if kv_memory is not None:
@@ -358,6 +465,10 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "stream_stall_timeout": args.stream_stall_timeout,
         "on_cache_failure": args.on_cache_failure or "fallback",  # issue 32
         "ignored_flags": tuple(ignored),
+        "trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
+        "seed": getattr(args, "seed", None),
+        "log_requests": not getattr(args, "disable_log_requests", False),
+        "uvicorn_log_level": getattr(args, "uvicorn_log_level", None),
     }
 
 

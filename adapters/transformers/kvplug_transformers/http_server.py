@@ -58,7 +58,8 @@ class HttpServer:
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
 
-        self.model_manager = ModelManager(device=str(device), dtype=dtype_name, force_model=served.path)
+        self.model_manager = ModelManager(device=str(device), dtype=dtype_name, force_model=served.path,
+                                          trust_remote_code=opts.trust_remote_code)
         cb_kwargs = {
             key.removeprefix("cb_"): value for key, value in cb_options.items() if value is not None
         }
@@ -90,7 +91,7 @@ class HttpServer:
                           ready=self.ready)
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(
-            app, host=opts.host, port=opts.port, log_config=None, log_level=opts.log_level,
+            app, host=opts.host, port=opts.port, log_config=None, log_level=opts.uvicorn_log_level or opts.log_level,
             # uvicorn's own check counts the connection asking too; ours refuses beyond the cap
             http=connections.protocol(), limit_concurrency=connections.max_connections + 1,
             timeout_keep_alive=opts.timeout_keep_alive, backlog=ACCEPT_BACKLOG,

@@ -64,6 +64,10 @@ class ServeOptions:
     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT
     on_cache_failure: str = "fallback"  # issue 32: kvplug.cache_guard's policy
     ignored_flags: tuple[str, ...] = ()  # flags with no effect here, each with why: logged as a warning at start
+    trust_remote_code: bool = False  # vLLM's --trust-remote-code: transformers may run the checkpoint's code
+    seed: int | None = None  # torch's seed at start
+    log_requests: bool = True  # False: --disable-log-requests drops transformers' per-request line
+    uvicorn_log_level: str | None = None  # uvicorn's loggers only (None: --log-level)
 
 
     def __post_init__(self) -> None:

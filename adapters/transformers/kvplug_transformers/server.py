@@ -70,7 +70,7 @@ CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs
 def serve(adapter: Any, **options: Any) -> int:
     """Run the server until Ctrl-C / SIGTERM; ``options`` are ``ServeOptions`` fields."""
     opts = ServeOptions(**options)
-    _configure_logging(opts.log_level)
+    _configure_logging(opts.log_level, opts.uvicorn_log_level, log_requests=opts.log_requests)
     require_transformers()
     from transformers.utils.import_utils import is_serve_available
 
@@ -86,7 +86,9 @@ def serve(adapter: Any, **options: Any) -> int:
     device = _resolve_device(opts.device)
     for note in opts.no_effect_on(device):
         logger.warning("kvplug serve: %s", note)
-    config = _load_config(model_path)
+    config = _load_config(model_path, trust_remote_code=opts.trust_remote_code)
+    if opts.seed is not None:
+        torch.manual_seed(opts.seed)  # vLLM's --seed: what samples, samples the same way every run
     logger.debug("model config: %s", json.dumps(config.to_dict(), sort_keys=True, default=str))
     context_len = model_context_len(config)
     if opts.max_seq_len is not None and opts.max_seq_len > context_len:
@@ -367,7 +369,7 @@ def _transformers_level(level_name: str) -> str:
     return "warning" if level_name in ("debug", "info") else level_name
 
 
-def _configure_logging(level_name: str) -> None:
+def _configure_logging(level_name: str, uvicorn_level_name: str | None = None, *, log_requests: bool = True) -> None:
     level = logging.getLevelName(level_name.upper())
     if not isinstance(level, int):
         raise InvalidArgumentError(f"--log-level must be debug, info, warning or error, got {level_name!r}")
@@ -376,9 +378,14 @@ def _configure_logging(level_name: str) -> None:
         handler.addFilter(RateLimitedLog())  # no client can flood the log
         if level > logging.DEBUG:
             handler.addFilter(_RepeatedLines())
+        if not log_requests:
+            handler.addFilter(_drop_request_lines)
     logging.captureWarnings(True)
-    for name in ("kvplug", "kvplug_transformers", "uvicorn", "uvicorn.error", "uvicorn.access"):
+    for name in ("kvplug", "kvplug_transformers"):
         logging.getLogger(name).setLevel(level)
+    uvicorn_level = level if uvicorn_level_name is None else _uvicorn_level(uvicorn_level_name)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(uvicorn_level)
     try:
         from transformers.utils import logging as transformers_logging
     except ImportError:  # require_transformers reports it next
@@ -416,11 +423,11 @@ def _resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def _load_config(model_path: str) -> Any:
+def _load_config(model_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_path)
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except Exception as error:  # ValueError, OSError, KeyError (unknown model_type), JSON errors
         raise InvalidArgumentError(
             f"cannot read the model config in {model_path}: {type(error).__name__}: {error}"
@@ -437,3 +444,15 @@ def _resolve_dtype(dtype: str, config: Any, device: torch.device, *, embedded: b
         return "auto", parse_dtype(str(config_dtype)) if config_dtype is not None else torch.float32
     kv_dtype = parse_dtype(dtype)
     return str(kv_dtype).removeprefix("torch."), kv_dtype
+
+
+REQUEST_LINE = "[Request received]"  # transformers' serving handlers log one per request
+
+
+def _drop_request_lines(record: logging.LogRecord) -> bool:
+    """``--disable-log-requests``: transformers' per-request line is dropped, nothing else."""
+    return not str(record.msg).startswith(REQUEST_LINE)
+
+
+def _uvicorn_level(name: str) -> int:
+    return 5 if name == "trace" else logging.getLevelName(name.upper())  # uvicorn's TRACE level is 5
