@@ -25,6 +25,7 @@ from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_limits import RequestLimits
 from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
+from kvplug_transformers.token_routes import add_token_routes
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
@@ -89,6 +90,7 @@ class HttpServer:
         add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel)
         add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections,
                           ready=self.ready)
+        add_token_routes(app, processor, self.tokenizer, served, limits, _versions())
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(
             app, host=opts.host, port=opts.port, log_config=None, log_level=opts.uvicorn_log_level or opts.log_level,
@@ -162,3 +164,10 @@ def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
     if len(vocab) < 2:
         raise KVPlugError(f"the tokenizer of the model in {path} has {len(vocab)} token(s): not a usable tokenizer")
     return max(len(token.encode("utf-8", errors="replace")) for token in vocab)
+
+
+def _versions() -> str:
+    """``GET /version``: kvplug's version (vLLM answers its own there)."""
+    import kvplug
+
+    return kvplug.__version__
