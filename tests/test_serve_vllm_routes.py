@@ -68,3 +68,49 @@ def test_version_is_kvplugs(server):
     import kvplug
 
     assert get_json(server[0], "/version") == (200, {"version": kvplug.__version__})
+
+
+def _scrape(port) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+def test_metrics_speak_vllms_names_and_count_what_was_served(server):
+    import openai
+
+    port = server[0]
+    label = '{model_name="kvplug-default"}'
+    before = _scrape(port)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert name + label in before, name
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    prompt = "Tell me about paged KV caches. " * 4
+    for _ in range(2):  # the second finds the first's prompt in the prefix cache
+        client.completions.create(model="kvplug-default", prompt=prompt, max_tokens=3)
+    stream = client.chat.completions.create(model="kvplug-default", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=8, stream=True)
+    chunks = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert len(chunks) >= 2, chunks  # (the embedded model's greedy reply to this prompt is 8 tokens long)
+    after = _scrape(port)
+    e2e, ttft, tpot = ("vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
+                       "vllm:time_per_output_token_seconds_count")
+    assert after[e2e + label] - before[e2e + label] == 3  # every response
+    assert after[ttft + label] - before[ttft + label] == 1  # the streamed one
+    assert after[tpot + label] - before[tpot + label] >= 1
+    queries = "vllm:prefix_cache_queries_total" + label
+    assert after[queries] > before[queries]
+    assert after["vllm:prefix_cache_hits_total" + label] > before["vllm:prefix_cache_hits_total" + label]  # 2nd hit
+    assert after["vllm:num_requests_running" + label] == 0 and 0 <= after["vllm:kv_cache_usage_perc" + label] <= 1
+    buckets = sorted((k, v) for k, v in after.items() if k.startswith("vllm:time_to_first_token_seconds_bucket"))
+    assert buckets and all(v <= after[ttft + label] for _, v in buckets)

@@ -23,6 +23,7 @@ from kvplug_transformers.http_guards import InFlightRequests, wrap_app
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_limits import RequestLimits
+from kvplug_transformers.serve_metrics import ServeMetrics, add_metrics_route
 from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
 from kvplug_transformers.token_routes import add_token_routes
@@ -87,10 +88,15 @@ class HttpServer:
             self.model_manager, handlers["chat"], completion_handler=handlers["completion"],
             response_handler=handlers["response"], transcription_handler=None, generation_state=generation_state,
         )
-        add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel)
+        self.metrics = ServeMetrics()
+        add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel, self.metrics)
         add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections,
                           ready=self.ready)
         add_token_routes(app, processor, self.tokenizer, served, limits, _versions())
+        add_metrics_route(
+            app, self.metrics, served.name,
+            lambda: adapter.stats().to_json() if opts.kv_backend == "kvplug" else {}, inflight.count,
+        )
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(
             app, host=opts.host, port=opts.port, log_config=None, log_level=opts.uvicorn_log_level or opts.log_level,
