@@ -114,3 +114,32 @@ def test_metrics_speak_vllms_names_and_count_what_was_served(server):
     assert after["vllm:num_requests_running" + label] == 0 and 0 <= after["vllm:kv_cache_usage_perc" + label] <= 1
     buckets = sorted((k, v) for k, v in after.items() if k.startswith("vllm:time_to_first_token_seconds_bucket"))
     assert buckets and all(v <= after[ttft + label] for _, v in buckets)
+
+
+def test_completions_take_token_ids_and_a_list_of_one_prompt(server):
+    """Benchmark clients send token ids and lists of prompts (issue 29 item 4): the same prompt as
+    text, as its ids, and as a list of one gets the same greedy completion."""
+    from transformers import AutoTokenizer
+
+    port, model = server
+    text = "Explain radix trees in one line."
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
+    replies = {}
+    for name, prompt in (("text", text), ("ids", ids), ("[text]", [text]), ("[ids]", [ids])):
+        status, reply = _post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0})
+        assert status == 200, (name, reply)
+        replies[name] = (reply["choices"][0]["text"], reply["usage"]["prompt_tokens"])
+    assert len(set(replies.values())) == 1, replies
+    assert replies["ids"][1] == len(ids)
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    (["a", "b"], "'prompt' holds 2 prompts: this server answers one prompt per request"),
+    ([[1, 2], [3]], "'prompt' holds 2 prompts"),
+    ([10**9], "token ids outside the vocabulary"),
+    ([], "'prompt' must be a non-empty string, a non-empty list of token ids"),
+    ([1, "a"], "'prompt' must be a non-empty string"),
+])
+def test_prompts_that_cannot_be_served_get_400_naming_prompt(server, prompt, message):
+    status, reply = _post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == "prompt" and message in reply["error"]["message"], reply

@@ -17,6 +17,7 @@ from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 from kvplug_transformers.stats_routes import ServedModel
+from kvplug_transformers.token_id_prompts import TokenIdsProcessor
 
 PROMPT_FIELDS = ("messages", "input", "instructions", "prompt", "suffix", "tools")
 
@@ -65,6 +66,14 @@ class GuardedHandler:
         """Answer a checked body; ``first`` and ``second`` are two copies of it (the handler runs
         twice, see ``prompt_tokens``)."""
         _, _, processor = self._resolve_model({})
+        if isinstance(first.get("prompt"), list):  # token ids (check_completion let them through): nothing to tokenise
+            ids_processor = TokenIdsProcessor(processor, first["prompt"])
+            first["prompt"] = ""
+            token = self._processor.set(ids_processor)
+            try:
+                return await self._handler.handle_request(first, request_id)
+            finally:
+                self._processor.reset(token)
         bodies = iter((first, second))
 
         async def run(capturing: Any) -> Any:
