@@ -143,3 +143,32 @@ def test_completions_take_token_ids_and_a_list_of_one_prompt(server):
 def test_prompts_that_cannot_be_served_get_400_naming_prompt(server, prompt, message):
     status, reply = _post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 2})
     assert status == 400 and reply["error"]["param"] == "prompt" and message in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize(("field", "value", "status"), [
+    ("top_k", 5, 400), ("min_p", 0.1, 400), ("repetition_penalty", 1.3, 400), ("no_such_field", 1, 400),
+    ("top_k", -1, 200), ("min_p", 0, 200), ("repetition_penalty", 1.0, 200),
+])
+def test_vllm_sampling_extras_are_refused_in_openai_shape_or_dropped_when_off(server, field, value, status):
+    """Not transformers' 422 ``{"detail": ...}``: a 400 in OpenAI's shape naming the field, or, at the
+    value that means off, served (issue 29 items 2 and 4)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    got, reply = _post(server[0], "/v1/chat/completions", body)
+    assert got == status, reply
+    if status == 400:
+        assert reply["error"]["param"] == field and reply["error"]["type"] == "invalid_request_error", reply
+
+
+@pytest.mark.parametrize(("field", "value", "status"), [
+    ("temperature", 0.7, 400), ("temperature", 1.5, 400), ("top_p", 0.5, 400), ("temperature", 0, 200),
+    ("top_p", 1, 200),
+])
+def test_sampling_a_greedy_server_would_ignore_is_refused(server, field, value, status):
+    """The embedded model decodes greedily: temperature 0.7 / 1.5 and top_p 0.5 were served 200 and
+    ignored (issue 29 item 2); now a 400 naming the field, and the neutral values still serve."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        got, reply = _post(server[0], path, {**body, "max_tokens": 2, field: value})
+        assert got == status, (path, reply)
+        if status == 400:
+            assert reply["error"]["param"] == field and "decodes every request greedily" in reply["error"]["message"]
