@@ -40,9 +40,9 @@ BOUND = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-requires_triton = pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install kvplug[triton])")
+requires_triton = pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install -e '.[triton]')")
 requires_flashinfer = pytest.mark.skipif(
-    not importable("flashinfer"), reason="needs flashinfer (pip install kvplug[flashinfer])"
+    not importable("flashinfer"), reason="needs flashinfer (pip install -e '.[flashinfer]')"
 )
 
 
@@ -239,7 +239,7 @@ def _available(name: str) -> bool:
 @pytest.mark.parametrize("page_size, chunk", [(1, 256), (16, 200), (64, 384)])
 def test_chunked_prefill_equals_one_shot(request, backend, page_size, chunk):
     if not _available(backend):
-        pytest.skip(f"needs {backend} (pip install kvplug[{backend}])")
+        pytest.skip(f"needs {backend} (pip install -e \".[{backend}]\")")
     if backend == "flashinfer":
         request.getfixturevalue("flashinfer_compiled")
     totals = [1000, 430]
@@ -285,7 +285,7 @@ def test_torch_backend_on_gpu_matches_reference():
 
 
 @pytest.mark.skipif(not importable("sgl_kernel"), reason="sgl-kernel is not installed: it cannot be installed on "
-                    "kvplug's CI or GPU test machine (pip install kvplug[fa3] on a Hopper host to run this)")
+                    "kvplug's CI or GPU test machine (pip install -e '.[fa3]' on a Hopper host to run this)")
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("scenario", sorted(ALL_SCENARIOS))
 def test_fa3_matches_dense_reference(scenario, page_size):

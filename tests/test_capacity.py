@@ -202,3 +202,13 @@ def test_python_m_kvplug_capacity_exits_non_zero_without_traceback(qwen3_dir):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr and "tp_size=5" in result.stderr
+
+
+@pytest.mark.parametrize("memory", ["0.9", ".5", "90%"])
+def test_a_fraction_for_memory_says_capacity_needs_bytes(memory, capsys):
+    """kvplug capacity looks at no device: a fraction (kvplug serve's --kv-memory 0.9) is refused
+    with why, not with "must be positive" (issue 29 item 9)."""
+    code = main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--memory", memory])
+    error = capsys.readouterr().err
+    assert code == 2 and f"got the fraction {memory!r}" in error and "positive" not in error
+    assert main(["capacity", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--memory", "1MiB"]) == 0

@@ -169,6 +169,40 @@ def test_plugins_and_capacity_import_no_torch(tmp_path):
     assert "pages that fit: 23,404 of 16 token(s)" in result.stdout and result.stdout.splitlines()[-1] == "light"
 
 
+def test_the_installed_example_plugin_registers_without_importing_torch(installed_example):
+    """A third-party plugin's hook runs for every ``kvplug`` command: the example's imports torch only
+    when its cache is built (issue 29 item 7)."""
+    script = (
+        "import sys\n"
+        "from kvplug.cli import main\n"
+        "assert main(['plugins']) == 0\n"
+        "assert 'torch' not in sys.modules, 'registering the example plugin imported torch'\n"
+        "import kvplug\n"
+        "cache = kvplug.create_prefix_cache('page-hash', page_size=4)\n"
+        "assert 'torch' in sys.modules and type(cache).__name__ == 'PageHashPrefixCache'\n"
+        "print('light')\n"
+    )
+    result = run_kvplug("-c", script, pythonpath=installed_example)
+    assert result.returncode == 0, result.stderr
+    assert "page-hash" in result.stdout and result.stdout.splitlines()[-1] == "light"
+
+
+@pytest.mark.parametrize("command", [["plugins"], ["plugins", "--json"], ["--version"]])
+def test_a_closed_pipe_ends_the_command_without_a_traceback(command):
+    """``kvplug plugins | head``: the reader leaving is no error worth a traceback (issue 29 item 9)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVPLUG_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes a byte
+    try:
+        result = subprocess.run([sys.executable, "-m", "kvplug", *command], stdout=write, stderr=subprocess.PIPE,
+                                text=True, env=env, timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode in (0, 141), result.returncode
+
+
 def test_every_public_name_and_sub_package_is_importable_from_the_top_level():
     script = (
         "import kvplug\n"

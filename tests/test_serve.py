@@ -58,15 +58,15 @@ def test_validate_checks_paths_and_names_before_loading_anything(tmp_path):
         validate(_parse("--attention", "torch,nope"), manager)
     with pytest.raises(InvalidArgumentError, match="--page-size must be an int >= 1, got 0"):
         validate(_parse("--page-size", "0"), manager)
-    # flags that only configure kvplug's cache are an error with the native backend, which ignores them
-    with pytest.raises(InvalidArgumentError, match="--prefix-cache configures kvplug's cache and has no effect"):
-        validate(_parse("--kv-backend", "native", "--prefix-cache", "naive"), manager)
+    # flags that only configure kvplug's cache are accepted with the native backend, named as ignored
+    assert validate(_parse("--kv-backend", "native", "--prefix-cache", "naive"), manager)["ignored_flags"] == (
+        "--prefix-cache configures kvplug's cache: ignored with --kv-backend native (transformers' own cache)",)
     options = validate(_parse("--kv-backend", "native", "--kv-memory", "0.5"), manager)
     assert options["kv_backend"] == "native" and options["kv_memory"] == 0.5 and options["host"] == "127.0.0.1"
 
 
 def test_missing_host_plugin_names_the_install_command():
-    with pytest.raises(KVPlugError, match="pip install ./adapters/transformers"):
+    with pytest.raises(KVPlugError, match="pip install -e ./adapters/transformers"):
         find_host(PluginManager(entry_points=False))
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from kvplug.cli import build_parser
 from kvplug.cli.serve import check_port_free, validate
@@ -87,10 +88,6 @@ def test_vllm_and_sglang_aliases(manager):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--kv-backend", "native", "--prefix-cache", "naive"], "--prefix-cache configures kvplug's cache"),
-        (["--kv-backend", "native", "--attention", "torch", "--max-running-reqs", "4"],
-         "--attention, --max-running-reqs configure"),
-        (["--kv-backend", "native", "--stats-interval", "1"], "--stats-interval configures kvplug's cache"),
         (["--page-size", "0"], "--page-size must be an int >= 1, got 0"),
         (["--max-running-reqs", "0"], "--max-running-reqs must be an int >= 1, got 0"),
         (["--port", "70000"], "--port must be an int in [1, 65535], got 70000"),
@@ -100,13 +97,8 @@ def test_vllm_and_sglang_aliases(manager):
         (["--dtype", "int3"], "--dtype must be auto, bfloat16, float16 or float32, got 'int3'"),
         (["--kv-memory", "2.0"], "--kv-memory as a fraction must lie in (0, 1]"),
         (["--max-request-bytes", "lots"], "--max-request-bytes must be a size"),
-        (["--kv-backend", "native", "--disable-cuda-graph"], "--disable-cuda-graph configures kvplug's cache"),
         (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be an int in [1, 64], got 0"),
         (["--max-running-reqs", "8", "--cuda-graph-max-bs", "16"], "--cuda-graph-max-bs must be an int in [1, 8]"),
-        (["--cuda-graph-max-bs", "8", "--disable-cuda-graph"], "--cuda-graph-max-bs has no effect with --disable-cuda-graph"),
-        (["--enable-torch-compile", "--disable-cuda-graph"], "--enable-torch-compile compiles the model kvplug captures"),
-        (["--kv-backend", "native", "--disable-overlap-schedule"], "--disable-overlap-schedule configures kvplug's cache"),
-        (["--kv-backend", "native", "--enable-torch-compile"], "--enable-torch-compile configures kvplug's cache"),
     ],
 )
 def test_every_bad_combination_names_the_flag_and_the_rule(manager, argv, message):
@@ -115,14 +107,102 @@ def test_every_bad_combination_names_the_flag_and_the_rule(manager, argv, messag
     assert message in str(refused.value)
 
 
+def test_vllm_and_sglang_spellings_of_kvplug_flags(manager, checkpoint):
+    """Issue 29 item 4: each alias sets what its kvplug flag sets; two spellings that disagree are an error."""
+    for argv, key, value in (
+        (["--max-num-seqs", "8"], "max_running_reqs", 8), (["--max-running-requests", "6"], "max_running_reqs", 6),
+        (["--max-num-batched-tokens", "512"], "max_batch_tokens", 512), (["--block-size", "32"], "page_size", 32),
+        (["--mem-fraction-static", "0.4"], "kv_memory", 0.4), (["--disable-radix-cache"], "prefix_cache", "naive"),
+        (["--enable-prefix-caching"], "prefix_cache", "radix"), (["--no-enable-prefix-caching"], "prefix_cache", "naive"),
+        (["--trust-remote-code"], "trust_remote_code", True), (["--seed", "7"], "seed", 7),
+        (["--disable-log-requests"], "log_requests", False), (["--uvicorn-log-level", "warning"], "uvicorn_log_level",
+                                                               "warning"),
+        (["--tp", "1", "--kv-cache-dtype", "auto"], "max_running_reqs", 64),
+        (["--max-num-seqs", "8", "--max-running-reqs", "8"], "max_running_reqs", 8),
+        ([str(checkpoint), "--tokenizer", str(checkpoint)], "model", str(checkpoint)),
+    ):
+        assert validate(_parse(*argv), manager)[key] == value, argv
+    defaults = validate(_parse(), manager)
+    assert (defaults["trust_remote_code"], defaults["seed"], defaults["log_requests"]) == (False, None, True)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-num-seqs", "8", "--max-running-reqs", "4"],
+     "--max-num-seqs 8 (vLLM's name for --max-running-reqs) and --max-running-reqs 4 disagree"),
+    (["--block-size", "8", "--page-size", "16"], "--block-size 8 (vLLM's name for --page-size) and --page-size 16"),
+    (["--disable-radix-cache", "--prefix-cache", "radix"], "--disable-radix-cache means --prefix-cache naive"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: kvplug serve runs the model on one device"),
+    (["--tp", "4"], "--tensor-parallel-size 4"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8': kvplug's KV pool stores K/V in the model's dtype"),
+    (["--chat-template", "t.jinja"], "--chat-template: kvplug serve uses the checkpoint's chat template"),
+    (["--tokenizer", "/elsewhere"], "--tokenizer '/elsewhere': kvplug serve uses the tokenizer next to"),
+    (["--mem-fraction-static", "0.5", "--kv-memory", "1GiB"], "give --kv-memory or --gpu-memory-utilization"),
+])
+def test_an_alias_that_cannot_apply_is_refused_with_the_reason(manager, argv, message):
+    with pytest.raises(InvalidArgumentError) as refused:
+        validate(_parse(*argv), manager)
+    assert message in str(refused.value)
+
+
+def test_help_has_the_alias_table_one_line_each():
+    from kvplug.cli.serve import ALIAS_NOTES, VALUE_ALIASES, aliases_help
+
+    lines = aliases_help().splitlines()
+    assert len(lines) == 1 + len(VALUE_ALIASES) + len(ALIAS_NOTES)
+    for flag in ("--max-num-seqs", "--max-running-requests", "--max-num-batched-tokens", "--block-size",
+                 "--mem-fraction-static", "--disable-radix-cache", "--enable-prefix-caching", "--tokenizer",
+                 "--trust-remote-code", "--chat-template", "--seed", "--kv-cache-dtype", "--disable-log-requests",
+                 "--uvicorn-log-level", "--tensor-parallel-size"):
+        assert sum(1 for line in lines if line.strip().startswith(flag)) == 1, flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "note", "dropped"),
+    [
+        (["--kv-backend", "native", "--prefix-cache", "naive"], "--prefix-cache configures kvplug's cache: ignored", {}),
+        (["--kv-backend", "native", "--attention", "torch", "--max-running-reqs", "4"],
+         "--attention, --max-running-reqs configure kvplug's cache: ignored with --kv-backend native", {}),
+        (["--kv-backend", "native", "--stats-interval", "1"], "--stats-interval configures", {}),
+        (["--kv-backend", "native", "--disable-cuda-graph", "--disable-overlap-schedule", "--enable-torch-compile"],
+         "--disable-cuda-graph, --disable-overlap-schedule, --enable-torch-compile configure", {}),
+        (["--cuda-graph-max-bs", "8", "--disable-cuda-graph"], "--cuda-graph-max-bs sizes kvplug's CUDA graphs: ignored "
+         "with --disable-cuda-graph", {"cuda_graph_max_bs": None}),
+        (["--enable-torch-compile", "--disable-cuda-graph"], "--enable-torch-compile compiles the model kvplug captures "
+         "in its CUDA graphs: ignored", {"torch_compile": False}),
+    ],
+)
+def test_a_flag_with_no_effect_is_accepted_and_named_never_refused(manager, argv, note, dropped):
+    """One rule for flags that do nothing (issue 29 item 8): accepted, dropped, named in a start-up
+    warning, so one command line serves both sides of an A/B."""
+    from kvplug_transformers.serve_options import ServeOptions
+    from kvplug_transformers.settings import KVPlugSettings
+
+    options = validate(_parse(*argv), manager)
+    assert len(options["ignored_flags"]) == 1 and note in options["ignored_flags"][0], options["ignored_flags"]
+    assert {key: options[key] for key in dropped} == dropped
+    serve_options = ServeOptions(**options)
+    KVPlugSettings().updated(**serve_options.kvplug_settings())  # what remains is valid host settings
+    assert serve_options.no_effect_on(torch.device("cuda")) == options["ignored_flags"]
+
+
+def test_cuda_only_flags_on_the_cpu_are_named_as_ignored(manager):
+    from kvplug_transformers.serve_options import ServeOptions
+
+    options = ServeOptions(**validate(_parse("--cuda-graph-max-bs", "8", "--enable-torch-compile"), manager))
+    assert options.no_effect_on(torch.device("cuda")) == ()
+    assert options.no_effect_on(torch.device("cpu")) == (
+        "--cuda-graph-max-bs, --enable-torch-compile: CUDA only (graphs, compile and overlap), ignored on cpu",)
+    assert ServeOptions(**validate(_parse(), manager)).no_effect_on(torch.device("cpu")) == ()
+
+
 def test_bad_flag_shows_the_serve_usage():
     result = subprocess.run(
-        [sys.executable, "-m", "kvplug", "serve", "--tensor-parallel-size=2"],
+        [sys.executable, "-m", "kvplug", "serve", "--speculative-model=draft"],
         capture_output=True, text=True, timeout=60, env=kvplug_env(__import__("pathlib").Path("/nonexistent")),
     )
     assert result.returncode == 2
     assert "usage: kvplug serve" in result.stderr
-    assert "unrecognized arguments: --tensor-parallel-size=2" in result.stderr
+    assert "unrecognized arguments: --speculative-model=draft" in result.stderr
 
 
 def test_help_lists_the_registered_components_one_line_each():
@@ -135,9 +215,20 @@ def test_help_lists_the_registered_components_one_line_each():
         assert sum(1 for line in lines if line.startswith(f"  {name} ")) == 1, name
     naive = next(line for line in lines if line.startswith("  naive "))
     assert "caches nothing" in naive
+    # what auto picks is what kvplug.attention.auto picks; fa3 is sgl-kernel's (issue 29 item 6)
+    from kvplug.attention.auto import choose_backend_name
+
+    auto = next(line for line in lines if line.startswith("  auto "))
+    assert "fa3" not in auto.split("(never")[0] and auto.index("flashinfer") < auto.index("triton")
+    config = type("Config", (), {"pool": type("Pool", (), {"device": torch.device("cuda")})})()
+    assert choose_backend_name(config, importable=lambda module: True) == "flashinfer"
+    assert choose_backend_name(config, importable=lambda module: module == "triton") == "triton"
+    fa3 = next(line for line in lines if line.startswith("  fa3 "))
+    assert "sgl-kernel" in fa3 and "flash-attn" not in fa3
     for flag in ("--max-model-len", "--model-path", "--gpu-memory-utilization", "--api-key", "--served-model-name",
                  "--shutdown-timeout", "MODEL"):
         assert flag in result.stdout
+    assert "vLLM / SGLang flags (one line each):" in result.stdout and "  --max-num-seqs " in result.stdout
 
 
 def test_busy_port_is_refused_before_the_model_loads(tmp_path):
@@ -185,7 +276,7 @@ def test_served_model_name_log_format_and_level(cache_dir, tmp_path):
     port, log = free_port(), tmp_path / "serve.log"
     process = start(
         ["-m", "kvplug", "serve", "--port", str(port), "--served-model-name", "tiny", "--kv-memory", "4MiB",
-         "--max-seq-len", "256", "--log-level", "warning"],
+         "--max-seq-len", "256", "--log-level", "warning", "--cuda-graph-max-bs", "4"],
         cache_dir, log,
     )
     try:
@@ -202,6 +293,10 @@ def test_served_model_name_log_format_and_level(cache_dir, tmp_path):
     # --log-level warning: no INFO line from any logger (uvicorn's access and startup lines included)
     assert not [line for line in lines if " INFO " in line or line.startswith("INFO:")], lines
     assert all(" WARNING " in line or " ERROR " in line for line in lines), lines
+    # the address is shown whatever the level, and a CUDA-only flag on the CPU is named as ignored (issue 29)
+    assert any(f"listening on http://127.0.0.1:{port}/v1" in line for line in lines), lines
+    assert any("--cuda-graph-max-bs: CUDA only (graphs, compile and overlap), ignored on cpu" in line
+               for line in lines), lines
 
 
 def test_info_log_has_one_format_and_one_pool_line(cache_dir, tmp_path):
@@ -253,3 +348,33 @@ def test_default_served_name_is_the_checkpoint_folder_or_kvplug_default():
     for bad in ({"shutdown_timeout": 0}, {"max_request_bytes": 10}, {"served_model_name": " "}, {"api_key": ""}):
         with pytest.raises(InvalidArgumentError):
             ServeOptions(**bad)
+
+
+def test_a_vllm_command_line_serves(cache_dir, tmp_path):
+    """A vLLM-style command line starts and serves; --disable-log-requests drops transformers' request
+    line and --uvicorn-log-level warning uvicorn's info lines, while kvplug's own stay (issue 29 item 4)."""
+    from kvplug_transformers.embedded_model import ensure_embedded_model
+
+    model = ensure_embedded_model(cache_dir)
+    port, log = free_port(), tmp_path / "serve.log"
+    process = start(
+        ["-m", "kvplug", "serve", "--model", str(model), "--tokenizer", str(model), "--port", str(port),
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--block-size", "16", "--max-model-len", "256",
+         "--kv-memory", "4MiB", "--enable-prefix-caching", "--trust-remote-code", "--seed", "0", "--tp", "1",
+         "--kv-cache-dtype", "auto", "--disable-log-requests", "--uvicorn-log-level", "warning"],
+        cache_dir, log,
+    )
+    try:
+        wait_ready(process, port, log)
+        import json as json_module
+
+        from tests.serve_process import post
+
+        status, reply = post(port, "/v1/completions", json_module.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+        assert status == 200, reply
+    finally:
+        code, _ = stop(process)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert "[Request received]" not in text and "uvicorn.error: Uvicorn running on" not in text, text[-3000:]
+    assert "kvplug serve: listening on" in text and "kvplug KV pool: 1,008 tokens = 63 pages x 16 tokens" in text

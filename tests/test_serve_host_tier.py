@@ -35,8 +35,10 @@ def test_host_memory_flag_is_validated_and_reaches_the_settings():
         validate(parse("--host-memory", "plenty"), manager)
     with pytest.raises(InvalidArgumentError, match="tier of the radix prefix cache"):
         validate(parse("--host-memory", "1GiB", "--prefix-cache", "naive"), manager)
-    with pytest.raises(InvalidArgumentError, match="--host-memory configures kvplug's cache"):
-        validate(parse("--host-memory", "1GiB", "--kv-backend", "native"), manager)
+    # with the native backend it is accepted, dropped and named (one command line for both sides of an A/B)
+    native = validate(parse("--host-memory", "1GiB", "--kv-backend", "native"), manager)
+    assert native["host_memory"] is None and native["ignored_flags"] == (
+        "--host-memory configures kvplug's cache: ignored with --kv-backend native (transformers' own cache)",)
 
 
 def test_serve_with_host_memory_loads_evicted_prefixes_back(server_deps, cache_dir, tmp_path):  # noqa: F811
@@ -75,3 +77,5 @@ def test_serve_with_host_memory_loads_evicted_prefixes_back(server_deps, cache_d
     output = log.read_text()
     assert code == 0, output[-4000:]
     assert "host tier" in output and "Traceback" not in output
+    # the tier's size is in the start-up log, next to the pool's (issue 29 item 9)
+    assert "kvplug host-memory tier: 16,777,216 bytes (16.0 MiB) under the radix cache, about" in output

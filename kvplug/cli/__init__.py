@@ -52,9 +52,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe is seen here, not in the exit's flush
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader (`| head`) left: no traceback; stdout is pointed at /dev/null so that the
+        # interpreter's final flush does not raise again
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
     except Exception as error:
         # kvplug's own errors are one line; KVPlugError is looked up where it lives so that a
         # command that never imported the interface (and torch with it) does not import it here

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from kvplug.cli._defaults import DEFAULT_PAGE_SIZE
 from kvplug.interface import InvalidArgumentError
@@ -86,6 +87,12 @@ def _geometry(layers: int, q_heads: int, kv_heads: int, head_dim: int, dtype: st
 
 def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
+    if re.fullmatch(r"\s*([0-9]*\.[0-9]+|[0-9]+\.[0-9]*|[0-9.]+%)\s*", args.memory):
+        raise InvalidArgumentError(
+            f"--memory is a budget in bytes ('40GiB', '512MiB'), got the fraction {args.memory!r}: capacity looks at "
+            "no device, so it cannot take a fraction of free memory (kvplug serve --kv-memory can); give "
+            "the bytes that fraction is on your device"
+        )
     memory = parse_size("--memory", args.memory)
     host_memory = None if args.host_memory is None else parse_size("--host-memory", args.host_memory)
     plan = plan_capacity(

@@ -37,7 +37,7 @@ from kvplug.plugins import PluginManager
 from kvplug.plugins.loading import PluginSelection, kvplug_entry_points
 
 HOST_NAME = "transformers"
-INSTALL_HINT = "pip install ./adapters/transformers (or: pip install kvplug-transformers)"
+INSTALL_HINT = "pip install -e ./adapters/transformers (from the root of the kvplug repository)"
 _FRACTION = re.compile(r"^\s*([0-9]+\.[0-9]*|\.[0-9]+|[0-9]*\.?[0-9]+%)\s*$")
 
 DEFAULTS = {
@@ -54,14 +54,37 @@ KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_int
                      "on_cache_failure")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
+# vLLM / SGLang spellings of kvplug serve's own flags: (alias, the flag it stands for, whose flag)
+VALUE_ALIASES = (
+    ("--max-num-seqs", "--max-running-reqs", "vLLM"),
+    ("--max-running-requests", "--max-running-reqs", "SGLang"),
+    ("--max-num-batched-tokens", "--max-batch-tokens", "vLLM"),
+    ("--block-size", "--page-size", "vLLM"),
+    ("--mem-fraction-static", "--gpu-memory-utilization", "SGLang"),
+)
+# one line each in --help, after the aliases above
+ALIAS_NOTES = (
+    ("--disable-radix-cache", "= --prefix-cache naive (SGLang)"),
+    ("--enable-prefix-caching", "= --prefix-cache radix, the default; --no-enable-prefix-caching = naive (vLLM)"),
+    ("--tokenizer PATH", "accepted when PATH is the model's folder (its tokenizer is always the one used)"),
+    ("--trust-remote-code", "passed to transformers when it loads the config and the model"),
+    ("--seed N", "seeds torch at start (sampling reproducible across runs)"),
+    ("--kv-cache-dtype auto", "accepted; fp8 and other KV dtypes refused: the pool stores K/V in the model's dtype"),
+    ("--disable-log-requests", "drops transformers' per-request log line"),
+    ("--uvicorn-log-level L", "uvicorn's loggers only (--log-level sets every logger)"),
+    ("--tensor-parallel-size/--tp/--tp-size 1", "accepted; more is refused: kvplug serve runs on one device"),
+    ("--chat-template", "refused: the checkpoint's template is used (send one per request with "
+     "--trust-request-chat-template)"),
+)
+
 COMPONENT_DESCRIPTIONS = {
     ("prefix_cache", "radix"): "a radix tree of cached prompt prefixes shared across requests; LRU eviction",
     ("prefix_cache", "naive"): "caches nothing: every prompt is computed in full (a baseline to compare with)",
-    ("attention", "auto"): "torch on CPU; on CUDA the best available of fa3, flashinfer, triton, torch",
+    ("attention", "auto"): "torch on CPU; on CUDA flashinfer if it imports, else triton, else torch (never fa3: name it)",
     ("attention", "torch"): "reference PyTorch kernels (CPU and CUDA)",
     ("attention", "triton"): "Triton kernels (CUDA)",
     ("attention", "flashinfer"): "FlashInfer kernels (CUDA; needs the flashinfer package)",
-    ("attention", "fa3"): "FlashAttention 3 (Hopper GPUs; needs flash-attn 3)",
+    ("attention", "fa3"): "sgl-kernel's FlashAttention 3 paged kernel (Hopper GPUs; needs sgl-kernel: pip install -e '.[fa3]')",
 }
 
 
@@ -76,7 +99,15 @@ class _ServeParser(argparse.ArgumentParser):
         return parsed, extras
 
     def format_help(self) -> str:
-        return super().format_help() + "\n" + components_help() + "\n"
+        return super().format_help() + "\n" + aliases_help() + "\n\n" + components_help() + "\n"
+
+
+def aliases_help() -> str:
+    """The vLLM / SGLang flags ``kvplug serve`` takes, one line each."""
+    lines = ["vLLM / SGLang flags (one line each):"]
+    lines += [f"  {alias:<40} = {target} ({whose})" for alias, target, whose in VALUE_ALIASES]
+    lines += [f"  {alias:<40} {note}" for alias, note in ALIAS_NOTES]
+    return "\n".join(lines)
 
 
 def components_help() -> str:
@@ -163,6 +194,22 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", help="model and KV dtype: auto, bfloat16, float16 (half), float32 (float)"
     )
+    for alias, target, _ in VALUE_ALIASES:  # listed in one table at the end of --help
+        value_type = float if target == "--gpu-memory-utilization" else int
+        parser.add_argument(alias, dest=_alias_dest(alias), type=value_type, help=argparse.SUPPRESS)
+    parser.add_argument("--disable-radix-cache", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--chat-template", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--tensor-parallel-size", "--tp", "--tp-size", dest="tensor_parallel_size", type=int,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     parser.add_argument(
@@ -177,8 +224,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cuda-graph-max-bs", type=int, metavar="N",
-        help="on CUDA, decode steps of up to N requests replay from kvplug's CUDA graphs, captured at start "
-        "at 1, 2, 4, 8, then steps of 8 up to N (SGLang's flag; default --max-running-reqs)",
+        help="on CUDA, decode steps of up to N requests replay from kvplug's CUDA graphs, captured at the "
+        "first decode step at 1, 2, 4, 8, then steps of 8 up to N (SGLang's flag; default --max-running-reqs)",
     )
     parser.add_argument(
         "--disable-cuda-graph", action="store_true", default=None,
@@ -248,31 +295,87 @@ def parse_kv_memory(text: str | None) -> int | float | None:
     return parse_size("--kv-memory", text)
 
 
+def _alias_dest(flag: str) -> str:
+    return "alias_" + flag.lstrip("-").replace("-", "_")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _apply_aliases(args: argparse.Namespace) -> None:
+    """Fold the vLLM / SGLang flags into kvplug serve's own (``VALUE_ALIASES``, ``ALIAS_NOTES``);
+    two spellings of one setting with different values are an error, and so is an alias that
+    cannot apply here (with the reason)."""
+    for alias, target, whose in VALUE_ALIASES:
+        value = getattr(args, _alias_dest(alias), None)
+        if value is None:
+            continue
+        current = getattr(args, _dest(target), None)
+        if current is not None and current != value:
+            raise InvalidArgumentError(f"{alias} {value} ({whose}'s name for {target}) and {target} {current} disagree")
+        setattr(args, _dest(target), value)
+    caches = []
+    if getattr(args, "disable_radix_cache", False):
+        caches.append(("--disable-radix-cache", "naive"))
+    enable = getattr(args, "enable_prefix_caching", None)
+    if enable is not None:
+        caches.append(("--enable-prefix-caching" if enable else "--no-enable-prefix-caching",
+                       "radix" if enable else "naive"))
+    for flag, cache in caches:
+        if args.prefix_cache is not None and args.prefix_cache != cache:
+            raise InvalidArgumentError(f"{flag} means --prefix-cache {cache}, but --prefix-cache is {args.prefix_cache!r}")
+        args.prefix_cache = cache
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None and tp != 1:
+        raise InvalidArgumentError(
+            f"--tensor-parallel-size {tp}: kvplug serve runs the model on one device (transformers' continuous "
+            "batching here has no tensor parallelism); give 1 or leave it out"
+        )
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", None)
+    if kv_cache_dtype is not None and kv_cache_dtype != "auto":
+        raise InvalidArgumentError(
+            f"--kv-cache-dtype {kv_cache_dtype!r}: kvplug's KV pool stores K/V in the model's dtype (--dtype); "
+            "only 'auto' applies"
+        )
+    if getattr(args, "chat_template", None) is not None:
+        raise InvalidArgumentError(
+            "--chat-template: kvplug serve uses the checkpoint's chat template (tokenizer_config.json or "
+            "chat_template.jinja next to config.json); put yours there, or send it per request with "
+            "--trust-request-chat-template"
+        )
+
+
 def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]:
     """Check every argument that needs no model or transformers; return the host's keyword options."""
+    _apply_aliases(args)
     given = {name for name in (*DEFAULTS, *KVPLUG_ONLY_FLAGS) if getattr(args, name, None) is not None}
     for name, value in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    # a flag with no effect here is accepted, dropped and named in a start-up warning (never an
+    # error): one command line then serves both sides of an A/B (--kv-backend kvplug / native, CUDA / CPU)
+    ignored: list[str] = []
     if args.kv_backend == "native":
-        ignored = [f"--{name.replace('_', '-')}" for name in KVPLUG_ONLY_FLAGS if name in given]
-        if ignored:
-            verb = "configures" if len(ignored) == 1 else "configure"
-            raise InvalidArgumentError(
-                f"{', '.join(ignored)} {verb} kvplug's cache and {'has' if len(ignored) == 1 else 'have'} no effect "
-                "with --kv-backend native "
-                "(transformers' own cache); drop them or use --kv-backend kvplug"
-            )
+        named = [f"--{name.replace('_', '-')}" for name in KVPLUG_ONLY_FLAGS if name in given]
+        if named:
+            verb = "configures" if len(named) == 1 else "configure"
+            ignored.append(f"{', '.join(named)} {verb} kvplug's cache: ignored with --kv-backend native "
+                           "(transformers' own cache)")
+            for name in KVPLUG_ONLY_FLAGS:
+                setattr(args, name, DEFAULTS.get(name))
     _check_int("--page-size", args.page_size, low=1)
     _check_int("--max-running-reqs", args.max_running_reqs, low=1)
     _check_int("--port", args.port, low=1, high=65535)
     if args.cuda_graph_max_bs is not None:
         _check_int("--cuda-graph-max-bs", args.cuda_graph_max_bs, low=1, high=args.max_running_reqs)
-        if args.disable_cuda_graph:
-            raise InvalidArgumentError("--cuda-graph-max-bs has no effect with --disable-cuda-graph; give one of them")
-    if args.enable_torch_compile and args.disable_cuda_graph:
-        raise InvalidArgumentError("--enable-torch-compile compiles the model kvplug captures in its CUDA graphs; "
-                                   "it has no effect with --disable-cuda-graph")
+        if args.disable_cuda_graph and args.kv_backend == "kvplug":
+            ignored.append("--cuda-graph-max-bs sizes kvplug's CUDA graphs: ignored with --disable-cuda-graph")
+            args.cuda_graph_max_bs = None
+    if args.enable_torch_compile and args.disable_cuda_graph and args.kv_backend == "kvplug":
+        ignored.append("--enable-torch-compile compiles the model kvplug captures in its CUDA graphs: ignored with "
+                       "--disable-cuda-graph")
+        args.enable_torch_compile = None
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-batch-tokens", args.max_batch_tokens)):
         if value is not None:
             _check_int(flag, value, low=2 if flag == "--max-seq-len" else 1)
@@ -298,6 +401,14 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
                 f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}"
             ) from error
     model = _model_path(args)
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None:
+        same = model is not None and os.path.abspath(os.path.expanduser(tokenizer)) == model
+        if not same:
+            raise InvalidArgumentError(
+                f"--tokenizer {tokenizer!r}: kvplug serve uses the tokenizer next to the model's config.json "
+                f"({model or 'the embedded model'}); a tokenizer from elsewhere is not supported"
+            )
     kv_memory = parse_kv_memory(args.kv_memory)
     if args.gpu_memory_utilization is not None:
         if kv_memory is not None:
@@ -353,6 +464,11 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "timeout_body": args.timeout_body,
         "stream_stall_timeout": args.stream_stall_timeout,
         "on_cache_failure": args.on_cache_failure or "fallback",  # issue 32
+        "ignored_flags": tuple(ignored),
+        "trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
+        "seed": getattr(args, "seed", None),
+        "log_requests": not getattr(args, "disable_log_requests", False),
+        "uvicorn_log_level": getattr(args, "uvicorn_log_level", None),
     }
 
 

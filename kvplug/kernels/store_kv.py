@@ -2,7 +2,7 @@
 
 It is a pure gather-free copy, so it should run at memory bandwidth: each program moves
 ``BLOCK_TOKENS`` rows of one head (``head_dim`` contiguous elements, 16-byte vectors) for K and V.
-Importing this module needs Triton (``pip install kvplug[triton]``).
+Importing this module needs Triton (``pip install triton``, or ``pip install -e ".[triton]"`` in the repository).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ or as one pytest test per check and page size (failures then name the check in t
         kit.check_prefix_cache(MyCache, page_sizes=(16,), slow=True)
 
 ``import kvplug`` is enough: ``kvplug.testing`` loads on first use. The randomised check needs
-hypothesis (``pip install 'kvplug[test]'``); without it the kit raises ``KitDependencyError``
+hypothesis (``pip install 'hypothesis>=6.80'``, or ``pip install -e '.[test]'`` in the repository); without it the kit raises ``KitDependencyError``
 before running anything (``randomised=False`` runs the other checks).
 
 Options: ``keeps_entries=False`` for a cache that keeps nothing (like ``naive``); ``lru=False``

@@ -7,7 +7,7 @@ import importlib.util
 
 from kvplug.interface import KVPlugError
 
-HYPOTHESIS_HINT = "pip install 'kvplug[test]' (or 'hypothesis>=6.80')"
+HYPOTHESIS_HINT = "pip install 'hypothesis>=6.80' (or, in the kvplug repository, pip install -e '.[test]')"
 
 
 class KitDependencyError(KVPlugError, ImportError):

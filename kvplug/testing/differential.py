@@ -4,7 +4,7 @@ After every operation the cache's answers, ``size_info`` and ``check_integrity()
 the model. At the end every lock is released, every sequence the model holds must match with its
 exact locations (oldest first, which keeps the recency order), and the cache is emptied one
 ``evict(1)`` at a time so that any recency the cache got wrong shows up as an LRU violation.
-hypothesis is imported only here, when the check runs (``pip install kvplug[test]``).
+hypothesis is imported only here, when the check runs (``pip install 'hypothesis>=6.80'``).
 """
 
 from __future__ import annotations

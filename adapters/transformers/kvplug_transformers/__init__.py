@@ -24,8 +24,10 @@ from kvplug_transformers._version import __version__
 
 if TYPE_CHECKING:
     from kvplug_transformers.host import TransformersHost
-    from kvplug_transformers.stats import HostStats
+    from kvplug_transformers.host_stats import HostStats
 
+# (the statistics module is host_stats, not stats: a submodule named stats would replace the
+# package function stats() on import)
 # imported on first access: the kvplug entry point (kvplug_transformers.plugin) loads this package
 # for every `kvplug` command, which must not import torch for it
 _LAZY_NAMES = {
@@ -34,7 +36,7 @@ _LAZY_NAMES = {
     "UnsupportedTransformersError": "kvplug_transformers.compat",
     "TransformersHost": "kvplug_transformers.host",
     "KVPlugSettings": "kvplug_transformers.settings",
-    "HostStats": "kvplug_transformers.stats",
+    "HostStats": "kvplug_transformers.host_stats",
 }
 
 

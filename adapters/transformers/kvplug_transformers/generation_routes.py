@@ -9,6 +9,7 @@ the event loop (``request_json``, ``request_bodies``), then answered by the ``Gu
 
 import copy
 import logging
+import time
 import uuid
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ from kvplug_transformers.handler_guards import GuardedHandler
 from kvplug_transformers.http_guards import CANCEL_KEY
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_json import parse_body
+from kvplug_transformers.serve_metrics import ServeMetrics
 
 logger = logging.getLogger("kvplug.serve")
 X_REQUEST_ID = "x-request-id"
@@ -28,10 +30,12 @@ def new_request_id() -> str:
 
 
 def add_generation_routes(
-    app: Any, guarded: dict[str, GuardedHandler], pool: OffLoopTokenizer, cancel: Callable[[str], None]
+    app: Any, guarded: dict[str, GuardedHandler], pool: OffLoopTokenizer, cancel: Callable[[str], None],
+    metrics: ServeMetrics | None = None,
 ) -> None:
     """Replace transformers' generation routes (and its X-Request-ID middleware) on ``app``;
-    ``cancel(request_id)`` stops a generation (called when its response cannot be finished)."""
+    ``cancel(request_id)`` stops a generation (called when its response cannot be finished);
+    ``metrics`` gets every answered response's latencies (``/metrics``)."""
     from fastapi import Request
 
     app.router.routes[:] = [
@@ -50,6 +54,7 @@ def add_generation_routes(
             return body, copy.deepcopy(body)
 
         async def generate(request: Request) -> Any:
+            started = time.monotonic()
             request_id = new_request_id()
             client_id = request.headers.get(X_REQUEST_ID)
             if client_id is not None:
@@ -61,9 +66,35 @@ def add_generation_routes(
             response = await handler.handle(first, second, request_id)
             echoed = client_id if client_id is not None and len(client_id) <= MAX_ECHOED_ID else request_id
             response.headers[X_REQUEST_ID] = echoed
+            if metrics is not None:
+                _record_latencies(response, metrics, started)
             return response
 
         return generate
 
     for path, handler in guarded.items():
         app.add_api_route(path, route_for(handler), methods=["POST"], response_model=None)
+
+
+def _record_latencies(response: Any, metrics: ServeMetrics, started: float) -> None:
+    """A streamed response's first chunk and later gaps as it is sent; any other its whole time now."""
+    body = getattr(response, "body_iterator", None)
+    if body is None:
+        metrics.observe(e2e_s=time.monotonic() - started)
+        return
+
+    async def timed() -> Any:
+        first, previous, gaps = None, None, []
+        try:
+            async for chunk in body:
+                now = time.monotonic()
+                if first is None:
+                    first = now - started
+                else:
+                    gaps.append(now - previous)
+                previous = now
+                yield chunk
+        finally:
+            metrics.observe(e2e_s=time.monotonic() - started, first_chunk_s=first, chunk_gaps_s=gaps)
+
+    response.body_iterator = timed()

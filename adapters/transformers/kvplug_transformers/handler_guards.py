@@ -17,8 +17,11 @@ from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 from kvplug_transformers.stats_routes import ServedModel
+from kvplug_transformers.token_id_prompts import TokenIdsProcessor
 
 PROMPT_FIELDS = ("messages", "input", "instructions", "prompt", "suffix", "tools")
+# vLLM's sampling fields beyond OpenAI's, with the values that mean "off" (dropped before transformers sees them)
+VLLM_SAMPLING_EXTRAS = {"top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0)}
 
 
 class GuardedHandler:
@@ -59,12 +62,56 @@ class GuardedHandler:
                 status=404, param="model",
             )
         body.pop("model", None)  # transformers then takes the model it was started with
+        self._refuse_unknown_fields(body)
+        self._refuse_sampling_on_a_greedy_server(body)
         self._limits.check_text_size(prompt_bytes(body), self._bytes_per_token)
+
+    def _refuse_sampling_on_a_greedy_server(self, body: dict) -> None:
+        """A greedy server (``do_sample`` false in generation_config.json) would serve ``temperature`` > 0
+        or ``top_p`` < 1 greedily: refused instead of ignored (issue 29 item 2)."""
+        config = self._resolve_model({})[1].generation_config
+        if getattr(config, "do_sample", False) and getattr(config, "temperature", 1.0) != 0:
+            return  # a sampling server: ServerSampling compares the settings when the request runs
+        for name, off in (("temperature", 0), ("top_p", 1)):
+            value = body.get(name)
+            if value is not None and value != off:
+                raise RequestRefused(
+                    f"{name} {value!r} would be ignored: this server decodes every request greedily (do_sample false "
+                    f"in the model's generation_config.json) and transformers' continuous batching does not sample "
+                    f"per request; leave {name} out or send {off}",
+                    param=name,
+                )
+
+    def _refuse_unknown_fields(self, body: dict) -> None:
+        """Fields transformers' handler would answer with a 422 in its own shape: vLLM's sampling
+        extras at their neutral value are dropped, everything else is a 400 in OpenAI's shape."""
+        params = getattr(self._handler, "_valid_params_class", None)
+        known = getattr(params, "__mutable_keys__", None)
+        if not known:
+            return
+        for name in [name for name in body if name not in known]:
+            if name in VLLM_SAMPLING_EXTRAS and body[name] in VLLM_SAMPLING_EXTRAS[name]:
+                body.pop(name)  # what a client sends to mean "off"
+            elif name in VLLM_SAMPLING_EXTRAS:
+                raise RequestRefused(
+                    f"{name} {body[name]!r} is not supported: transformers' continuous batching applies the model's "
+                    "generation_config.json sampling to every request", param=name,
+                )
+            else:
+                raise RequestRefused(f"unknown field {name!r} for this endpoint", param=name)
 
     async def handle(self, first: dict, second: dict, request_id: str) -> Any:
         """Answer a checked body; ``first`` and ``second`` are two copies of it (the handler runs
         twice, see ``prompt_tokens``)."""
         _, _, processor = self._resolve_model({})
+        if isinstance(first.get("prompt"), list):  # token ids (check_completion let them through): nothing to tokenise
+            ids_processor = TokenIdsProcessor(processor, first["prompt"])
+            first["prompt"] = ""
+            token = self._processor.set(ids_processor)
+            try:
+                return await self._handler.handle_request(first, request_id)
+            finally:
+                self._processor.reset(token)
         bodies = iter((first, second))
 
         async def run(capturing: Any) -> Any:

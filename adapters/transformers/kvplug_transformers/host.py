@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from kvplug_transformers.installation import install_patches, is_installed, uninstall_patches
 from kvplug_transformers.settings import KVPlugSettings
-from kvplug_transformers.stats import CacheRecord, HostStats
+from kvplug_transformers.host_stats import CacheRecord, HostStats
 
 logger = logging.getLogger("kvplug_transformers")
 

@@ -23,8 +23,10 @@ from kvplug_transformers.http_guards import InFlightRequests, wrap_app
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_limits import RequestLimits
+from kvplug_transformers.serve_metrics import ServeMetrics, add_metrics_route
 from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
+from kvplug_transformers.token_routes import add_token_routes
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
@@ -58,19 +60,23 @@ class HttpServer:
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
 
-        self.model_manager = ModelManager(device=str(device), dtype=dtype_name, force_model=served.path)
+        self.model_manager = ModelManager(device=str(device), dtype=dtype_name, force_model=served.path,
+                                          trust_remote_code=opts.trust_remote_code)
         cb_kwargs = {
             key.removeprefix("cb_"): value for key, value in cb_options.items() if value is not None
         }
         generation_state = GenerationState(
             continuous_batching=True, cb_config=ContinuousBatchingConfig(**cb_kwargs) if cb_kwargs else None
         )
+        self.generation_state = generation_state
         self.watch = WorkerWatch(generation_state, limits, inflight)
+        self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
         handlers = {
             "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
             "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
             "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
         }
+        self._chat = handlers["chat"]
         processor = handlers["chat"]._resolve_model({})[2]
         self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)
         self.tokenizer = OffLoopTokenizer()
@@ -82,11 +88,18 @@ class HttpServer:
             self.model_manager, handlers["chat"], completion_handler=handlers["completion"],
             response_handler=handlers["response"], transcription_handler=None, generation_state=generation_state,
         )
-        add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel)
-        add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections)
+        self.metrics = ServeMetrics()
+        add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel, self.metrics)
+        add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections,
+                          ready=self.ready)
+        add_token_routes(app, processor, self.tokenizer, served, limits, _versions())
+        add_metrics_route(
+            app, self.metrics, served.name,
+            lambda: adapter.stats().to_json() if opts.kv_backend == "kvplug" else {}, inflight.count,
+        )
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(
-            app, host=opts.host, port=opts.port, log_config=None, log_level=opts.log_level,
+            app, host=opts.host, port=opts.port, log_config=None, log_level=opts.uvicorn_log_level or opts.log_level,
             # uvicorn's own check counts the connection asking too; ours refuses beyond the cap
             http=connections.protocol(), limit_concurrency=connections.max_connections + 1,
             timeout_keep_alive=opts.timeout_keep_alive, backlog=ACCEPT_BACKLOG,
@@ -102,6 +115,31 @@ class HttpServer:
 
         self.thread = threading.Thread(target=run, name="uvicorn-thread", daemon=False)
         self.thread.start()
+
+    def start_worker(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
+        """Start transformers' batching worker now, as the first request would, and wait until it
+        has built its batch processor (kvplug's KV pool, or transformers' own cache): a pool that
+        cannot be built fails the start, not the first request. Returns False when ``stop`` came first.
+
+        Raises:
+            KVPlugError: the worker died while building (its error in the message).
+        """
+        model_id, model, processor = self._chat._resolve_model({})
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        if not self.generation_state.use_continuous_batching(model, modality):
+            raise KVPlugError(f"transformers will not run {model_id} with continuous batching; kvplug serve needs it")
+        manager = self.generation_state.get_manager(model_id, use_cb=True)  # through WorkerWatch: RequestLimits apply
+        manager.init_cb(model, model.generation_config)
+        while not stop.is_set():
+            error = self.watch.worker_error()
+            if error is not None:
+                raise KVPlugError(f"the batching worker failed while building the KV cache: {error}")
+            batching = getattr(getattr(self.generation_state, "_cb_manager", None), "_cb", None)
+            if batching is not None and getattr(batching, "batch_processor", None) is not None:
+                self.ready.set()
+                return True
+            stop.wait(poll_s)
+        return False
 
     @property
     def started(self) -> bool:
@@ -132,3 +170,10 @@ def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
     if len(vocab) < 2:
         raise KVPlugError(f"the tokenizer of the model in {path} has {len(vocab)} token(s): not a usable tokenizer")
     return max(len(token.encode("utf-8", errors="replace")) for token in vocab)
+
+
+def _versions() -> str:
+    """``GET /version``: kvplug's version (vLLM answers its own there)."""
+    import kvplug
+
+    return kvplug.__version__

@@ -60,9 +60,19 @@ def check_completion(body: dict, *, trust_request_chat_template: bool = False) -
     """``POST /v1/completions`` (a raw text prompt, no chat template: the flag plays no part)."""
     _check_common(body, "max_tokens")
     prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = body["prompt"] = prompt[0]  # a list of one prompt (text or token ids), as batch clients send
+    if isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt) or (
+            isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str) for t in prompt)):
         raise RequestRefused(
-            f"'prompt' must be a non-empty string (lists of prompts or of token ids are not supported), "
+            f"'prompt' holds {len(prompt)} prompts: this server answers one prompt per request (one choice); "
+            "send one request each",
+            param="prompt",
+        )
+    is_ids = isinstance(prompt, list) and bool(prompt) and all(_is_int(t) for t in prompt)
+    if not is_ids and (not isinstance(prompt, str) or not prompt):
+        raise RequestRefused(
+            f"'prompt' must be a non-empty string, a non-empty list of token ids, or a list of one of them, "
             f"got {_describe(prompt)}",
             param="prompt",
         )

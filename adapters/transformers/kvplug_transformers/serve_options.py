@@ -63,6 +63,12 @@ class ServeOptions:
     timeout_body: float = DEFAULT_TIMEOUT_BODY
     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT
     on_cache_failure: str = "fallback"  # issue 32: kvplug.cache_guard's policy
+    ignored_flags: tuple[str, ...] = ()  # flags with no effect here, each with why: logged as a warning at start
+    trust_remote_code: bool = False  # vLLM's --trust-remote-code: transformers may run the checkpoint's code
+    seed: int | None = None  # torch's seed at start
+    log_requests: bool = True  # False: --disable-log-requests drops transformers' per-request line
+    uvicorn_log_level: str | None = None  # uvicorn's loggers only (None: --log-level)
+
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -119,6 +125,20 @@ class ServeOptions:
         if self.model is None:
             return EMBEDDED_MODEL_NAME
         return os.path.basename(os.path.normpath(model_path)) or model_path
+
+    def no_effect_on(self, device: torch.device) -> tuple[str, ...]:
+        """``ignored_flags`` and the CUDA-only flags given for a CPU run: each a warning at start."""
+        notes = list(self.ignored_flags)
+        if device.type != "cuda" and self.kv_backend == "kvplug":
+            cuda_only = [flag for flag, given in (
+                ("--cuda-graph-max-bs", self.cuda_graph_max_bs is not None),
+                ("--disable-cuda-graph", self.cuda_graphs is False),
+                ("--enable-torch-compile", self.torch_compile),
+                ("--disable-overlap-schedule", self.overlap_schedule is False),
+            ) if given]
+            if cuda_only:
+                notes.append(f"{', '.join(cuda_only)}: CUDA only (graphs, compile and overlap), ignored on {device}")
+        return tuple(notes)
 
     def kvplug_settings(self) -> dict[str, Any]:
         """The ``KVPlugSettings`` fields these options set."""

@@ -52,6 +52,7 @@ from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.http_server import HttpServer
 from kvplug_transformers.log_limits import RateLimitedLog
+from kvplug_transformers.model_checks import check_model_config
 from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
 from kvplug_transformers.request_limits import RequestLimits
 from kvplug_transformers.serve_options import ServeOptions, native_cb_options
@@ -69,7 +70,7 @@ CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs
 def serve(adapter: Any, **options: Any) -> int:
     """Run the server until Ctrl-C / SIGTERM; ``options`` are ``ServeOptions`` fields."""
     opts = ServeOptions(**options)
-    _configure_logging(opts.log_level)
+    _configure_logging(opts.log_level, opts.uvicorn_log_level, log_requests=opts.log_requests)
     require_transformers()
     from transformers.utils.import_utils import is_serve_available
 
@@ -83,7 +84,11 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("no MODEL given: serving the embedded default model from %s", model_path)
         logger.warning("the embedded model has random weights: its output text is meaningless")
     device = _resolve_device(opts.device)
-    config = _load_config(model_path)
+    for note in opts.no_effect_on(device):
+        logger.warning("kvplug serve: %s", note)
+    config = _load_config(model_path, trust_remote_code=opts.trust_remote_code)
+    if opts.seed is not None:
+        torch.manual_seed(opts.seed)  # vLLM's --seed: what samples, samples the same way every run
     logger.debug("model config: %s", json.dumps(config.to_dict(), sort_keys=True, default=str))
     context_len = model_context_len(config)
     if opts.max_seq_len is not None and opts.max_seq_len > context_len:
@@ -93,6 +98,7 @@ def serve(adapter: Any, **options: Any) -> int:
             f"give at most {context_len:,}"
         )
     dtype_name, kv_dtype = _resolve_dtype(opts.dtype, config, device, embedded=opts.model is None)
+    check_model_config(config, model_path, opts.kv_backend, kv_dtype)
     shape = model_shape(config, kv_dtype)
 
     cb_options: dict[str, Any] = {}
@@ -100,6 +106,11 @@ def serve(adapter: Any, **options: Any) -> int:
         settings = adapter.settings.updated(**opts.kvplug_settings())
         plan = plan_pool(settings, shape, device, context_len=context_len)
         logger.info("kvplug KV pool: %s", describe_pool(plan))
+        if opts.host_memory:
+            logger.info(
+                "kvplug host-memory tier: %s bytes (%.1f MiB) under the radix cache, about %s tokens",
+                f"{opts.host_memory:,}", opts.host_memory / (1 << 20), f"{opts.host_memory // shape.kv_bytes_per_token():,}",
+            )
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
         _check_components(settings, shape, device)
         limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))
@@ -179,13 +190,22 @@ def _run_server(
         death = None
         try:
             _wait_until_started(server, opts, stop)
-            logger.info(
-                "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
-                "request, %d connections; statistics at /kvplug/stats",
-                opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
-                connections.max_connections,
-            )
-            death = _watch(server, adapter, opts, stop, watch)
+            # the pool is built and the worker started now, not at the first request: what cannot be
+            # built fails the start, and /health says "starting" (503) until then
+            logger.info("kvplug serve: building the KV cache and starting the batching worker (/health answers "
+                        "503 starting until then)")
+            built_at = time.monotonic()
+            if server.start_worker(stop):
+                logger.info("kvplug serve: KV cache built, batching worker running (%.2f s)", time.monotonic() - built_at)
+                # the address is what an operator needs whatever --log-level hides: at least a warning's level
+                logger.log(
+                    max(logging.INFO, logger.getEffectiveLevel()),
+                    "kvplug serve: listening on http://%s:%d/v1 (kv backend %s), model %r (%s), up to %d tokens per "
+                    "request, %d connections; statistics at /kvplug/stats",
+                    opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
+                    connections.max_connections,
+                )
+                death = _watch(server, adapter, opts, stop, watch)
         finally:
             threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
     if opts.kv_backend == "kvplug":
@@ -349,7 +369,7 @@ def _transformers_level(level_name: str) -> str:
     return "warning" if level_name in ("debug", "info") else level_name
 
 
-def _configure_logging(level_name: str) -> None:
+def _configure_logging(level_name: str, uvicorn_level_name: str | None = None, *, log_requests: bool = True) -> None:
     level = logging.getLevelName(level_name.upper())
     if not isinstance(level, int):
         raise InvalidArgumentError(f"--log-level must be debug, info, warning or error, got {level_name!r}")
@@ -358,9 +378,14 @@ def _configure_logging(level_name: str) -> None:
         handler.addFilter(RateLimitedLog())  # no client can flood the log
         if level > logging.DEBUG:
             handler.addFilter(_RepeatedLines())
+        if not log_requests:
+            handler.addFilter(_drop_request_lines)
     logging.captureWarnings(True)
-    for name in ("kvplug", "kvplug_transformers", "uvicorn", "uvicorn.error", "uvicorn.access"):
+    for name in ("kvplug", "kvplug_transformers"):
         logging.getLogger(name).setLevel(level)
+    uvicorn_level = level if uvicorn_level_name is None else _uvicorn_level(uvicorn_level_name)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(uvicorn_level)
     try:
         from transformers.utils import logging as transformers_logging
     except ImportError:  # require_transformers reports it next
@@ -398,11 +423,11 @@ def _resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def _load_config(model_path: str) -> Any:
+def _load_config(model_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_path)
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except Exception as error:  # ValueError, OSError, KeyError (unknown model_type), JSON errors
         raise InvalidArgumentError(
             f"cannot read the model config in {model_path}: {type(error).__name__}: {error}"
@@ -419,3 +444,15 @@ def _resolve_dtype(dtype: str, config: Any, device: torch.device, *, embedded: b
         return "auto", parse_dtype(str(config_dtype)) if config_dtype is not None else torch.float32
     kv_dtype = parse_dtype(dtype)
     return str(kv_dtype).removeprefix("torch."), kv_dtype
+
+
+REQUEST_LINE = "[Request received]"  # transformers' serving handlers log one per request
+
+
+def _drop_request_lines(record: logging.LogRecord) -> bool:
+    """``--disable-log-requests``: transformers' per-request line is dropped, nothing else."""
+    return not str(record.msg).startswith(REQUEST_LINE)
+
+
+def _uvicorn_level(name: str) -> int:
+    return 5 if name == "trace" else logging.getLevelName(name.upper())  # uvicorn's TRACE level is 5

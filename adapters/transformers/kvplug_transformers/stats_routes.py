@@ -13,6 +13,7 @@ naming the model this server serves. transformers' ``/reset``, ``/load_model`` a
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,9 +53,11 @@ class ServedModel:
 
 def add_kvplug_routes(
     app: Any, adapter: Any, opts: Any, served: ServedModel, generation_state: Any, watch: WorkerWatch,
-    inflight: InFlightRequests, connections: Any = None,
+    inflight: InFlightRequests, connections: Any = None, ready: threading.Event | None = None,
 ) -> None:
-    """``connections``: the server's ``ConnectionLimits`` (their counters are in the stats)."""
+    """``connections``: the server's ``ConnectionLimits`` (their counters are in the stats);
+    ``ready``: set once the KV pool is built and the worker runs (``None``: ready from the start);
+    until then ``/health`` and ``/kvplug/stats`` answer 503 ``starting``."""
     from fastapi.responses import JSONResponse
 
     app.router.routes[:] = [
@@ -74,12 +77,17 @@ def add_kvplug_routes(
             "connections": {**(connections.to_json() if connections is not None else {}),
                             "stalled_streams": inflight.stalled_total},
         }
-        return JSONResponse(body, status_code=200 if worker["alive"] else 503)
+        starting = ready is not None and not ready.is_set()
+        body["status"] = "starting" if starting else "ok" if worker["alive"] else "unhealthy"
+        return JSONResponse(body, status_code=200 if worker["alive"] and not starting else 503)
 
     def health() -> JSONResponse:
         worker = worker_state()
         if not worker["alive"]:
             return JSONResponse({"status": "unhealthy", "reason": f"the batching worker died: {worker['error']}"}, 503)
+        if ready is not None and not ready.is_set():
+            return JSONResponse({"status": "starting", "reason": "building the KV pool and starting the batching worker"},
+                                503)
         if inflight.closed_reason is not None:
             return JSONResponse({"status": "unavailable", "reason": inflight.closed_reason}, 503)
         return JSONResponse({"status": "ok"})
