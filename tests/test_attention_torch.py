@@ -143,7 +143,7 @@ def test_gpu_backends_refuse_clearly_on_this_machine(name, module, extra):
     try:
         __import__(module)
     except ImportError:
-        with pytest.raises(ImportError, match=rf"pip install kvplug\[{extra}\]"):
+        with pytest.raises(ImportError, match=rf"pip install -e \"\.\[{extra}\]\""):
             kvplug.create_attention_backend(name, case.config())
     else:
         with pytest.raises(InvalidArgumentError, match="needs a cuda pool"):

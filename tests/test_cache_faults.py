@@ -570,7 +570,10 @@ def test_a_served_faulty_cache_plugin_is_replaced_and_every_request_is_answered(
         assert [status for status, _ in replies] == [200] * 10, (replies, log.read_text()[-3000:])
         status, stats = get_json(port, "/kvplug/stats")
         assert status == 200 and process.poll() is None
-        assert get_json(port, "/health")[0] == 200
+        guard = stats["cache_guard"]
+        assert guard["cache_failures"] >= 1 and guard["prefix_cache"] == "naive" and not guard["stopped"], guard
+        status, health = get_json(port, "/health")
+        assert status == 200 and health["status"] == "degraded" and health["prefix_cache"] == guard, health
         text = log.read_text()
         assert "prefix cache 'faulty' failed in" in text and "prefix cache 'naive' takes over" in text, text[-3000:]
     finally:

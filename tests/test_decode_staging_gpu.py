@@ -18,7 +18,7 @@ from tests.test_attention_batch import assert_same_batch
 pytestmark = [
     pytest.mark.gpu,
     requires_cuda,
-    pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install kvplug[triton])"),
+    pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install -e \".[triton]\")"),
 ]
 
 

@@ -13,7 +13,7 @@ from tests.attention_reference import importable, requires_cuda
 pytestmark = [
     pytest.mark.gpu,
     requires_cuda,
-    pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install kvplug[triton])"),
+    pytest.mark.skipif(not importable("triton"), reason="needs triton (pip install -e \".[triton]\")"),
 ]
 
 

@@ -14,7 +14,7 @@ from kvplug.interface import InvalidArgumentError, KVPoolConfig
 pytestmark = [
     pytest.mark.gpu,
     requires_cuda,
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (pip install kvplug[triton])"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (pip install -e \".[triton]\")"),
 ]
 
 

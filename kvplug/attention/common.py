@@ -18,7 +18,7 @@ def import_optional(module: str, *, extra: str, purpose: str) -> Any:
     except ImportError as error:
         raise ImportError(
             f"{purpose} needs the Python package {module!r}, which failed to import ({error}); "
-            f"install it with `pip install kvplug[{extra}]`"
+            f"install it with `pip install -e \".[{extra}]\"` from the kvplug repository"
         ) from error
 
 

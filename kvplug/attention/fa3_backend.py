@@ -6,7 +6,7 @@ pool's own pages ``[num_pages + 1, P, H, D]``. Queries are ragged (``cu_seqlens_
 batch's ``extend_start``) and the causal mask is aligned to the end of each request, which is
 exactly "causal within the new tokens, full over the cached prefix".
 
-sgl-kernel is an optional, heavyweight install (``pip install kvplug[fa3]``); it cannot be
+sgl-kernel is an optional, heavyweight install (``pip install -e ".[fa3]"`` from the repository); it cannot be
 installed on kvplug's CI or its GPU test machine, so this backend is written against
 sgl-kernel's documented signature and its tests skip with that reason.
 """

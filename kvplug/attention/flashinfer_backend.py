@@ -15,7 +15,7 @@ other batch ``PagedIndexBuilder`` writes them (one launch). Planning (``plan()``
 group of 4 up (option ``use_tensor_cores``: ``"auto"``, ``True`` or ``False``). One float
 workspace (option ``workspace_mb``, 128) is shared by every wrapper of the backend. CUDA-graph
 decode uses FlashInfer's CUDA-graph wrapper per batch size over shared fixed index buffers.
-Needs ``pip install kvplug[flashinfer]``.
+Needs ``pip install -e ".[flashinfer]"`` from the repository.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``triton``: decode (split-K) and extend kernels that read the token-granular page table
-directly, for any page size and GQA ratio. CUDA only; needs ``pip install kvplug[triton]``.
+directly, for any page size and GQA ratio. CUDA only; needs ``pip install -e ".[triton]"``.
 
 Options (``AttentionConfig.options``): ``decode_block_n`` and ``decode_num_warps`` (``None``:
 128 and 8 for bf16/fp16 up to head_dim 128, else 64 and 4), ``decode_num_stages`` (2),

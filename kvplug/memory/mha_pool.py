@@ -220,7 +220,7 @@ def _load_triton_store(*, required: bool) -> StoreFunction | None:
         if required:
             raise InvalidArgumentError(
                 f"store_kernel='triton' needs Triton and kvplug.kernels.store_kv: {error}. "
-                "Install it with `pip install kvplug[triton]`"
+                "Install it with `pip install -e \".[triton]\"` from the kvplug repository"
             ) from error
         logger.info("Triton store kernel unavailable (%s); the mha pool uses torch indexing", error)
         return None

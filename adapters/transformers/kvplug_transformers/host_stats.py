@@ -87,6 +87,8 @@ class HostStats:
         host_reused_copy_tokens: evicted tokens that needed no write-back (a loaded prefix keeps
             its host copy).
         host_pages, host_free_pages: the live caches' host tiers now (0 without a tier).
+        cache_guard: the most recent cache's prefix-cache health (``BackendStats.prefix_cache``:
+            faults of an untrusted plugin, the policy, whether it stopped), or ``None``.
     """
 
     caches: int
@@ -114,6 +116,7 @@ class HostStats:
     host_copy_failures: int = 0
     host_pages: int = 0
     host_free_pages: int = 0
+    cache_guard: dict | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -177,4 +180,5 @@ class HostStats:
             **pool,
             prefix_cache=last.settings.prefix_cache if last else None,
             attention=last.attention if last else None,
+            cache_guard=getattr(last.latest, "prefix_cache", None) if last is not None else None,
         )

@@ -90,6 +90,12 @@ def add_kvplug_routes(
                                 503)
         if inflight.closed_reason is not None:
             return JSONResponse({"status": "unavailable", "reason": inflight.closed_reason}, 503)
+        guard = adapter.stats().cache_guard if opts.kv_backend == "kvplug" else None
+        if guard and guard.get("stopped"):  # --on-cache-failure fail: the faulty cache stopped the backend
+            return JSONResponse({"status": "unhealthy", "reason": f"prefix cache fault: {guard.get('last_cache_fault')}",
+                                 "prefix_cache": guard}, 503)
+        if guard and guard.get("cache_failures"):  # serving on the fallback cache
+            return JSONResponse({"status": "degraded", "prefix_cache": guard})
         return JSONResponse({"status": "ok"})
 
     def list_models() -> JSONResponse:
