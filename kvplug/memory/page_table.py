@@ -286,8 +286,6 @@ class PageTable:
         end = start + values.shape[0]
         self._check_range(row, start, end)
         self.host_table[row, start:end] = values
-        if not self.mirrored:
-            return
         self._mark(TABLE, row, start, end)
 
     def scatter_locations(self, flat_index: HostInts, locations: torch.Tensor | np.ndarray) -> None:

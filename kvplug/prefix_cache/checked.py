@@ -45,7 +45,9 @@ from kvplug.interface import (
     PrefixCacheFault,
     SizeInfo,
 )
-from kvplug.prefix_cache.validation import check_insert_shapes, check_token_ids, reject_unlock_flag
+from kvplug.prefix_cache.validation import (
+    check_insert_shapes, check_token_ids, checked_evict_request, reject_unlock_flag,
+)
 
 
 class CheckedHandle(BaseCacheHandle):
@@ -276,14 +278,7 @@ class CheckedPrefixCache(BasePrefixCache):
         return InsertResult(cached_len, CheckedHandle(self, handle, n, self._as_tensor(located), pages))
 
     def evict(self, size: int) -> torch.Tensor:
-        try:
-            if isinstance(size, bool):
-                raise TypeError
-            size = operator.index(size)
-        except TypeError:
-            raise InvalidArgumentError(f"evict size must be an int, got {size!r}") from None
-        if size < 0:
-            raise InvalidArgumentError(f"evict size must be >= 0, got {size}")
+        size = checked_evict_request(size)
         evicted = self._call("evict", lambda: self.inner.evict(size))
         locations = self._locations("evict", evicted, "the evicted locations")
         if locations.size < size:

@@ -72,10 +72,9 @@ def check_location_values(locations: np.ndarray) -> None:
         )
 
 
-def checked_evict_size(size: object, evictable: int, protected: int) -> int:
-    """``size`` as an int in ``[0, evictable]``, else ``InvalidArgumentError``.
-
-    An ``int`` or anything with ``__index__`` (a numpy integer); not a bool, float or string."""
+def checked_evict_request(size: object) -> int:
+    """``size`` as a non-negative int, else ``InvalidArgumentError``: an ``int`` or anything with
+    ``__index__`` (a numpy integer); not a bool, float or string."""
     try:
         if isinstance(size, bool):
             raise TypeError
@@ -84,6 +83,13 @@ def checked_evict_size(size: object, evictable: int, protected: int) -> int:
         raise InvalidArgumentError(f"evict size must be an int, got {size!r}") from None
     if size < 0:
         raise InvalidArgumentError(f"evict size must be >= 0, got {size}")
+    return size
+
+
+def checked_evict_size(size: object, evictable: int, protected: int) -> int:
+    """``size`` as an int in ``[0, evictable]``, else ``InvalidArgumentError`` (``checked_evict_request``
+    first)."""
+    size = checked_evict_request(size)
     if size > evictable:
         raise InvalidArgumentError(
             f"cannot evict {size} tokens: only {evictable} are evictable ({protected} more are locked)"
