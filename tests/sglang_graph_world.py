@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
-Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 16, 2
+# head_dim 64: the smallest FlashInfer compiles (its merge-states kernel refuses 16); real models use 64-256
+Q_HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 64, 2
 
 
 class GraphWorld:

@@ -284,8 +284,8 @@ def test_torch_backend_on_gpu_matches_reference():
     check_backend("torch", case, BOUND[torch.bfloat16])
 
 
-@pytest.mark.skipif(not importable("sgl_kernel"), reason="sgl-kernel is not installed: it cannot be installed on "
-                    "kvplug's CI or GPU test machine (pip install -e '.[fa3]' on a Hopper host to run this)")
+@pytest.mark.skipif(not importable("sgl_kernel"), reason="sgl-kernel is not installed (pip install -e '.[fa3]' on a "
+                    "Hopper host; on kvplug's GPU machine scripts/device-fa3.sh brings it)")
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("scenario", sorted(ALL_SCENARIOS))
 def test_fa3_matches_dense_reference(scenario, page_size):

@@ -20,6 +20,8 @@ BACKENDS = [
     pytest.param("triton", marks=pytest.mark.skipif(not importable("triton"), reason="needs triton")),
     pytest.param("flashinfer", marks=pytest.mark.skipif(not importable("flashinfer"), reason="needs flashinfer")),
     "torch",
+    pytest.param("fa3", marks=pytest.mark.skipif(not importable("sgl_kernel"), reason="needs sgl-kernel (the fa3 "
+                 "backend; scripts/device-fa3.sh brings it to the GPU machine)")),
 ]
 
 

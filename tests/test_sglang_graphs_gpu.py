@@ -37,8 +37,8 @@ def _flashinfer_sglang_cannot_import() -> str | None:
 
     SGLang 0.5.23 pins ``flashinfer_python==0.7.2`` and, when FlashInfer is importable, imports
     names only that release has (``flashinfer.fused_moe.trtllm_mxint4_block_scale_moe``); the GPU
-    machine's FlashInfer is 0.5.3 (0.7.2's wheel alone is 65 MB, over the 64 MiB a device call
-    carries). A mismatch is reported as a skip, not as a failure of kvplug."""
+    machine's own FlashInfer wheels are 0.5.3 (0.7.2 travels chunked: scripts/device-sglang-graphs.sh
+    PART). A mismatch is reported as a skip, not as a failure of kvplug."""
     from importlib import metadata
 
     try:
@@ -71,8 +71,8 @@ BACKENDS = [
         "flashinfer",
         marks=pytest.mark.skipif(
             not importable("flashinfer"),
-            reason="needs flashinfer, not installed (SGLang 0.5.23 needs its pinned flashinfer 0.7.2, whose 65 MB wheel "
-            "cannot travel to the GPU machine with SGLang's: 64 MiB carry limit)",
+            reason="needs flashinfer, not installed (SGLang 0.5.23 needs its pinned flashinfer 0.7.2; on the GPU machine "
+            "scripts/device-sglang-graphs.sh PART brings it in chunks, docs/device.md)",
         ),
     ),
 ]

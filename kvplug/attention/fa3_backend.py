@@ -6,9 +6,9 @@ pool's own pages ``[num_pages + 1, P, H, D]``. Queries are ragged (``cu_seqlens_
 batch's ``extend_start``) and the causal mask is aligned to the end of each request, which is
 exactly "causal within the new tokens, full over the cached prefix".
 
-sgl-kernel is an optional, heavyweight install (``pip install -e ".[fa3]"`` from the repository); it cannot be
-installed on kvplug's CI or its GPU test machine, so this backend is written against
-sgl-kernel's documented signature and its tests skip with that reason.
+sgl-kernel (the ``sgl_kernel`` module of the ``sglang-kernel`` wheel) is an optional, heavyweight install
+(``pip install -e ".[fa3]"`` from the repository); the CPU CI has no use for it, and the GPU machine
+gets it through ``scripts/device-fa3.sh`` (a release built for that machine's torch).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ COMPONENT_DESCRIPTIONS = {
     ("attention", "torch"): "reference PyTorch kernels (CPU and CUDA)",
     ("attention", "triton"): "Triton kernels (CUDA)",
     ("attention", "flashinfer"): "FlashInfer kernels (CUDA; needs the flashinfer package)",
-    ("attention", "fa3"): "sgl-kernel's FlashAttention 3 paged kernel (Hopper GPUs; needs sgl-kernel: pip install -e '.[fa3]')",
+    ("attention", "fa3"): "sgl-kernel's FlashAttention 3 paged kernel (Hopper GPUs; needs the sglang-kernel wheel: pip install -e '.[fa3]')",
 }
 
 
