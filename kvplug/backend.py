@@ -449,11 +449,17 @@ class KVBackend:
             evictable_pages=evictable,
             used_pages=self.num_pages - free,
             host_hit_tokens=allocator.host_hit_tokens,
-            tier=self.prefix_cache.tier_stats().as_dict() if allocator.tiered else None,
+            tier=self._tier_stats() if allocator.tiered else None,
             prefix_cache=self.cache_guard.as_dict(),  # issue 32 seam
         )
 
     # ------------------------------------------------------------------ the prefix cache (issue 32)
+    def _tier_stats(self) -> dict:
+        """The tier's counters for ``stats``: a checked cache's latest snapshot (no plugin call)."""
+        cache = self.prefix_cache
+        tracked = getattr(cache, "tracked_tier_stats", None)
+        return (tracked if tracked is not None else cache.tier_stats()).as_dict()
+
     def _cache_pages(self) -> tuple[int, int]:
         """(cached, evictable) pages of the prefix cache, for ``stats``: never a call into an untrusted
         plugin (``stats`` runs on any thread, and must neither race the owner's calls through the
