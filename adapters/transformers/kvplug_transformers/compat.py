@@ -110,6 +110,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CB}.scheduler.Scheduler", "_process_candidates", READ,
              "position 0 of its result is the list of scheduled requests (empty: nothing scheduled)",
              RETURNS, "(scheduled_requests, one_allocation_failed, decode_fast_path, num_q_tokens, max_kv_read)"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "_sample", PATCHED,
+             "with kvplug serve's per-request sampling the kvplug cache samples each row with its request's "
+             "settings (KVPlugPagedCache.sample_step); otherwise the original",
+             PARAMETERS, "self, scores, output_ids"),
     # ---- called
     Internal(f"{_CB}.cache", "group_layers_by_attn_type", CALLED,
              "KVPlugPagedCache refuses models whose layers are not all full attention",
@@ -118,7 +122,8 @@ INTERNALS: tuple[Internal, ...] = (
              "registers the paged|kvplug attention function",
              PARAMETERS, "cls, key, value"),
     Internal(f"{_CB}.model_runner.ModelRunner", "_sample", CALLED,
-             "samples a replayed decode step's logits into the step's output_ids, as transformers does",
+             "samples a replayed decode step's logits into the step's output_ids, as an eager step does (through "
+             "kvplug's replacement)",
              PARAMETERS, "self, scores, output_ids"),
     Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "__call__", CALLED,
              "runs transformers' logits processors over a replayed decode step's logits",
@@ -131,6 +136,13 @@ INTERNALS: tuple[Internal, ...] = (
     # ---- read
     Internal(f"{_CB}.model_runner.ModelRunner", "logit_processor", READ,
              "the step's logits processors (decode graphs)", ASSIGNED, "self.logit_processor set by the class"),
+    Internal(f"{_CB}.model_runner.ModelRunner", "return_logprobs", READ,
+             "whether kvplug's sampler also writes the sampled ids' log-probabilities (output_ids row 1)",
+             ASSIGNED, "self.return_logprobs set by the class"),
+    Internal(f"{_CB}.requests.RequestState", "status", READ,
+             "PENDING when free_blocks comes from a soft reset (the request is queued again): its sampling "
+             "state (seeded stream, penalty counts) is kept",
+             SOURCE, "cc6bd89991cdccef"),
     Internal(f"{_CB}.model_runner.ModelRunner", "inputs_and_outputs", READ,
              "the step's static buffers and compute stream", ASSIGNED, "self.inputs_and_outputs set by the class"),
     Internal(f"{_CB}.model_runner.ModelRunner", "cache", READ,

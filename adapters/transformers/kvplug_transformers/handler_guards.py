@@ -16,11 +16,15 @@ from typing import Any, Callable
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
+from kvplug_transformers.request_sampling import RequestSampling
+from kvplug_transformers.sampling_params import request_params
 from kvplug_transformers.stats_routes import ServedModel
 from kvplug_transformers.token_id_prompts import TokenIdsProcessor
 
 PROMPT_FIELDS = ("messages", "input", "instructions", "prompt", "suffix", "tools")
-# vLLM's sampling fields beyond OpenAI's, with the values that mean "off" (dropped before transformers sees them)
+SAMPLING_KEY = "__kvplug_sampling__"  # a checked body's SamplingParams, until handle() registers them
+# native cache only: vLLM's sampling fields beyond OpenAI's, with the values that mean "off"
+# (dropped before transformers sees them)
 VLLM_SAMPLING_EXTRAS = {"top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0)}
 
 
@@ -35,11 +39,14 @@ class GuardedHandler:
         bytes_per_token: the most text bytes one token of the tokenizer covers.
         tokenizer: where prompts are tokenised.
         trust_request_chat_template: ``--trust-request-chat-template``.
+        sampling: where each request's sampling goes (the kvplug cache samples per request);
+            ``None`` (transformers' native cache): sampling other than the server's is refused.
     """
 
     def __init__(
         self, handler: Any, check: Callable[..., None], served: ServedModel, limits: RequestLimits,
         bytes_per_token: int, tokenizer: OffLoopTokenizer, trust_request_chat_template: bool,
+        sampling: RequestSampling | None = None,
     ) -> None:
         self._handler = handler
         self._check = check
@@ -48,6 +55,7 @@ class GuardedHandler:
         self._bytes_per_token = bytes_per_token
         self._tokenizer = tokenizer
         self._trusted = trust_request_chat_template
+        self._sampling = sampling
         self._processor: contextvars.ContextVar = contextvars.ContextVar("kvplug_processor", default=None)
         self._resolve_model = handler._resolve_model
         handler._resolve_model = self._named_resolve_model
@@ -62,10 +70,33 @@ class GuardedHandler:
                 status=404, param="model",
             )
         body.pop("model", None)  # transformers then takes the model it was started with
-        self._refuse_unknown_fields(body)
-        self._refuse_sampling_on_a_greedy_server(body)
+        if self._sampling is not None:
+            self._take_sampling(body)
+            self._refuse_unknown_fields(body)
+        else:
+            self._refuse_unknown_fields(body)
+            self._refuse_sampling_on_a_greedy_server(body)
+            value = body.get("presence_penalty")
+            if value is not None and value != 0:
+                raise RequestRefused(
+                    f"presence_penalty {value!r} is not supported with --kv-backend native (transformers' continuous "
+                    "batching applies the model's generation_config.json sampling to every request)",
+                    param="presence_penalty",
+                )
         self._limits.check_text_size(prompt_bytes(body), self._bytes_per_token)
 
+    def _take_sampling(self, body: dict) -> None:
+        """Move the request's sampling fields out of ``body`` into its ``SamplingParams`` (under
+        ``SAMPLING_KEY``): transformers' handler never sees them, the batching worker's sampler
+        applies them. ``stop`` is refused: nothing would apply it."""
+        stop = body.pop("stop", None)
+        if stop:
+            raise RequestRefused(
+                f"stop {stop!r} is not supported by this server yet (generation ends at the model's end-of-sequence "
+                "token or max_tokens); leave stop out",
+                param="stop",
+            )
+        body[SAMPLING_KEY] = request_params(body, self._sampling.defaults, self._sampling.vocab_size)
     def _refuse_sampling_on_a_greedy_server(self, body: dict) -> None:
         """A greedy server (``do_sample`` false in generation_config.json) would serve ``temperature`` > 0
         or ``top_p`` < 1 greedily: refused instead of ignored (issue 29 item 2)."""
@@ -89,7 +120,7 @@ class GuardedHandler:
         known = getattr(params, "__mutable_keys__", None)
         if not known:
             return
-        for name in [name for name in body if name not in known]:
+        for name in [name for name in body if name not in known and name != SAMPLING_KEY]:
             if name in VLLM_SAMPLING_EXTRAS and body[name] in VLLM_SAMPLING_EXTRAS[name]:
                 body.pop(name)  # what a client sends to mean "off"
             elif name in VLLM_SAMPLING_EXTRAS:
@@ -103,6 +134,18 @@ class GuardedHandler:
     async def handle(self, first: dict, second: dict, request_id: str) -> Any:
         """Answer a checked body; ``first`` and ``second`` are two copies of it (the handler runs
         twice, see ``prompt_tokens``)."""
+        params = first.pop(SAMPLING_KEY, None)
+        second.pop(SAMPLING_KEY, None)
+        if params is None or self._sampling is None:
+            return await self._handle(first, second, request_id)
+        self._sampling.register(request_id, params)
+        try:
+            return await self._handle(first, second, request_id)
+        except BaseException:
+            self._sampling.discard(request_id)  # never submitted, or failed: the worker will not take them
+            raise
+
+    async def _handle(self, first: dict, second: dict, request_id: str) -> Any:
         _, _, processor = self._resolve_model({})
         if isinstance(first.get("prompt"), list):  # token ids (check_completion let them through): nothing to tokenise
             ids_processor = TokenIdsProcessor(processor, first["prompt"])
@@ -141,7 +184,7 @@ class GuardedHandler:
 
 def guard_handlers(
     chat: Any, completion: Any, response: Any, served: ServedModel, limits: RequestLimits, bytes_per_token: int,
-    tokenizer: OffLoopTokenizer, trust_request_chat_template: bool,
+    tokenizer: OffLoopTokenizer, trust_request_chat_template: bool, sampling: RequestSampling | None = None,
 ) -> dict[str, GuardedHandler]:
     """The guarded handlers by route path."""
     guarded = {}
@@ -151,7 +194,7 @@ def guard_handlers(
         ("/v1/responses", response, check_response),
     ):
         guarded[path] = GuardedHandler(
-            handler, check, served, limits, bytes_per_token, tokenizer, trust_request_chat_template
+            handler, check, served, limits, bytes_per_token, tokenizer, trust_request_chat_template, sampling
         )
     return guarded
 

@@ -32,6 +32,13 @@ class TransformersHost:
         self.settings = (settings or KVPlugSettings()).updated(**options)
         self._records: list[CacheRecord] = []
         self._lock = threading.Lock()
+        self._request_sampling: Any = None
+
+    def sample_per_request(self, sampling: Any) -> None:
+        """Caches built from now on sample each request with its own settings, taken from
+        ``sampling`` (a ``request_sampling.RequestSampling``; ``kvplug serve`` sets it); ``None``:
+        transformers samples as its generation config says (the default)."""
+        self._request_sampling = sampling
 
     # ------------------------------------------------------------------ installation
     def install(self, **options: Any) -> "TransformersHost":
@@ -50,6 +57,7 @@ class TransformersHost:
         if _active_host() is self:
             uninstall_patches()
             _set_active_host(None)
+        self._request_sampling = None
 
     @property
     def installed(self) -> bool:
@@ -74,7 +82,9 @@ class TransformersHost:
         from kvplug_transformers.paged_cache import KVPlugPagedCache
 
         record = CacheRecord(self.settings)
-        cache = KVPlugPagedCache(*args, settings=self.settings, on_stats=record.update, **kwargs)
+        cache = KVPlugPagedCache(
+            *args, settings=self.settings, on_stats=record.update, request_sampling=self._request_sampling, **kwargs
+        )
         record.attach(cache)
         with self._lock:
             self._records.append(record)

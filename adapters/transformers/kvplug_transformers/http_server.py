@@ -27,6 +27,7 @@ from kvplug_transformers.serve_metrics import ServeMetrics, add_metrics_route
 from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
 from kvplug_transformers.token_routes import add_token_routes
+from kvplug_transformers.request_sampling import RequestSampling
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
@@ -69,7 +70,6 @@ class HttpServer:
             continuous_batching=True, cb_config=ContinuousBatchingConfig(**cb_kwargs) if cb_kwargs else None
         )
         self.generation_state = generation_state
-        self.watch = WorkerWatch(generation_state, limits, inflight)
         self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
         handlers = {
             "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
@@ -77,12 +77,18 @@ class HttpServer:
             "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
         }
         self._chat = handlers["chat"]
-        processor = handlers["chat"]._resolve_model({})[2]
+        _, model, processor = handlers["chat"]._resolve_model({})
+        # the kvplug cache samples each request its own way; transformers' own applies one config to all
+        self.sampling = None
+        if opts.kv_backend == "kvplug":
+            self.sampling = RequestSampling(model.generation_config, model.config.get_text_config().vocab_size)
+            adapter.sample_per_request(self.sampling)
+        self.watch = WorkerWatch(generation_state, limits, inflight, self.sampling)
         self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)
         self.tokenizer = OffLoopTokenizer()
         guarded = guard_handlers(
             handlers["chat"], handlers["completion"], handlers["response"], served, limits, self.bytes_per_token,
-            self.tokenizer, opts.trust_request_chat_template,
+            self.tokenizer, opts.trust_request_chat_template, self.sampling,
         )
         app = build_server(
             self.model_manager, handlers["chat"], completion_handler=handlers["completion"],

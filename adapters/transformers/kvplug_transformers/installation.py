@@ -1,4 +1,4 @@
-"""Installing kvplug into transformers' continuous batching: the six replaced internals.
+"""Installing kvplug into transformers' continuous batching: the seven replaced internals.
 
 Each is an entry of kind ``patched`` in ``compat.INTERNALS`` (the version gate fingerprints it;
 the adapter README lists the table). Every replacement carries the original as
@@ -27,6 +27,10 @@ the adapter README lists the table). Every replacement carries the original as
    (``KVPlugPagedCache.wait_for_deferred_loads``), it waits for the copies and runs the pass again
    with those requests first; otherwise transformers would take the empty pass for a full cache
    and fail.
+7. ``ModelRunner._sample``, which samples a step's logits into its output ids (eager steps and
+   kvplug's graph replays alike), lets the kvplug cache sample each row with its own request's
+   settings (``KVPlugPagedCache.sample_step``, ``sampler.BatchSampler``) when ``kvplug serve``
+   asked for per-request sampling (``TransformersHost.sample_per_request``); otherwise the original.
 
 All are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
@@ -52,6 +56,7 @@ class _Originals:
     warmup: Callable
     add_waiting_request: Callable
     process_candidates: Callable
+    sample: Callable
 
 
 _lock = threading.Lock()
@@ -76,11 +81,17 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             _installed = _Originals(
                 modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
                 runner_class.compute_batch, runner_class.warmup, modules.scheduler.Scheduler.add_waiting_request,
-                modules.scheduler.Scheduler._process_candidates,
+                modules.scheduler.Scheduler._process_candidates, runner_class._sample,
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
         original_process = _installed.process_candidates
+        original_sample = _installed.sample
+
+        def kvplug_sample(runner: Any, scores: Any, output_ids: Any) -> None:
+            sample_step = getattr(runner.cache, "sample_step", None)
+            if sample_step is None or not sample_step(runner, scores, output_ids):
+                original_sample(runner, scores, output_ids)
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
             cache = runner.cache
@@ -130,6 +141,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             (runner_class, "warmup", kvplug_warmup, original_warmup),
             (modules.scheduler.Scheduler, "add_waiting_request", kvplug_add_waiting_request, original_add_waiting),
             (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process),
+            (runner_class, "_sample", kvplug_sample, original_sample),
         )
         for owner, attribute, replacement, original in replacements:  # compat.INTERNALS, kind "patched"
             setattr(replacement, ORIGINAL_ATTRIBUTE, original)
@@ -151,6 +163,7 @@ def uninstall_patches() -> None:
         modules.model_runner.ModelRunner.warmup = _installed.warmup
         modules.scheduler.Scheduler.add_waiting_request = _installed.add_waiting_request
         modules.scheduler.Scheduler._process_candidates = _installed.process_candidates
+        modules.model_runner.ModelRunner._sample = _installed.sample
         _installed = None
 
 

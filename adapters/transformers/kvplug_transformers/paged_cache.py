@@ -38,6 +38,7 @@ from kvplug.interface import InvalidArgumentError
 
 from kvplug_transformers.decode_graphs import HostDecodeGraphs, graphs_for
 from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
+from kvplug_transformers.sampler import BatchSampler
 from kvplug_transformers.settings import KVPlugSettings
 from kvplug_transformers.step_tracker import StepTracker
 
@@ -70,6 +71,7 @@ class KVPlugPagedCache:
         settings: KVPlugSettings,
         group_layers_by_attn_type: Any,
         on_stats: Any = None,
+        request_sampling: Any = None,
     ) -> None:
         if getattr(distributed_helper, "tp_size", 1) > 1:
             raise InvalidArgumentError("kvplug_transformers does not support tensor parallelism yet (tp_size > 1)")
@@ -112,6 +114,11 @@ class KVPlugPagedCache:
         self._init_transformers_attributes(config, dtype, device)
         self.steps = StepTracker(self.backend, on_stats=on_stats, defer_loads=settings.defer_host_loads)
         self.decode_graphs: HostDecodeGraphs | None = graphs_for(self, settings)
+        # per-request sampling (kvplug serve's RequestSampling); None: transformers samples as configured
+        self.sampler: BatchSampler | None = None
+        if request_sampling is not None:
+            vocab_size = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
+            self.sampler = BatchSampler(request_sampling.take, vocab_size, self.backend.device)
 
     # ------------------------------------------------------------------ construction helpers
     def _disable_unsupported_features(self, cb: Any) -> None:
@@ -203,10 +210,14 @@ class KVPlugPagedCache:
 
     def free_blocks(self, request_id: str) -> None:
         with self._ordered():
+            if self.sampler is not None and not self.steps.is_requeued(request_id):
+                self.sampler.release(request_id)  # a soft reset keeps its seed's stream and its counts
             self.steps.finish(request_id)
 
     def free_all_requests(self) -> None:
         with self._ordered():
+            if self.sampler is not None:
+                self.sampler.release_all()
             self.steps.finish_all()
 
     def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
@@ -289,6 +300,31 @@ class KVPlugPagedCache:
         self.attach_runner(runner)
         graphs = self.decode_graphs
         return graphs is not None and graphs.run_step(runner, model, batch_data)
+
+    def sample_step(self, runner: Any, scores: torch.Tensor, output_ids: torch.Tensor) -> bool:
+        """Sample the step with each request's own settings (``BatchSampler``) in place of
+        transformers' ``ModelRunner._sample``; ``False`` (nothing done) without per-request sampling.
+
+        Args:
+            scores: shape ``[1, rows, V]``, float32, device: the step's logits (raw: the worker runs no
+                logits processor), the sampling requests' rows first, in step order.
+            output_ids: transformers' static output, ``[1 or 2, max_batch_tokens + 1]``, int32, device;
+                row 0 gets the ids, row 1 (with ``return_logprobs``) their log-probabilities as int32 bits.
+        """
+        if self.sampler is None:
+            return False
+        request_ids = self.steps.sampling_request_ids()
+        count = len(request_ids)
+        if scores.shape[1] < count:
+            raise InvalidArgumentError(
+                f"the step has {count} sampling requests but transformers computed {scores.shape[1]} logits rows"
+            )
+        ids, processed = self.sampler.sample(request_ids, self.steps.prompt_ids, scores[0, :count])
+        output_ids[0, :count].copy_(ids)
+        if runner.return_logprobs:
+            logprobs = processed.log_softmax(dim=-1).gather(1, ids.unsqueeze(-1)).squeeze(-1)
+            output_ids[1, :count].copy_(logprobs.view(dtype=torch.int32))
+        return True
 
     def step_launched(self, runner: Any) -> None:
         """transformers' step (forward, logits processors, sampler) is enqueued: commit it on

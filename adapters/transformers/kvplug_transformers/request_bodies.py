@@ -81,7 +81,7 @@ def check_completion(body: dict, *, trust_request_chat_template: bool = False) -
     _refuse_if(body, "best_of", lambda v: not (_is_int(v) and v == 1), "best_of must be 1: this server returns one choice per request")
     _refuse_if(body, "logprobs", lambda v: v not in (0, False), "logprobs are not supported by this server")
     _refuse_if(body, "echo", bool, "echo is not supported by this server")
-    _refuse_if(body, "presence_penalty", lambda v: v != 0, "presence_penalty is not supported (frequency_penalty is)")
+    _expect_number(body, "presence_penalty", -2.0, 2.0)
     _expect_number(body, "frequency_penalty", -2.0, 2.0)
 
 
@@ -284,7 +284,7 @@ def _refuse_unsupported_chat_parameters(body: dict) -> None:
     _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per request")
     _refuse_if(body, "logprobs", bool, "logprobs are not supported by this server")
     _refuse_if(body, "top_logprobs", lambda v: v != 0, "top_logprobs are not supported by this server")
-    _refuse_if(body, "presence_penalty", lambda v: v != 0, "presence_penalty is not supported (frequency_penalty is)")
+    _expect_number(body, "presence_penalty", -2.0, 2.0)
     _refuse_if(
         body, "response_format", lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
         "response_format other than {'type': 'text'} is not supported (no structured output)",

@@ -310,6 +310,23 @@ class StepTracker:
         finally:
             self._batch = saved
 
+    def sampling_request_ids(self) -> list[str]:
+        """The step's requests that sample a token, in step order: the rows of the step's logits
+        (a request whose step covers all its known tokens; a prefill chunk short of that samples
+        nothing, as transformers' ``has_new_token``)."""
+        return [tracked.request_id for tracked, past, new in self._step if past + new >= tracked.request.num_tokens]
+
+    def prompt_ids(self, request_id: str) -> list[int]:
+        """A request's prompt ids as transformers holds them (``RequestState.initial_tokens``)."""
+        state = self._states.get(request_id)
+        return [] if state is None else list(state.initial_tokens)
+
+    def is_requeued(self, request_id: str) -> bool:
+        """Whether transformers is ending the request only to queue it again (its offloading's
+        soft reset: status ``PENDING`` when it frees the blocks) rather than finishing it."""
+        state = self._states.get(request_id)
+        return state is not None and getattr(state.status, "name", None) == "PENDING"
+
     # ------------------------------------------------------------------ after the forward
     def commit_step(self, sampled_ids: torch.Tensor) -> None:
         """The step's forward and sampler are enqueued: commit the step now, on the device.

@@ -16,6 +16,7 @@ import asyncio
 import copy
 import logging
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 from kvplug_transformers.http_guards import InFlightRequests
@@ -25,11 +26,26 @@ logger = logging.getLogger("kvplug.serve")
 CAUSE_WAIT_S = 2.0  # how long a dying worker is given to record why, for the log and the 503s
 
 
+class WorkerSampling(ABC):
+    """How the batching worker samples: the config it starts with, and what a request may ask."""
+
+    @abstractmethod
+    def config(self, model: Any) -> Any:
+        """The generation config the worker starts with."""
+
+    @abstractmethod
+    def check(self, model: Any, requested: Any) -> None:
+        """Raise ``RequestRefused`` for a request's generation config the worker would not honour."""
+
+    def discard(self, request_id: str) -> None:
+        """A request refused before it reached the worker."""
+
+
 class LimitedManager:
     """A transformers generation manager whose requests pass ``RequestLimits`` first, and whose
-    sampling is the server's (``ServerSampling``) rather than its first request's."""
+    worker starts with the server's sampling (``WorkerSampling``) rather than its first request's."""
 
-    def __init__(self, inner: Any, limits: RequestLimits, sampling: ServerSampling) -> None:
+    def __init__(self, inner: Any, limits: RequestLimits, sampling: WorkerSampling) -> None:
         self._inner = inner
         self._limits = limits
         self._sampling = sampling
@@ -42,14 +58,14 @@ class LimitedManager:
         self._inner.init_cb(model, self._sampling.config(model))
 
     def generate_streaming(self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
-        self._limits.apply(inputs["input_ids"], generation_config)
+        self._apply_limits(inputs, generation_config, kwargs)
         self._log(inputs, generation_config, kwargs, streaming=True)
         return self._inner.generate_streaming(model, processor, inputs, generation_config, **kwargs)
 
     async def generate_non_streaming(
         self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any
     ) -> Any:
-        self._limits.apply(inputs["input_ids"], generation_config)
+        self._apply_limits(inputs, generation_config, kwargs)
         self._log(inputs, generation_config, kwargs, streaming=False)
         try:
             return await self._inner.generate_non_streaming(model, processor, inputs, generation_config, **kwargs)
@@ -63,6 +79,14 @@ class LimitedManager:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def _apply_limits(self, inputs: Any, generation_config: Any, kwargs: dict) -> None:
+        try:
+            self._limits.apply(inputs["input_ids"], generation_config)
+        except RequestRefused:
+            if kwargs.get("request_id") is not None:
+                self._sampling.discard(kwargs["request_id"])
+            raise
 
     @staticmethod
     def _log(inputs: Any, generation_config: Any, kwargs: dict, *, streaming: bool) -> None:
@@ -82,8 +106,10 @@ NEUTRAL = {"repetition_penalty": 1.0, "sequence_bias": None, "stop_strings": Non
 OPENAI_NAMES = {"repetition_penalty": "frequency_penalty", "sequence_bias": "logit_bias", "stop_strings": "stop"}
 
 
-class ServerSampling:
-    """The one sampling setting of the server: the model's ``generation_config.json``.
+class ServerSampling(WorkerSampling):
+    """The one sampling setting of a server on transformers' native cache: the model's
+    ``generation_config.json`` (with the kvplug cache every request samples its own way:
+    ``request_sampling.RequestSampling``).
 
     transformers' continuous batching takes only ``max_new_tokens`` and the EOS token per
     request; everything else (temperature, top_p, penalties, logit bias, stop strings) comes from
@@ -148,15 +174,17 @@ class WorkerWatch:
         generation_state: the server's ``GenerationState``; its ``get_manager`` is wrapped.
         limits: what one request may hold.
         inflight: the server's running requests; closed requests get no manager.
+        sampling: how the worker samples (``ServerSampling`` when not given).
     """
 
-    def __init__(self, generation_state: Any, limits: RequestLimits, inflight: InFlightRequests) -> None:
+    def __init__(self, generation_state: Any, limits: RequestLimits, inflight: InFlightRequests,
+                 sampling: WorkerSampling | None = None) -> None:
         self._state = generation_state
         self.limits = limits
         self._inflight = inflight
         self._get_manager = generation_state.get_manager
         generation_state.get_manager = self.get_manager
-        self.sampling = ServerSampling()
+        self.sampling = sampling if sampling is not None else ServerSampling()
         self.death: str | None = None
         self._stopping = False  # set when the server itself stops the worker
 

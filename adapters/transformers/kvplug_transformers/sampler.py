@@ -1,0 +1,291 @@
+"""kvplug's batched sampler: every row of a step's logits sampled with its own request's settings.
+
+transformers' continuous batching samples a whole batch one way (``ModelRunner.do_sample``, the
+processors of the config the worker started with). With ``kvplug serve`` the worker starts greedy
+with no processors, so ``ModelRunner._sample`` receives the raw float logits, and kvplug's
+replacement of it (``installation``) hands them here with the step's request ids in row order.
+
+``sample_rows`` is one vectorised pass over ``[B, V]`` logits with per-row parameter tensors, in
+vLLM's order: logit bias, penalties (repetition over prompt and output, frequency and presence
+over the output), then greedy rows take the argmax, the others are divided by their temperature,
+masked by min-p, top-k and top-p, and sampled as ``argmax(probs / noise)`` with exponential noise
+(the Gumbel-max trick), so each row draws from its own random stream. ``BatchSampler`` keeps
+what lasts across steps: each request's ``torch.Generator`` (``seed``: the same seed gives the
+same tokens whatever else is in the batch) and, for penalised requests, device-side counts of the
+tokens generated so far (updated from the sampled ids on the device: no host sync, so
+transformers' async batching still prepares step N+1 while step N runs).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kvplug.interface import InvalidArgumentError
+
+from kvplug_transformers.sampling_params import GREEDY_BELOW, SamplingParams
+
+
+@dataclass(frozen=True)
+class RowPenalties:
+    """The penalised rows of a step (``P`` of the ``B`` rows).
+
+    Attributes:
+        rows: shape ``[P]``, int64, device: their indices among the step's rows.
+        repetition, frequency, presence: shape ``[P]``, float32, device.
+        prompt_mask: shape ``[P, V]``, bool, device: the token occurs in the request's prompt.
+        output_counts: shape ``[P, V]``, int32, device: times the request generated the token.
+    """
+
+    rows: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    prompt_mask: torch.Tensor
+    output_counts: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row settings of one step's ``B`` rows; tensors on the logits' device.
+
+    Attributes:
+        temperature: shape ``[B]``, float32; below ``GREEDY_BELOW``: the row is greedy.
+        top_p: shape ``[B]``, float32 (1: off).
+        top_k: shape ``[B]``, int64 (0: off).
+        min_p: shape ``[B]``, float32 (0: off).
+        noise: shape ``[B, V]``, float32, exponential(1) draws (greedy rows' are never read), or
+            ``None`` when every row is greedy.
+        penalties: the penalised rows, or ``None``.
+        bias: ``(rows [N] int64, tokens [N] int64, values [N] float32)`` added to the logits, or ``None``.
+        all_greedy, any_top_k, any_top_p, any_min_p: host-side flags, so no step reads the device
+            to decide what to skip.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    noise: torch.Tensor | None
+    penalties: RowPenalties | None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+
+def sample_rows(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    Args:
+        logits: shape ``[B, V]``, float32, device (not modified).
+        params: the rows' settings.
+
+    Returns:
+        ``(ids, processed)``: ids shape ``[B]``, int64; ``processed`` shape ``[B, V]`` float32, the
+        logits after bias and penalties (what a greedy row takes the argmax of).
+    """
+    scores = logits
+    if params.bias is not None:
+        rows, tokens, values = params.bias
+        scores = scores.index_put((rows, tokens), values, accumulate=True)
+    if params.penalties is not None:
+        scores = _apply_penalties(scores, params.penalties)
+    greedy_ids = scores.argmax(dim=-1)
+    if params.all_greedy:
+        return greedy_ids, scores
+    temperature = params.temperature
+    greedy = temperature < GREEDY_BELOW
+    scaled = scores / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    if params.any_min_p:
+        probs = scaled.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * params.min_p.unsqueeze(-1)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    if params.any_top_k or params.any_top_p:
+        scaled = _top_k_top_p(scaled, params)
+    probs = scaled.softmax(dim=-1)
+    sampled_ids = (probs / params.noise).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, sampled_ids), scores
+
+
+def _apply_penalties(scores: torch.Tensor, penalties: RowPenalties) -> torch.Tensor:
+    """vLLM's penalties on the penalised rows (a new tensor; the others' rows copied as they are)."""
+    rows = scores.index_select(0, penalties.rows)  # [P, V]
+    counts = penalties.output_counts
+    generated = counts > 0
+    repetition = penalties.repetition.unsqueeze(-1)
+    seen = penalties.prompt_mask | generated
+    rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
+    rows = rows - penalties.frequency.unsqueeze(-1) * counts.to(rows.dtype)
+    rows = rows - penalties.presence.unsqueeze(-1) * generated.to(rows.dtype)
+    return scores.index_copy(0, penalties.rows, rows)
+
+
+def _top_k_top_p(scaled: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Mask all but each row's ``top_k`` largest and its top-p nucleus (the fewest largest whose
+    probabilities sum to at least ``top_p``, after top-k); one sort for both."""
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    if params.any_top_k:
+        ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
+        keep = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, vocab)).unsqueeze(-1)
+        ordered = ordered.masked_fill(ranks >= keep, float("-inf"))
+    if params.any_top_p:
+        probs = ordered.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        top_p = params.top_p.unsqueeze(-1)
+        ordered = ordered.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
+
+
+@dataclass(eq=False)
+class _Request:
+    params: SamplingParams
+    generator: torch.Generator | None
+    slot: int | None  # its row in the penalty tensors
+
+
+class BatchSampler:
+    """Samples the steps of one continuous-batching worker with per-request settings.
+
+    Args:
+        params_of: the settings of a request id (``RequestSampling.take``), asked once per request,
+            at its first sampled step.
+        vocab_size: ``V``, the logits' last dimension.
+        device: where the logits are.
+    """
+
+    def __init__(self, params_of: Callable[[str], SamplingParams], vocab_size: int, device: torch.device) -> None:
+        self._params_of = params_of
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # release() may come from another thread than the worker's
+        self._counts: torch.Tensor | None = None  # [slots, V] int32
+        self._prompt_mask: torch.Tensor | None = None  # [slots, V] bool
+        self._free_slots: list[int] = []
+
+    def sample(self, request_ids: Sequence[str], prompt_of: Callable[[str], Sequence[int]],
+               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample the step's rows.
+
+        Args:
+            request_ids: the request of each row, in row order.
+            prompt_of: a request's prompt ids (read once, for ``repetition_penalty``).
+            logits: shape ``[B, V]``, float32, device, ``B == len(request_ids)``.
+
+        Returns:
+            ``(ids, processed)`` as ``sample_rows``; the penalised requests' counts include ``ids``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(request_ids) or logits.shape[1] != self.vocab_size:
+            raise InvalidArgumentError(
+                f"the sampler expected logits of shape [{len(request_ids)}, {self.vocab_size}] (one row per "
+                f"sampling request of the step), got {list(logits.shape)}"
+            )
+        with self._lock:
+            requests = [self._request(request_id, prompt_of) for request_id in request_ids]
+            params = self._row_params(requests, logits.dtype)
+            ids, processed = sample_rows(logits, params)
+            if params.penalties is not None:
+                slots = torch.tensor([r.slot for r in requests if r.slot is not None], device=self.device)
+                ones = torch.ones(slots.shape[0], dtype=torch.int32, device=self.device)
+                self._counts.index_put_((slots, ids.index_select(0, params.penalties.rows)), ones, accumulate=True)
+        return ids, processed
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its generator, its penalty row)."""
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is not None and request.slot is not None:
+                self._free_slots.append(request.slot)
+
+    def release_all(self) -> None:
+        with self._lock:
+            for request_id in list(self._requests):
+                request = self._requests.pop(request_id)
+                if request.slot is not None:
+                    self._free_slots.append(request.slot)
+
+    @property
+    def tracked(self) -> int:
+        """Requests with state here (for tests: none is left once all finished)."""
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ per-request state
+    def _request(self, request_id: str, prompt_of: Callable[[str], Sequence[int]]) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            params = self._params_of(request_id)
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            slot = self._new_slot(prompt_of(request_id)) if params.penalised else None
+            request = self._requests[request_id] = _Request(params, generator, slot)
+        return request
+
+    def _new_slot(self, prompt: Sequence[int]) -> int:
+        if not self._free_slots:
+            used = 0 if self._counts is None else self._counts.shape[0]
+            grown = max(2 * used, 4)
+            counts = torch.zeros(grown, self.vocab_size, dtype=torch.int32, device=self.device)
+            mask = torch.zeros(grown, self.vocab_size, dtype=torch.bool, device=self.device)
+            if used:
+                counts[:used] = self._counts
+                mask[:used] = self._prompt_mask
+            self._counts, self._prompt_mask = counts, mask
+            self._free_slots.extend(range(grown - 1, used - 1, -1))
+        slot = self._free_slots.pop()
+        self._counts[slot].zero_()
+        self._prompt_mask[slot].zero_()
+        if prompt:
+            ids = torch.tensor([token for token in prompt if 0 <= token < self.vocab_size], dtype=torch.int64)
+            self._prompt_mask[slot, ids.to(self.device)] = True
+        return slot
+
+    def _row_params(self, requests: list[_Request], dtype: torch.dtype) -> RowParams:
+        device, vocab = self.device, self.vocab_size
+        settings = [request.params for request in requests]
+
+        def column(values: list, kind: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=kind, device=device)
+
+        all_greedy = all(p.greedy for p in settings)
+        noise = None
+        if not all_greedy:
+            noise = torch.empty(len(requests), vocab, dtype=torch.float32, device=device).exponential_()
+            for row, request in enumerate(requests):
+                if request.generator is not None:
+                    noise[row].exponential_(generator=request.generator)  # the request's own stream, one draw a step
+        penalties = None
+        penalised = [row for row, request in enumerate(requests) if request.slot is not None]
+        if penalised:
+            slots = column([requests[row].slot for row in penalised], torch.int64)
+            penalties = RowPenalties(
+                rows=column(penalised, torch.int64),
+                repetition=column([settings[row].repetition_penalty for row in penalised], torch.float32),
+                frequency=column([settings[row].frequency_penalty for row in penalised], torch.float32),
+                presence=column([settings[row].presence_penalty for row in penalised], torch.float32),
+                prompt_mask=self._prompt_mask.index_select(0, slots),
+                output_counts=self._counts.index_select(0, slots),
+            )
+        bias = None
+        pairs = [(row, token, value) for row, p in enumerate(settings) for token, value in p.logit_bias]
+        if pairs:
+            rows, tokens, values = zip(*pairs)
+            bias = (column(list(rows), torch.int64), column(list(tokens), torch.int64),
+                    column(list(values), dtype))
+        return RowParams(
+            temperature=column([p.temperature for p in settings], torch.float32),
+            top_p=column([p.top_p for p in settings], torch.float32),
+            top_k=column([p.top_k for p in settings], torch.int64),
+            min_p=column([p.min_p for p in settings], torch.float32),
+            noise=noise, penalties=penalties, bias=bias, all_greedy=all_greedy,
+            any_top_k=any(p.top_k > 0 and not p.greedy for p in settings),
+            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in settings),
+            any_min_p=any(p.min_p > 0.0 and not p.greedy for p in settings),
+        )

@@ -1,0 +1,168 @@
+"""``kvplug serve`` honours each request's sampling (issue 29 item 2), whatever the checkpoint's
+``generation_config.json`` says: one real server on a copy of the embedded model whose config
+*samples* (``do_sample`` true, temperature 0.9, top_k 50), driven by the real ``openai`` client
+with greedy, seeded and penalised requests sent concurrently. Greedy requests (``temperature: 0``)
+must be token-identical to ``model.generate(do_sample=False)``, seeded ones reproducible (alone and
+in a mixed batch), a request sent without sampling fields must sample (the checkpoint's default),
+and what the server cannot honour (``stop``) is a 400 in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.serve_process import free_port, post, start, stop, wait_ready
+
+MAX_TOKENS = 24
+PROMPTS = ["The quick brown fox", "kvplug pages", "Once upon a time", "0123456789", "sampling per request"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvplug-cache")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(cache_dir, tmp_path_factory):
+    """The embedded model, its generation_config.json made to sample (as real chat checkpoints do)."""
+    pytest.importorskip("transformers")
+    from kvplug_transformers.embedded_model import ensure_embedded_model
+
+    path = tmp_path_factory.mktemp("sampling-checkpoint") / "model"
+    shutil.copytree(ensure_embedded_model(cache_dir), path)
+    config_file = path / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(do_sample=True, temperature=0.9, top_k=50, top_p=0.95)
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, cache_dir, tmp_path_factory):
+    for module in ("fastapi", "uvicorn", "openai"):
+        pytest.importorskip(module)
+    port, log = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
+    process = start(
+        ["-m", "kvplug", "serve", str(checkpoint), "--port", str(port), "--kv-memory", "4MiB", "--max-seq-len", "256",
+         "--log-level", "warning"],
+        cache_dir, log,
+    )
+    wait_ready(process, port, log)
+    yield port
+    code, _ = stop(process)
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def greedy_references(checkpoint):
+    """``model.generate`` with ``do_sample=False`` over each prompt: what temperature 0 must give."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    config = transformers.GenerationConfig(
+        max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
+    references = {}
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            out = model.generate(ids, generation_config=config)[0, ids.shape[1]:]
+            references[prompt] = tokenizer.decode(out, skip_special_tokens=True)
+    return references
+
+
+def _complete(client, prompt: str, **sampling) -> str:
+    extra = {key: sampling.pop(key) for key in ("top_k", "min_p", "repetition_penalty") if key in sampling}
+    reply = client.completions.create(model=_model(client), prompt=prompt, max_tokens=MAX_TOKENS,
+                                      extra_body=extra or None, **sampling)
+    return reply.choices[0].text
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_temperature_zero_is_greedy_on_a_sampling_checkpoint(client, greedy_references):
+    for prompt in PROMPTS:
+        assert _complete(client, prompt, temperature=0) == greedy_references[prompt], prompt
+
+
+def test_the_checkpoint_default_samples(client, greedy_references):
+    """No sampling field: the checkpoint's sampling (temperature 0.9, top_k 50), not greedy."""
+    replies = [_complete(client, prompt) for prompt in PROMPTS for _ in range(2)]
+    greedy = [greedy_references[prompt] for prompt in PROMPTS for _ in range(2)]
+    assert replies != greedy
+
+
+def test_mixed_sampling_requests_concurrently(client, greedy_references):
+    """Greedy, seeded, penalised and top-k/top-p/min-p requests in one batch: greedy rows stay
+    token-identical to generate, a seed gives the same text alone and among the others."""
+    seeded = {"temperature": 1.0, "seed": 1234, "top_p": 0.9}
+    alone = _complete(client, PROMPTS[0], **dict(seeded))
+    assert alone == _complete(client, PROMPTS[0], **dict(seeded))  # reproducible, sequentially
+    jobs = []
+    for round_index in range(2):
+        for prompt in PROMPTS:
+            jobs.append(("greedy", prompt, {"temperature": 0}))
+        jobs.append(("seeded", PROMPTS[0], dict(seeded)))
+        jobs.append(("other", PROMPTS[1], {"temperature": 1.3, "top_k": 5, "min_p": 0.05, "seed": round_index}))
+        jobs.append(("other", PROMPTS[2], {"temperature": 0.7, "frequency_penalty": 1.5, "presence_penalty": 0.5}))
+        jobs.append(("other", PROMPTS[3], {"temperature": 0, "repetition_penalty": 1.8}))
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(lambda job: (job, _complete(client, job[1], **dict(job[2]))), jobs))
+    for (kind, prompt, _), text in results:
+        if kind == "greedy":
+            assert text == greedy_references[prompt], prompt
+        elif kind == "seeded":
+            assert text == alone
+    # a penalty changes what greedy decoding picks (the embedded model repeats itself)
+    penalised = [text for (kind, prompt, sampling), text in results if sampling.get("repetition_penalty")]
+    assert penalised[0] == penalised[1] != greedy_references[PROMPTS[3]]
+
+
+def test_different_seeds_differ_and_the_same_seed_repeats(client):
+    texts = {seed: _complete(client, PROMPTS[4], temperature=1.5, seed=seed) for seed in (1, 2, 3)}
+    assert len(set(texts.values())) > 1
+    assert _complete(client, PROMPTS[4], temperature=1.5, seed=2) == texts[2]
+
+
+def test_chat_sampling_fields_are_honoured(client):
+    messages = [{"role": "user", "content": "hello"}]
+    replies = [
+        client.chat.completions.create(model=_model(client), messages=messages, max_tokens=12, temperature=1.0,
+                                       seed=99, frequency_penalty=0.5, logit_bias={"65": 5})
+        .choices[0].message.content
+        for _ in range(2)
+    ]
+    assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop": ["\n"]}, "stop"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"generation_config": json.dumps({"num_beams": 2})}, "generation_config"),
+])
+def test_what_cannot_be_honoured_is_a_400_in_openai_shape(server, body, param):
+    status, reply = post(server, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, **body}).encode())
+    assert status == 400, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["param"] == param, reply
+
