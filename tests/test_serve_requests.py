@@ -180,13 +180,12 @@ def test_generation_stops_at_the_limit_with_finish_reason_length(server, client)
         ({"messages": HI, "model": 7}, 400, "'model' must be a string"),
         ({"messages": HI, "bogus_field": 1}, 400, "unknown field 'bogus_field' for this endpoint"),
         ({"messages": HI, "seed": 2**70}, 400, "'seed' must be an integer in [0, 2**63)"),
-        # what transformers' continuous batching would silently not apply per request
-        ({"messages": HI, "logit_bias": {"999999999": 5}}, 400, "does not apply per-request logit_bias"),
-        ({"messages": HI, "frequency_penalty": -1}, 400, "does not apply per-request frequency_penalty"),
-        ({"messages": HI, "stop": ["x"]}, 400, "does not apply per-request stop"),
-        ({"messages": HI, "generation_config": '{"num_beams": 4}'}, 400, "does not apply per-request num_beams"),
-        ({"messages": HI, "generation_config": '{"do_sample": true, "top_k": -1}'},
-         400, "samples every request the same way (greedy"),
+        ({"messages": HI, "frequency_penalty": -3}, 400, "'frequency_penalty' must be a number in [-2, 2]"),
+        ({"messages": HI, "presence_penalty": 2.5}, 400, "'presence_penalty' must be a number in [-2, 2]"),
+        # what the server would not apply: refused, never ignored
+        ({"messages": HI, "logit_bias": {"999999999": 5}}, 400, "'logit_bias' keys must be token ids in [0, "),
+        ({"messages": HI, "stop": ["x"]}, 400, "stop ['x'] is not supported by this server yet"),
+        ({"messages": HI, "generation_config": '{"num_beams": 4}'}, 400, "'generation_config.num_beams' 4 is not"),
     ],
 )
 def test_bad_chat_bodies_get_a_4xx_naming_the_field(server, body, status, words):
@@ -196,8 +195,10 @@ def test_bad_chat_bodies_get_a_4xx_naming_the_field(server, body, status, words)
     assert words in text, text
 
 
-def test_parameters_matching_the_server_sampling_are_accepted(server, client):
-    for extra in ({"temperature": 0}, {"frequency_penalty": 0}, {"n": 1}, {"seed": 7}, {"stop": []}):
+def test_sampling_parameters_are_accepted(server, client):
+    for extra in ({"temperature": 0}, {"frequency_penalty": 0}, {"n": 1}, {"seed": 7}, {"stop": []},
+                  {"frequency_penalty": -1}, {"presence_penalty": 0.3}, {"temperature": 0.8, "top_p": 0.5},
+                  {"extra_body": {"generation_config": '{"do_sample": true, "top_k": -1}'}}):
         reply = client.chat.completions.create(model="kvplug-default", messages=HI, max_tokens=3, **extra)
         assert reply.choices[0].finish_reason in ("stop", "length"), extra
     status, answer = _chat(server[0], {"messages": HI, "max_completion_tokens": 2})

@@ -119,7 +119,7 @@ def test_missing_names_and_fields_are_refused_together(monkeypatch):
     with pytest.raises(compat.UnsupportedTransformersError) as caught:
         compat.check_internals(transformers.__version__, entries)
     message = str(caught.value)
-    assert "2 internal(s)" in message and "ModelRunner._sample (called" in message and "found 'missing'" in message
+    assert "3 internal(s)" in message and "ModelRunner._sample (called" in message and "ModelRunner._sample (patched" in message and "found 'missing'" in message
     assert "prompt_tokens (missing)" in message
 
 

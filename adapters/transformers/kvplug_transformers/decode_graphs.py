@@ -8,7 +8,8 @@ only known token past its cached ones) that fits a captured batch size is staged
 ``StepTracker.stage`` padded into that size's buffers (``KVBackend.begin_decode``; the dummy
 request fills the unused slots), the captured forward replays, and the logits of the live rows
 go through transformers' own logits processors and sampler (``runner.logit_processor``,
-``runner._sample``) - so sampling, its parameters and its outputs are transformers' own.
+``runner._sample``, which kvplug's per-request sampler replaces under ``kvplug serve``): sampling
+runs eagerly after the replay, on the graph's logits output, exactly as after an eager forward.
 Prefill and mixed steps, and decode steps larger than the largest captured size, return
 ``False`` and run eagerly as before.
 
