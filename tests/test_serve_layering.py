@@ -17,10 +17,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "adapters" / "transformers" / "k
 HTTP_MODULES = {
     "server", "http_server", "http_guards", "http_protocol", "generation_routes", "handler_guards", "request_bodies",
     "request_json", "request_limits", "stats_routes", "worker_watch", "prompt_tokens", "log_limits", "serve_options",
-    "token_routes", "token_id_prompts", "serve_metrics", "model_checks",
+    "token_routes", "token_id_prompts", "serve_metrics", "model_checks", "request_sampling", "sampling_fields",
 }
 INTEGRATION_MODULES = {"installation", "paged_cache", "step_tracker", "attention", "compat", "settings", "host_stats",
-                       "planning", "decode_graphs", "plugin", "embedded_model"}
+                       "planning", "decode_graphs", "plugin", "embedded_model", "sampler", "sampling_params"}
 
 
 def _imported(path: Path) -> set[str]:

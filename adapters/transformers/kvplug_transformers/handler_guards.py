@@ -17,7 +17,7 @@ from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 from kvplug_transformers.request_sampling import RequestSampling
-from kvplug_transformers.sampling_params import request_params
+from kvplug_transformers.sampling_fields import request_params
 from kvplug_transformers.stats_routes import ServedModel
 from kvplug_transformers.token_id_prompts import TokenIdsProcessor
 

@@ -118,7 +118,8 @@ class KVPlugPagedCache:
         self.sampler: BatchSampler | None = None
         if request_sampling is not None:
             vocab_size = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
-            self.sampler = BatchSampler(request_sampling.take, vocab_size, self.backend.device)
+            self.sampler = BatchSampler(request_sampling.take, vocab_size, self.backend.device,
+                                        forget=request_sampling.discard)
 
     # ------------------------------------------------------------------ construction helpers
     def _disable_unsupported_features(self, cb: Any) -> None:

@@ -157,10 +157,14 @@ class BatchSampler:
             at its first sampled step.
         vocab_size: ``V``, the logits' last dimension.
         device: where the logits are.
+        forget: called with a released request's id (``RequestSampling.discard``: a request that
+            ended before its first sampled step leaves no settings behind).
     """
 
-    def __init__(self, params_of: Callable[[str], SamplingParams], vocab_size: int, device: torch.device) -> None:
+    def __init__(self, params_of: Callable[[str], SamplingParams], vocab_size: int, device: torch.device,
+                 forget: Callable[[str], None] | None = None) -> None:
         self._params_of = params_of
+        self._forget = forget
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._requests: dict[str, _Request] = {}
@@ -188,10 +192,12 @@ class BatchSampler:
             )
         with self._lock:
             requests = [self._request(request_id, prompt_of) for request_id in request_ids]
+            if all(r.params.greedy and r.slot is None and not r.params.logit_bias for r in requests):
+                return logits.argmax(dim=-1), logits  # plain greedy: nothing to build
             params = self._row_params(requests, logits.dtype)
             ids, processed = sample_rows(logits, params)
             if params.penalties is not None:
-                slots = torch.tensor([r.slot for r in requests if r.slot is not None], device=self.device)
+                slots = self._to_device([r.slot for r in requests if r.slot is not None], torch.int64)
                 ones = torch.ones(slots.shape[0], dtype=torch.int32, device=self.device)
                 self._counts.index_put_((slots, ids.index_select(0, params.penalties.rows)), ones, accumulate=True)
         return ids, processed
@@ -202,6 +208,8 @@ class BatchSampler:
             request = self._requests.pop(request_id, None)
             if request is not None and request.slot is not None:
                 self._free_slots.append(request.slot)
+        if self._forget is not None:
+            self._forget(request_id)
 
     def release_all(self) -> None:
         with self._lock:
@@ -243,16 +251,24 @@ class BatchSampler:
         self._counts[slot].zero_()
         self._prompt_mask[slot].zero_()
         if prompt:
-            ids = torch.tensor([token for token in prompt if 0 <= token < self.vocab_size], dtype=torch.int64)
-            self._prompt_mask[slot, ids.to(self.device)] = True
+            ids = self._to_device([token for token in prompt if 0 <= token < self.vocab_size], torch.int64)
+            self._prompt_mask[slot, ids] = True
         return slot
 
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small host list on the device without waiting for the stream (pinned, non-blocking
+        copy on CUDA), so the host can run ahead of the step it samples."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _row_params(self, requests: list[_Request], dtype: torch.dtype) -> RowParams:
-        device, vocab = self.device, self.vocab_size
+        vocab = self.vocab_size
+        device = self.device
         settings = [request.params for request in requests]
 
-        def column(values: list, kind: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=kind, device=device)
+        column = self._to_device
 
         all_greedy = all(p.greedy for p in settings)
         noise = None
