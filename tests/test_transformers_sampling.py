@@ -47,7 +47,8 @@ def _greedy(model, prompt):
         return model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
 
 
-def _run(model, prompts, params: list[SamplingParams | None]) -> tuple[list[list[int]], RequestSampling]:
+def _run(model, prompts, params: list[SamplingParams | None], max_batch_tokens: int = 64,
+         **settings) -> tuple[list[list[int]], RequestSampling]:
     """``generate_batch`` on kvplug with per-request sampling; ``params[i]`` registered for the
     i-th request (transformers names them ``req_0``, ``req_1`` ... in a fresh manager)."""
     sampling = RequestSampling(model.generation_config, model.config.vocab_size)
@@ -57,11 +58,11 @@ def _run(model, prompts, params: list[SamplingParams | None]) -> tuple[list[list
     host = TransformersHost(max_seq_len=256, num_pages=64, page_size=16)
     config = sampling.config(model)
     config.max_new_tokens = MAX_NEW_TOKENS
-    with host.installed_context():
+    with host.installed_context(**settings):
         host.sample_per_request(sampling)
         outputs = model.generate_batch(
             prompts, generation_config=config,
-            continuous_batching_config=transformers.ContinuousBatchingConfig(max_batch_tokens=64),
+            continuous_batching_config=transformers.ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens),
         )
     assert sorted(outputs) == [f"req_{index}" for index in range(len(prompts))]
     assert all(outputs[f"req_{index}"].error is None for index in range(len(prompts)))
@@ -89,3 +90,39 @@ def test_a_seeded_request_repeats_alone_and_in_a_batch(model):
     reordered, _ = _run(model, [PROMPTS[3], PROMPTS[0]], [SamplingParams(temperature=1.5), seeded])
     assert mixed[2] == alone[0] == reordered[1]
     assert mixed[1] == _greedy(model, PROMPTS[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overlap", [None, False], ids=["overlap", "sync"])
+def test_cuda_graph_replays_sample_per_request(model, overlap, monkeypatch):
+    """On CUDA decode steps replay kvplug's graphs and are sampled after the replay, on the graph's
+    logits: greedy rows still equal ``generate``, a seed still repeats across batch compositions
+    (with transformers' async batching and without)."""
+    from kvplug_transformers.decode_graphs import HostDecodeGraphs
+
+    replays = []
+    run_step = HostDecodeGraphs.run_step
+
+    def counting(self, runner, graph_model, batch_data):
+        replayed = run_step(self, runner, graph_model, batch_data)
+        replays.append(replayed)
+        return replayed
+
+    monkeypatch.setattr(HostDecodeGraphs, "run_step", counting)
+    references = [_greedy(model, prompt) for prompt in PROMPTS]
+    seeded = SamplingParams(temperature=1.2, top_p=0.9, top_k=30, seed=77)
+    settings = dict(max_batch_tokens=256, attention="torch", cuda_graph_batch_sizes=(1, 2, 4, 8),
+                    overlap_schedule=overlap)
+    model.to("cuda")
+    try:
+        greedy, _ = _run(model, PROMPTS, [SamplingParams(temperature=0.0)] * len(PROMPTS), **settings)
+        alone, _ = _run(model, [PROMPTS[0]], [seeded], **settings)
+        mixed, _ = _run(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]],
+                        [SamplingParams(temperature=1.0, frequency_penalty=0.5), seeded, SamplingParams()], **settings)
+    finally:
+        model.to("cpu")
+    assert greedy == references
+    assert mixed[1] == alone[0]
+    assert mixed[2] == references[1]
+    assert sum(replays) >= 5
