@@ -84,14 +84,18 @@ def _row_params(settings: list[SamplingParams], prompts: list[list[int]], genera
     if pairs:
         rows, tokens, values = zip(*pairs)
         bias = (torch.tensor(rows), torch.tensor(tokens), torch.tensor(values, dtype=torch.float32))
+    random = [row for row, p in enumerate(settings) if not p.greedy]
+    chosen = [settings[row] for row in random]
+    top_ks = [p.top_k for p in chosen]
     return RowParams(
-        temperature=torch.tensor([p.temperature for p in settings], dtype=torch.float32),
-        top_p=torch.tensor([p.top_p for p in settings], dtype=torch.float32),
-        top_k=torch.tensor([p.top_k for p in settings], dtype=torch.int64),
-        min_p=torch.tensor([p.min_p for p in settings], dtype=torch.float32),
-        noise=noise, penalties=penalties, bias=bias, all_greedy=all(p.greedy for p in settings),
-        any_top_k=any(p.top_k > 0 for p in settings), any_top_p=any(p.top_p < 1 for p in settings),
-        any_min_p=any(p.min_p > 0 for p in settings),
+        temperature=torch.tensor([p.temperature for p in chosen], dtype=torch.float32),
+        top_p=torch.tensor([p.top_p for p in chosen], dtype=torch.float32),
+        top_k=torch.tensor(top_ks, dtype=torch.int64),
+        min_p=torch.tensor([p.min_p for p in chosen], dtype=torch.float32),
+        random_rows=torch.tensor(random, dtype=torch.int64),
+        noise=None if not random or noise is None else noise[random],
+        penalties=penalties, bias=bias, top_k_bound=max(top_ks) if top_ks and min(top_ks) > 0 else 0,
+        any_top_p=any(p.top_p < 1 for p in chosen), any_min_p=any(p.min_p > 0 for p in chosen),
     )
 
 
@@ -108,54 +112,36 @@ CASES = [
 ]
 
 
-def test_each_row_draws_from_its_reference_distribution():
+@pytest.mark.parametrize("cases", [CASES, [case for case in CASES if case.top_k or case.greedy]],
+                         ids=["sort", "topk"])
+def test_each_row_draws_from_its_reference_distribution(cases):
     """Every case as one row of a batch, many draws each: tokens outside the reference support
-    never appear, and frequencies match the reference within sampling error."""
+    never appear, and frequencies match the reference within sampling error. ``topk``: every
+    sampled row has a top_k, so candidates come from ``torch.topk`` instead of a sort."""
     generator = torch.Generator().manual_seed(0)
-    draws = 6000
-    logits = torch.randn(len(CASES), VOCAB, generator=generator) * 2
-    prompts = [[1, 4, 4, 9] for _ in CASES]
-    generated = [[4, 2, 2, 11] for _ in CASES]
-    base = _row_params(CASES, prompts, generated, None)
-    references = [reference_probs(logits[row].tolist(), CASES[row], prompts[row], generated[row])
-                  for row in range(len(CASES))]
-    counts = torch.zeros(len(CASES), VOCAB)
-    batch = 200
+    draws, batch = 6000, 200
+    logits = torch.randn(len(cases), VOCAB, generator=generator) * 2
+    prompts = [[1, 4, 4, 9] for _ in cases]
+    generated = [[4, 2, 2, 11] for _ in cases]
+    references = [reference_probs(logits[row].tolist(), cases[row], prompts[row], generated[row])
+                  for row in range(len(cases))]
+    counts = torch.zeros(len(cases), VOCAB)
     for _ in range(draws // batch):
-        # the same rows repeated: each repeat an independent draw
-        noise = torch.empty(len(CASES) * batch, VOCAB).exponential_(generator=generator)
-        repeated = RowParams(
-            temperature=base.temperature.repeat(batch), top_p=base.top_p.repeat(batch), top_k=base.top_k.repeat(batch),
-            min_p=base.min_p.repeat(batch), noise=noise, penalties=_repeat_penalties(base.penalties, len(CASES), batch),
-            bias=_repeat_bias(base.bias, len(CASES), batch), all_greedy=False, any_top_k=True, any_top_p=True,
-            any_min_p=True,
-        )
-        ids, _ = sample_rows(logits.repeat(batch, 1), repeated)
-        for row, token in zip(range(len(ids)), ids.tolist()):
-            counts[row % len(CASES), token] += 1
+        # the rows repeated ``batch`` times: each repeat an independent draw
+        noise = torch.empty(len(cases) * batch, VOCAB).exponential_(generator=generator)
+        params = _row_params(cases * batch, prompts * batch, generated * batch, noise)
+        assert bool(params.top_k_bound) == (cases is not CASES)
+        ids, _ = sample_rows(logits.repeat(batch, 1), params)
+        for row, token in enumerate(ids.tolist()):
+            counts[row % len(cases), token] += 1
     for row, reference in enumerate(references):
         for token in range(VOCAB):
             seen = counts[row, token].item() / draws
             if reference[token] == 0.0:
-                assert seen == 0.0, (row, CASES[row], token, reference)
+                assert seen == 0.0, (row, cases[row], token, reference)
             else:
                 assert abs(seen - reference[token]) < 4 * math.sqrt(reference[token] / draws) + 1e-3, (
-                    row, CASES[row], token, seen, reference[token])
-
-
-def _repeat_penalties(penalties: RowPenalties, rows: int, times: int) -> RowPenalties:
-    offsets = torch.arange(times).repeat_interleave(len(penalties.rows)) * rows
-    return RowPenalties(
-        rows=penalties.rows.repeat(times) + offsets, repetition=penalties.repetition.repeat(times),
-        frequency=penalties.frequency.repeat(times), presence=penalties.presence.repeat(times),
-        prompt_mask=penalties.prompt_mask.repeat(times, 1), output_counts=penalties.output_counts.repeat(times, 1),
-    )
-
-
-def _repeat_bias(bias, rows: int, times: int):
-    row_ids, tokens, values = bias
-    offsets = torch.arange(times).repeat_interleave(len(row_ids)) * rows
-    return row_ids.repeat(times) + offsets, tokens.repeat(times), values.repeat(times)
+                    row, cases[row], token, seen, reference[token])
 
 
 def test_greedy_rows_take_the_penalised_argmax_and_ignore_the_noise():

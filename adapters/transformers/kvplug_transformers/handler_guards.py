@@ -97,6 +97,7 @@ class GuardedHandler:
                 param="stop",
             )
         body[SAMPLING_KEY] = request_params(body, self._sampling.defaults, self._sampling.vocab_size)
+
     def _refuse_sampling_on_a_greedy_server(self, body: dict) -> None:
         """A greedy server (``do_sample`` false in generation_config.json) would serve ``temperature`` > 0
         or ``top_p`` < 1 greedily: refused instead of ignored (issue 29 item 2)."""

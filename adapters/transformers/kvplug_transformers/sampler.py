@@ -8,8 +8,9 @@ replacement of it (``installation``) hands them here with the step's request ids
 ``sample_rows`` is one vectorised pass over ``[B, V]`` logits with per-row parameter tensors, in
 vLLM's order: logit bias, penalties (repetition over prompt and output, frequency and presence
 over the output), then greedy rows take the argmax, the others are divided by their temperature,
-masked by min-p, top-k and top-p, and sampled as ``argmax(probs / noise)`` with exponential noise
-(the Gumbel-max trick), so each row draws from its own random stream. ``BatchSampler`` keeps
+masked by min-p, top-k and top-p (``torch.topk`` of the largest ``top_k`` when every sampled row has
+one, else a sort), and sampled as ``argmax(probs / noise)`` with exponential noise, one draw per
+token of the vocabulary (the Gumbel-max trick), so each row draws from its own random stream. ``BatchSampler`` keeps
 what lasts across steps: each request's ``torch.Generator`` (``seed``: the same seed gives the
 same tokens whatever else is in the batch) and, for penalised requests, device-side counts of the
 tokens generated so far (updated from the sampled ids on the device: no host sync, so
@@ -26,7 +27,7 @@ import torch
 
 from kvplug.interface import InvalidArgumentError
 
-from kvplug_transformers.sampling_params import GREEDY_BELOW, SamplingParams
+from kvplug_transformers.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -50,30 +51,33 @@ class RowPenalties:
 
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row settings of one step's ``B`` rows; tensors on the logits' device.
+    """Per-row settings of one step's ``B`` rows, ``R`` of which sample at random (the others are
+    greedy); tensors on the logits' device.
 
     Attributes:
-        temperature: shape ``[B]``, float32; below ``GREEDY_BELOW``: the row is greedy.
-        top_p: shape ``[B]``, float32 (1: off).
-        top_k: shape ``[B]``, int64 (0: off).
-        min_p: shape ``[B]``, float32 (0: off).
-        noise: shape ``[B, V]``, float32, exponential(1) draws (greedy rows' are never read), or
-            ``None`` when every row is greedy.
+        temperature: shape ``[R]``, float32, of the random rows.
+        top_p: shape ``[R]``, float32 (1: off).
+        top_k: shape ``[R]``, int64 (0: off).
+        min_p: shape ``[R]``, float32 (0: off).
+        random_rows: shape ``[R]``, int64: their indices among the ``B`` rows.
+        noise: shape ``[R, V]``, float32, exponential(1) draws, one row per random row (a seeded
+            request's from its own generator), or ``None`` when ``R`` is 0.
         penalties: the penalised rows, or ``None``.
         bias: ``(rows [N] int64, tokens [N] int64, values [N] float32)`` added to the logits, or ``None``.
-        all_greedy, any_top_k, any_top_p, any_min_p: host-side flags, so no step reads the device
-            to decide what to skip.
+        top_k_bound: the largest ``top_k`` when every random row has one (the candidates are then
+            found with ``torch.topk`` of that size, not a sort of the vocabulary), else 0.
+        any_top_p, any_min_p: host-side flags, so no step reads the device to decide what to skip.
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
     min_p: torch.Tensor
+    random_rows: torch.Tensor
     noise: torch.Tensor | None
     penalties: RowPenalties | None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    all_greedy: bool
-    any_top_k: bool
+    top_k_bound: int
     any_top_p: bool
     any_min_p: bool
 
@@ -95,21 +99,29 @@ def sample_rows(logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, 
         scores = scores.index_put((rows, tokens), values, accumulate=True)
     if params.penalties is not None:
         scores = _apply_penalties(scores, params.penalties)
-    greedy_ids = scores.argmax(dim=-1)
-    if params.all_greedy:
-        return greedy_ids, scores
-    temperature = params.temperature
-    greedy = temperature < GREEDY_BELOW
-    scaled = scores / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    ids = scores.argmax(dim=-1)
+    if params.noise is None:
+        return ids, scores
+    scaled = scores.index_select(0, params.random_rows) / params.temperature.unsqueeze(-1)  # [R, V]
     if params.any_min_p:
         probs = scaled.softmax(dim=-1)
         floor = probs.amax(dim=-1, keepdim=True) * params.min_p.unsqueeze(-1)
         scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    if params.any_top_k or params.any_top_p:
-        scaled = _top_k_top_p(scaled, params)
-    probs = scaled.softmax(dim=-1)
-    sampled_ids = (probs / params.noise).argmax(dim=-1)
-    return torch.where(greedy, greedy_ids, sampled_ids), scores
+    if params.top_k_bound:
+        # every random row keeps at most top_k_bound tokens: rank only those candidates
+        candidates, order = scaled.topk(min(params.top_k_bound, scaled.shape[-1]), dim=-1)  # [R, K]
+    elif params.any_top_p:
+        candidates, order = scaled.sort(dim=-1, descending=True)
+    else:
+        candidates, order = scaled, None
+    if order is not None:
+        candidates = _mask_ranks(candidates, params)
+        noise = params.noise.gather(1, order)  # each token keeps its own draw, whatever the ranking
+    else:
+        noise = params.noise
+    choice = (candidates.softmax(dim=-1) / noise).argmax(dim=-1, keepdim=True)
+    sampled = choice if order is None else order.gather(1, choice)
+    return ids.index_copy(0, params.random_rows, sampled.squeeze(-1)), scores
 
 
 def _apply_penalties(scores: torch.Tensor, penalties: RowPenalties) -> torch.Tensor:
@@ -125,21 +137,20 @@ def _apply_penalties(scores: torch.Tensor, penalties: RowPenalties) -> torch.Ten
     return scores.index_copy(0, penalties.rows, rows)
 
 
-def _top_k_top_p(scaled: torch.Tensor, params: RowParams) -> torch.Tensor:
-    """Mask all but each row's ``top_k`` largest and its top-p nucleus (the fewest largest whose
-    probabilities sum to at least ``top_p``, after top-k); one sort for both."""
-    ordered, order = scaled.sort(dim=-1, descending=True)
-    vocab = scaled.shape[-1]
-    if params.any_top_k:
-        ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
-        keep = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, vocab)).unsqueeze(-1)
-        ordered = ordered.masked_fill(ranks >= keep, float("-inf"))
+def _mask_ranks(ranked: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """On logits ranked largest first (``[R, K]``): mask all but each row's ``top_k`` largest,
+    then all but its top-p nucleus (the fewest largest whose probabilities sum to at least
+    ``top_p``, after top-k)."""
+    width = ranked.shape[-1]
+    ranks = torch.arange(width, device=ranked.device).unsqueeze(0)
+    keep = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, width)).unsqueeze(-1)
+    ranked = ranked.masked_fill(ranks >= keep, float("-inf"))
     if params.any_top_p:
-        probs = ordered.softmax(dim=-1)
+        probs = ranked.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
         top_p = params.top_p.unsqueeze(-1)
-        ordered = ordered.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
+        ranked = ranked.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
+    return ranked
 
 
 @dataclass(eq=False)
@@ -270,13 +281,14 @@ class BatchSampler:
 
         column = self._to_device
 
-        all_greedy = all(p.greedy for p in settings)
+        random = [row for row, p in enumerate(settings) if not p.greedy]
         noise = None
-        if not all_greedy:
-            noise = torch.empty(len(requests), vocab, dtype=torch.float32, device=device).exponential_()
-            for row, request in enumerate(requests):
-                if request.generator is not None:
-                    noise[row].exponential_(generator=request.generator)  # the request's own stream, one draw a step
+        if random:
+            noise = torch.empty(len(random), vocab, dtype=torch.float32, device=device).exponential_()
+            for index, row in enumerate(random):
+                generator = requests[row].generator
+                if generator is not None:
+                    noise[index].exponential_(generator=generator)  # the request's own stream, one draw a step
         penalties = None
         penalised = [row for row, request in enumerate(requests) if request.slot is not None]
         if penalised:
@@ -295,13 +307,14 @@ class BatchSampler:
             rows, tokens, values = zip(*pairs)
             bias = (column(list(rows), torch.int64), column(list(tokens), torch.int64),
                     column(list(values), dtype))
+        chosen = [settings[row] for row in random]
+        top_ks = [p.top_k for p in chosen]
         return RowParams(
-            temperature=column([p.temperature for p in settings], torch.float32),
-            top_p=column([p.top_p for p in settings], torch.float32),
-            top_k=column([p.top_k for p in settings], torch.int64),
-            min_p=column([p.min_p for p in settings], torch.float32),
-            noise=noise, penalties=penalties, bias=bias, all_greedy=all_greedy,
-            any_top_k=any(p.top_k > 0 and not p.greedy for p in settings),
-            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in settings),
-            any_min_p=any(p.min_p > 0.0 and not p.greedy for p in settings),
+            temperature=column([p.temperature for p in chosen], torch.float32),
+            top_p=column([p.top_p for p in chosen], torch.float32),
+            top_k=column(top_ks, torch.int64),
+            min_p=column([p.min_p for p in chosen], torch.float32),
+            random_rows=column(random, torch.int64), noise=noise, penalties=penalties, bias=bias,
+            top_k_bound=max(top_ks) if top_ks and min(top_ks) > 0 else 0,
+            any_top_p=any(p.top_p < 1.0 for p in chosen), any_min_p=any(p.min_p > 0.0 for p in chosen),
         )
