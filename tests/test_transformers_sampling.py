@@ -126,3 +126,17 @@ def test_cuda_graph_replays_sample_per_request(model, overlap, monkeypatch):
     assert mixed[1] == alone[0]
     assert mixed[2] == references[1]
     assert sum(replays) >= 5
+
+
+def test_a_worker_with_logits_processors_is_refused(model):
+    """Per-request sampling on a worker whose config adds transformers' processors would apply
+    them twice: the request fails with kvplug's explanation instead."""
+    sampling = RequestSampling(model.generation_config, model.config.vocab_size)
+    host = TransformersHost(max_seq_len=256, num_pages=64, page_size=16)
+    config = transformers.GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=2, eos_token_id=0,
+                                           pad_token_id=0)
+    with host.installed_context():
+        host.sample_per_request(sampling)
+        outputs = model.generate_batch([PROMPTS[1]], generation_config=config)
+    errors = [output.error for output in outputs.values()]
+    assert errors and all(error and "without logits processors" in error for error in errors), errors

@@ -151,7 +151,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CB}.scheduler.Scheduler", "cache", READ,
              "finds the kvplug cache behind a scheduling pass", ASSIGNED, "self.cache set by the class"),
     Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "do_processing", READ,
-             "whether a replayed step's logits go through the processors", ASSIGNED,
+             "whether a replayed step's logits go through the processors; per-request sampling refuses a worker "
+             "that has any", ASSIGNED,
              "self.do_processing set by the class"),
     Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "compute_stream", READ,
              "kvplug orders its table and token-pool writes on transformers' compute stream", ASSIGNED,

@@ -314,6 +314,12 @@ class KVPlugPagedCache:
         """
         if self.sampler is None:
             return False
+        if runner.logit_processor.do_processing:
+            # the scores are not raw: transformers' processors would be applied twice
+            raise InvalidArgumentError(
+                "per-request sampling needs a worker started without logits processors (its generation config "
+                "from RequestSampling.config(model)); this one runs transformers' processors on every request"
+            )
         request_ids = self.steps.sampling_request_ids()
         count = len(request_ids)
         if scores.shape[1] < count:
