@@ -20,7 +20,8 @@ HTTP_MODULES = {
     "token_routes", "token_id_prompts", "serve_metrics", "model_checks", "request_sampling", "sampling_fields",
 }
 INTEGRATION_MODULES = {"installation", "paged_cache", "step_tracker", "attention", "compat", "settings", "host_stats",
-                       "planning", "decode_graphs", "plugin", "embedded_model", "sampler", "sampling_params"}
+                       "planning", "decode_graphs", "plugin", "embedded_model", "sampler", "sampling_params",
+                       "stop_strings"}
 
 
 def _imported(path: Path) -> set[str]:

@@ -184,7 +184,7 @@ def test_generation_stops_at_the_limit_with_finish_reason_length(server, client)
         ({"messages": HI, "presence_penalty": 2.5}, 400, "'presence_penalty' must be a number in [-2, 2]"),
         # what the server would not apply: refused, never ignored
         ({"messages": HI, "logit_bias": {"999999999": 5}}, 400, "'logit_bias' keys must be token ids in [0, "),
-        ({"messages": HI, "stop": ["x"]}, 400, "stop ['x'] is not supported by this server yet"),
+        ({"messages": HI, "stop": ["x" * 300]}, 400, "'stop' takes at most 16 strings of at most 256 characters"),
         ({"messages": HI, "generation_config": '{"num_beams": 4}'}, 400, "'generation_config.num_beams' 4 is not"),
     ],
 )
@@ -197,7 +197,7 @@ def test_bad_chat_bodies_get_a_4xx_naming_the_field(server, body, status, words)
 
 def test_sampling_parameters_are_accepted(server, client):
     for extra in ({"temperature": 0}, {"frequency_penalty": 0}, {"n": 1}, {"seed": 7}, {"stop": []},
-                  {"frequency_penalty": -1}, {"presence_penalty": 0.3}, {"temperature": 0.8, "top_p": 0.5},
+                  {"frequency_penalty": -1}, {"presence_penalty": 0.3}, {"stop": ["\n\n"]}, {"temperature": 0.8, "top_p": 0.5},
                   {"extra_body": {"generation_config": '{"do_sample": true, "top_k": -1}'}}):
         reply = client.chat.completions.create(model="kvplug-default", messages=HI, max_tokens=3, **extra)
         assert reply.choices[0].finish_reason in ("stop", "length"), extra

@@ -4,7 +4,8 @@
 with greedy, seeded and penalised requests sent concurrently. Greedy requests (``temperature: 0``)
 must be token-identical to ``model.generate(do_sample=False)``, seeded ones reproducible (alone and
 in a mixed batch), a request sent without sampling fields must sample (the checkpoint's default),
-and what the server cannot honour (``stop``) is a 400 in OpenAI's error shape."""
+``stop`` strings cut the text (streaming or not) with ``finish_reason: "stop"``, and what the
+server cannot honour is a 400 in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def test_chat_sampling_fields_are_honoured(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"stop": ["\n"]}, "stop"),
+    ({"stop": ["x" * 300]}, "stop"),
     ({"top_k": -3}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -166,3 +167,26 @@ def test_what_cannot_be_honoured_is_a_400_in_openai_shape(server, body, param):
     assert status == 400, reply
     assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["param"] == param, reply
 
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_strings_end_the_text_before_them(client, greedy_references, stream):
+    """A stop string taken from the middle of the greedy text: the reply is the text before its
+    first occurrence, ``finish_reason`` is ``"stop"``, and generation ended early."""
+    prompt = next(p for p in PROMPTS if len(greedy_references[p]) >= 12)
+    full = greedy_references[prompt]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[: full.find(stop)]
+    model = _model(client)
+    if stream:
+        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                stop=[stop, "\u0000never"], stream=True,
+                                                stream_options={"include_usage": True}))
+        text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+        assert text == expected and finish == ["stop"], (text, expected, finish)
+    else:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                          stop=stop)
+        assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens < MAX_TOKENS

@@ -143,6 +143,13 @@ INTERNALS: tuple[Internal, ...] = (
              "PENDING when free_blocks comes from a soft reset (the request is queued again): its sampling "
              "state (seeded stream, penalty counts) is kept",
              SOURCE, "cc6bd89991cdccef"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "update_batch", READ,
+             "calls the cache's mark_shareable_blocks_as_complete right after a request's token is appended: "
+             "kvplug ends a request whose output holds a stop string there",
+             SOURCE, "4d6acc33c739cac2"),
+    Internal(f"{_CB}.requests.RequestState", "update_and_check_completion", READ,
+             "a request finishes once it holds _new_tokens_limit generated tokens: how a stop string ends it",
+             SOURCE, "9f7ab8ccac6c5bc5"),
     Internal(f"{_CB}.model_runner.ModelRunner", "inputs_and_outputs", READ,
              "the step's static buffers and compute stream", ASSIGNED, "self.inputs_and_outputs set by the class"),
     Internal(f"{_CB}.model_runner.ModelRunner", "cache", READ,

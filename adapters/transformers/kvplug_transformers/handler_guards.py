@@ -88,14 +88,7 @@ class GuardedHandler:
     def _take_sampling(self, body: dict) -> None:
         """Move the request's sampling fields out of ``body`` into its ``SamplingParams`` (under
         ``SAMPLING_KEY``): transformers' handler never sees them, the batching worker's sampler
-        applies them. ``stop`` is refused: nothing would apply it."""
-        stop = body.pop("stop", None)
-        if stop:
-            raise RequestRefused(
-                f"stop {stop!r} is not supported by this server yet (generation ends at the model's end-of-sequence "
-                "token or max_tokens); leave stop out",
-                param="stop",
-            )
+        applies them (``stop``: ``stop_strings``)."""
         body[SAMPLING_KEY] = request_params(body, self._sampling.defaults, self._sampling.vocab_size)
 
     def _refuse_sampling_on_a_greedy_server(self, body: dict) -> None:

@@ -81,7 +81,10 @@ class HttpServer:
         # the kvplug cache samples each request its own way; transformers' own applies one config to all
         self.sampling = None
         if opts.kv_backend == "kvplug":
-            self.sampling = RequestSampling(model.generation_config, model.config.get_text_config().vocab_size)
+            self.sampling = RequestSampling(
+                model.generation_config, model.config.get_text_config().vocab_size,
+                decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
+            )
             adapter.sample_per_request(self.sampling)
         self.watch = WorkerWatch(generation_state, limits, inflight, self.sampling)
         self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)

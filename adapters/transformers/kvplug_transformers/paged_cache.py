@@ -41,6 +41,7 @@ from kvplug_transformers.planning import PoolPlan, model_context_len, model_shap
 from kvplug_transformers.sampler import BatchSampler
 from kvplug_transformers.settings import KVPlugSettings
 from kvplug_transformers.step_tracker import StepTracker
+from kvplug_transformers.stop_strings import StopStrings
 
 logger = logging.getLogger("kvplug_transformers")
 
@@ -120,6 +121,9 @@ class KVPlugPagedCache:
             vocab_size = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
             self.sampler = BatchSampler(request_sampling.take, vocab_size, self.backend.device,
                                         forget=request_sampling.discard)
+        self.stop_strings: StopStrings | None = None
+        if request_sampling is not None and request_sampling.decode is not None:
+            self.stop_strings = StopStrings(self._stops_of, request_sampling.decode)
 
     # ------------------------------------------------------------------ construction helpers
     def _disable_unsupported_features(self, cb: Any) -> None:
@@ -222,8 +226,15 @@ class KVPlugPagedCache:
             self.steps.finish_all()
 
     def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
-        """transformers' update of a request the step covered: nothing left to do, kvplug
-        committed the step when it was launched (``step_launched``)."""
+        """transformers' update of a request the step covered (right after it appended the
+        request's token): its blocks need nothing, kvplug committed the step when it was launched
+        (``step_launched``); a request whose output now holds one of its stop strings is ended."""
+        if self.stop_strings is not None:
+            self.stop_strings.check(state)
+
+    def _stops_of(self, request_id: str) -> tuple[str, ...]:
+        params = self.sampler.params(request_id)
+        return () if params is None else params.stop
 
     def extend_read_and_write_indices(
         self, request_id: str, past_length: int, query_length: int, read_index: Any, write_index: list

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from kvplug_transformers.sampling_params import SamplingParams, checkpoint_defaults
 from kvplug_transformers.worker_watch import WorkerSampling
@@ -35,11 +35,15 @@ class RequestSampling(WorkerSampling):
     Args:
         generation_config: the checkpoint's (``model.generation_config``): the defaults.
         vocab_size: the model's vocabulary (``logit_bias`` keys are checked against it).
+        decode: token ids to text (the tokenizer's, special tokens skipped) for ``stop`` strings;
+            ``None``: no request may have any.
     """
 
-    def __init__(self, generation_config: Any, vocab_size: int) -> None:
+    def __init__(self, generation_config: Any, vocab_size: int,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.defaults: SamplingParams = checkpoint_defaults(generation_config)
         self.vocab_size = vocab_size
+        self.decode = decode
         self._generation_config = generation_config
         self._params: dict[str, SamplingParams] = {}
         self._lock = threading.Lock()
@@ -54,6 +58,12 @@ class RequestSampling(WorkerSampling):
         that registered none (transformers' warm-up, a library caller)."""
         with self._lock:
             return self._params.pop(request_id, self.defaults)
+
+    def stops(self, request_id: str) -> tuple[str, ...]:
+        """A registered request's stop strings (before the worker took its settings)."""
+        with self._lock:
+            params = self._params.get(request_id)
+        return () if params is None else params.stop
 
     def discard(self, request_id: str) -> None:
         """A request that will never reach the worker (refused, failed before submission)."""

@@ -229,6 +229,12 @@ class BatchSampler:
                 if request.slot is not None:
                     self._free_slots.append(request.slot)
 
+    def params(self, request_id: str) -> SamplingParams | None:
+        """The settings of a request sampled at least once (``None`` otherwise)."""
+        with self._lock:
+            request = self._requests.get(request_id)
+        return None if request is None else request.params
+
     @property
     def tracked(self) -> int:
         """Requests with state here (for tests: none is left once all finished)."""

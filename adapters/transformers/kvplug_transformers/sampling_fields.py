@@ -1,7 +1,7 @@
 """``request_params``: a request body's sampling fields, checked, as ``SamplingParams``.
 
 The OpenAI fields (``temperature``, ``top_p``, ``seed``, ``frequency_penalty``,
-``presence_penalty``, ``logit_bias``), vLLM's extras (``top_k``, ``min_p``,
+``presence_penalty``, ``logit_bias``, ``stop``), vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``) and the sampling fields of transformers' ``generation_config`` JSON are
 popped from the body (transformers' handler never sees them) and checked against vLLM's ranges: a
 value out of range, or a ``generation_config`` field the sampler cannot apply, is a
@@ -20,7 +20,9 @@ from kvplug_transformers.sampling_params import SamplingParams
 
 # the request fields SamplingParams takes (popped from the body before transformers' handler sees it)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty",
-                   "presence_penalty", "logit_bias")
+                   "presence_penalty", "logit_bias", "stop")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 # transformers' generation_config (a request's JSON string) fields read as that request's sampling
 GENERATION_CONFIG_SAMPLING = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # generation_config fields kvplug's sampler does not apply, with the values that mean "off"
@@ -69,6 +71,8 @@ def request_params(body: dict, defaults: SamplingParams, vocab_size: int) -> Sam
             changes[name] = _number(given, name, -2.0, 2.0)
     if "logit_bias" in given:
         changes["logit_bias"] = _logit_bias(given["logit_bias"], vocab_size)
+    if "stop" in given:
+        changes["stop"] = _stop(given["stop"])
     return replace(params, **changes)
 
 
@@ -121,6 +125,18 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
                                  param="logit_bias")
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(text, str) for text in strings):
+        raise RequestRefused(f"'stop' must be a string or a list of strings, got {value!r}", param="stop")
+    strings = [text for text in strings if text]
+    if len(strings) > MAX_STOP_STRINGS or any(len(text) > MAX_STOP_CHARS for text in strings):
+        raise RequestRefused(
+            f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters", param="stop"
+        )
+    return tuple(dict.fromkeys(strings))
 
 
 def _number(given: dict, name: str, low: float, high: float) -> float:

@@ -33,6 +33,8 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit once per time it was generated; 0: off.
         presence_penalty: subtracted from a token's logit if it was generated at all; 0: off.
         logit_bias: ``(token id, bias)`` pairs added to the logits before anything else.
+        stop: strings that end the generation where they appear in the output text (the text
+            returned stops before the first of them; ``finish_reason`` is ``"stop"``).
     """
 
     temperature: float = 0.0
@@ -44,6 +46,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -9,9 +9,9 @@ the integration, never the reverse:
 * every request gets the server's own id (a client's ``X-Request-ID`` is only echoed); its body
   is parsed and checked off the event loop (4xx naming the field), and so is tokenising: no
   request holds up another route;
-* the model may be named by ``--served-model-name`` or omitted, unsupported parameters (``n > 1``,
-  ``stop`` ...) are refused; with the kvplug cache every request samples with its own settings
-  (``request_sampling``, ``sampler``), with transformers' own cache sampling other than the
+* the model may be named by ``--served-model-name`` or omitted, unsupported parameters (``n > 1``
+  ...) are refused; with the kvplug cache every request samples with its own settings and stop
+  strings (``request_sampling``, ``sampler``, ``stop_strings``), with transformers' own cache sampling other than the
   model's ``generation_config.json`` is refused (it applies one setting to every request);
   client chat templates only with ``--trust-request-chat-template``;
 * a prompt that cannot fit is refused with a 400 naming the limit, ``max_tokens`` is lowered to the

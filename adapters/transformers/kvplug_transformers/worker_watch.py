@@ -21,6 +21,7 @@ from typing import Any
 
 from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
+from kvplug_transformers.stop_strings import StopStringQueue, cut_at_stop
 
 logger = logging.getLogger("kvplug.serve")
 CAUSE_WAIT_S = 2.0  # how long a dying worker is given to record why, for the log and the 503s
@@ -39,6 +40,10 @@ class WorkerSampling(ABC):
 
     def discard(self, request_id: str) -> None:
         """A request refused before it reached the worker."""
+
+    def stops(self, request_id: str) -> tuple[str, ...]:
+        """A request's stop strings, which its response is cut at (none unless registered)."""
+        return ()
 
 
 class LimitedManager:
@@ -60,15 +65,21 @@ class LimitedManager:
     def generate_streaming(self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
         self._apply_limits(inputs, generation_config, kwargs)
         self._log(inputs, generation_config, kwargs, streaming=True)
-        return self._inner.generate_streaming(model, processor, inputs, generation_config, **kwargs)
+        stops = self._sampling.stops(kwargs.get("request_id"))
+        queue, streamer = self._inner.generate_streaming(model, processor, inputs, generation_config, **kwargs)
+        return (StopStringQueue(queue, stops) if stops else queue), streamer
 
     async def generate_non_streaming(
         self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any
     ) -> Any:
         self._apply_limits(inputs, generation_config, kwargs)
         self._log(inputs, generation_config, kwargs, streaming=False)
+        stops = self._sampling.stops(kwargs.get("request_id"))
         try:
-            return await self._inner.generate_non_streaming(model, processor, inputs, generation_config, **kwargs)
+            text, input_len, generated_ids = await self._inner.generate_non_streaming(
+                model, processor, inputs, generation_config, **kwargs
+            )
+            return cut_at_stop(text, stops), input_len, generated_ids
         except asyncio.CancelledError:
             # aborted (shutdown, or the client is gone): transformers would keep generating it
             # to the end; free its row now, as its streaming path does
