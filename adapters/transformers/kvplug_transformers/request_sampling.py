@@ -2,7 +2,7 @@
 
 transformers' serving handlers submit a request to continuous batching with its prompt,
 ``max_new_tokens`` and EOS ids only. With the kvplug cache, ``kvplug serve`` parses a request's
-sampling fields (``sampling_params.request_params``), registers them here under the server's
+sampling fields (``sampling_fields.request_params``), registers them here under the server's
 request id, and the worker's ``BatchSampler`` takes them at the request's first sampled step. The
 worker itself starts greedy with no logits processors (``config``), so transformers hands
 kvplug's sampler raw logits and applies nothing of its own.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import threading
 from typing import Any, Callable
+
+from kvplug.interface import InvalidArgumentError
 
 from kvplug_transformers.sampling_params import SamplingParams, checkpoint_defaults
 from kvplug_transformers.worker_watch import WorkerSampling
@@ -44,12 +46,16 @@ class RequestSampling(WorkerSampling):
         self.defaults: SamplingParams = checkpoint_defaults(generation_config)
         self.vocab_size = vocab_size
         self.decode = decode
-        self._generation_config = generation_config
         self._params: dict[str, SamplingParams] = {}
         self._lock = threading.Lock()
         self._config: Any = None
 
     def register(self, request_id: str, params: SamplingParams) -> None:
+        if params.stop and self.decode is None:
+            raise InvalidArgumentError(
+                f"request {request_id} has stop strings {list(params.stop)!r}, but this RequestSampling has no "
+                "decode function to find them with"
+            )
         with self._lock:
             self._params[request_id] = params
 
