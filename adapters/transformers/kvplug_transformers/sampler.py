@@ -8,13 +8,15 @@ replacement of it (``installation``) hands them here with the step's request ids
 ``sample_rows`` is one vectorised pass over ``[B, V]`` logits with per-row parameter tensors, in
 vLLM's order: logit bias, penalties (repetition over prompt and output, frequency and presence
 over the output), then greedy rows take the argmax, the others are divided by their temperature,
-masked by min-p, top-k and top-p (``torch.topk`` of the largest ``top_k`` when every sampled row has
-one, else a sort), and sampled as ``argmax(probs / noise)`` with exponential noise, one draw per
-token of the vocabulary (the Gumbel-max trick), so each row draws from its own random stream. ``BatchSampler`` keeps
-what lasts across steps: each request's ``torch.Generator`` (``seed``: the same seed gives the
-same tokens whatever else is in the batch) and, for penalised requests, device-side counts of the
-tokens generated so far (updated from the sampled ids on the device: no host sync, so
-transformers' async batching still prepares step N+1 while step N runs).
+masked by min-p, top-k and top-p (``torch.topk`` of the largest ``top_k`` when every sampled row
+has one, else a sort), and sampled as ``argmax(probs / noise)`` with exponential noise, one draw
+per vocabulary entry (the Gumbel-max trick), so each row draws from its own random stream.
+``BatchSampler`` keeps what lasts across steps: each request's ``torch.Generator`` (``seed``: the
+same seed gives the same tokens whatever else is in the batch) and, for penalised requests,
+device-side counts of the tokens generated so far (updated from the sampled ids on the device: no
+host sync, so transformers' async batching still prepares step N+1 while step N runs). Decode
+steps replayed from kvplug's CUDA graphs are sampled here too, after the replay, on the graph's
+logits output: sampling is not part of the captured graph.
 """
 
 from __future__ import annotations
