@@ -10,7 +10,8 @@ Workloads, at each page size (default 1 and 16):
   prefix with 100 leaves of 32 tokens each); 50 timed calls leave over 9,500 leaves.
 
 Every call is timed on its own (``perf_counter_ns``, cyclic GC paused during the timed loop);
-inputs are built in each implementation's native form before timing. SGLang's RadixCache runs
+inputs are built in each implementation's native form before timing (kvplug's own caches: host
+int32 arrays, as its allocator passes them; ``--tensor-inputs``: tensors, as a third party would). SGLang's RadixCache runs
 the same workloads in the same process when it imports (see ``sglang_anchor``), and
 ``speedups`` are SGLang's latency divided by kvplug's. ``--quick`` shrinks every size ~20x.
 """
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", metavar="DIR", default=None,
                         help="also run the radix cache of another version in the same process: DIR is a copy of its "
                              "kvplug/prefix_cache (e.g. git archive REF kvplug/prefix_cache | tar -x -C /tmp)")
+    parser.add_argument("--tensor-inputs", action="store_true",
+                        help="drive kvplug's caches through the public tensor methods only, as a third-party caller "
+                             "would (default: host arrays where a cache takes them, as kvplug's allocator does)")
     parser.add_argument("--checked", action="store_true",
                         help="also run each cache behind CheckedPrefixCache (how a KVBackend runs an untrusted plugin)")
 
@@ -129,11 +133,13 @@ WORKLOADS = {"shared-prefix": shared_prefix, "conversation": conversation, "evic
 
 def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | None,
              baseline: type | None = None) -> list[CacheDriver]:
-    drivers: list[CacheDriver] = [KvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
+    tensor_inputs = getattr(args, "tensor_inputs", False)
+    drivers: list[CacheDriver] = [KvplugDriver(name, page_size, tensor_inputs=tensor_inputs)
+                                  for name in filter(None, args.caches.split(","))]
     if baseline is not None:
         from kvplug.bench.prefix_cache_baseline import BaselineRadixDriver
 
-        drivers.append(BaselineRadixDriver(baseline, page_size))
+        drivers.append(BaselineRadixDriver(baseline, page_size, tensor_inputs=tensor_inputs))
     if getattr(args, "checked", False):
         drivers += [CheckedKvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
     if sglang_version:

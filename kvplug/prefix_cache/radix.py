@@ -47,6 +47,7 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.block_hashes import chained_page_hashes
+from kvplug.prefix_cache.host_arrays import HOST_INT32, HostArrayCalls, is_host_int32, reject_host_array
 from kvplug.prefix_cache.radix_arguments import (
     dense_host_array,
     dense_host_pair,
@@ -74,9 +75,12 @@ from kvplug.prefix_cache.validation import (
 )
 
 _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python-level __new__
+_NDARRAY = np.ndarray
+_NO_LOCATIONS = as_int32(b"")
+assert BYTES_PER_TOKEN == 4  # the hot paths turn bytes into tokens with ``>> 2``
 
 
-class RadixPrefixCache(BasePrefixCache):
+class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
     """Radix-tree prefix cache (docs/design.md, section 4).
 
     Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang, and
@@ -117,10 +121,24 @@ class RadixPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ version-1 surface
     def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
-        node = self._match(input_ids)
+        ids = dense_host_array(input_ids) if self._on_cpu else None
+        if ids is not None and not ids.shape[0] % self.page_size:
+            tokens = ids.tobytes()
+        else:
+            tokens = match_tokens(input_ids, self.device, self.page_size)
+        node = self._match_tokens(tokens)
         if node.on_host:
             node = self.device_head(node)
         return _new_tuple(MatchResult, (node,))
+
+    def match_host(self, input_ids: np.ndarray) -> RadixNode:
+        if input_ids.__class__ is not _NDARRAY or input_ids.dtype is not HOST_INT32 or input_ids.ndim != 1:
+            if not is_host_int32(input_ids):
+                reject_host_array(input_ids, "input_ids")
+        length = input_ids.shape[0]
+        usable = length - length % self.page_size
+        node = self._match_tokens((input_ids if usable == length else input_ids[:usable]).tobytes())
+        return self.device_head(node) if node.on_host else node
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         if unlock.__class__ is not bool:
@@ -186,6 +204,56 @@ class RadixPrefixCache(BasePrefixCache):
         else:
             tokens = arrays[0].tobytes()
             locations = arrays[1]
+        return _new_tuple(InsertResult, self._insert(tokens, locations))
+
+    def insert_host(self, input_ids: np.ndarray, indices: np.ndarray) -> tuple[int, RadixNode]:
+        if (
+            input_ids.__class__ is not _NDARRAY or indices.__class__ is not _NDARRAY
+            or input_ids.dtype is not HOST_INT32 or indices.dtype is not HOST_INT32
+            or input_ids.ndim != 1 or indices.ndim != 1
+        ):
+            self._check_host_insert(input_ids, indices)
+        length = input_ids.shape[0]
+        if length != indices.shape[0] or length % self.page_size:
+            self._check_host_insert(input_ids, indices)
+        return self._insert(input_ids.tobytes(), indices)
+
+    def _check_host_insert(self, input_ids: object, indices: object) -> None:
+        """Raise unless ``insert_host``'s arguments are int32 host arrays of one length, whole pages."""
+        if not is_host_int32(input_ids):
+            reject_host_array(input_ids, "input_ids")
+        if not is_host_int32(indices):
+            reject_host_array(indices, "indices")
+        if input_ids.shape[0] != indices.shape[0]:
+            raise InvalidArgumentError(
+                f"input_ids and indices must have the same length, got {input_ids.shape[0]} and {indices.shape[0]}"
+            )
+        if input_ids.shape[0] % self.page_size:
+            raise InvalidArgumentError(
+                f"inserted length must be a multiple of the page size {self.page_size}, got {input_ids.shape[0]}"
+            )
+
+    def _insert(self, tokens: bytes, locations: np.ndarray) -> tuple[int, RadixNode]:
+        """Insert ``tokens`` (int32 bytes, whole pages) with ``locations`` (host int32 array of as
+        many tokens, any strides); returns ``(cached_len, handle)``."""
+        if self._tier is not None:
+            return self._insert_tiered(tokens, locations)
+        end = len(tokens)
+        node, here, common, partial = self._find(tokens)
+        matched = here + common
+        if matched == end:  # all cached already
+            if partial is not None:
+                node = self._split(partial, common)
+            self._touch_path(node)
+            return matched >> 2, node
+        check_location_values(locations[matched >> 2 :])  # the new part only: O(new pages)
+        if partial is not None:
+            node = self._split(partial, common)
+        return matched >> 2, self._add_leaf(node, tokens[matched:] if matched else tokens,
+                                             locations[matched >> 2 :].tobytes(), end >> 2)
+
+    def _insert_tiered(self, tokens: bytes, locations: np.ndarray) -> tuple[int, RadixNode]:
+        """``_insert`` when a host tier may hold part of the path."""
         end = len(tokens)
         node, here, common, partial = self._find(tokens)
         matched = here + common
@@ -193,41 +261,53 @@ class RadixPrefixCache(BasePrefixCache):
         on_host = (partial if partial is not None else node).on_host
         head = self.device_head(node) if on_host else None
         kept_from = head.cached_len * BYTES_PER_TOKEN if on_host else matched
-        new_locations = locations[kept_from // BYTES_PER_TOKEN :]
         if kept_from < end:
-            check_location_values(new_locations)  # the new part only: O(new pages)
+            check_location_values(locations[kept_from // BYTES_PER_TOKEN :])  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)
         if on_host:
             self._tier.adopt(node, head, locations[kept_from // BYTES_PER_TOKEN : matched // BYTES_PER_TOKEN].tobytes())
-            new_locations = locations[matched // BYTES_PER_TOKEN :]
         cached_len = kept_from // BYTES_PER_TOKEN
         if matched == end:
             self._touch_path(node)
-            return _new_tuple(InsertResult, (cached_len, node))
+            return cached_len, node
         key = tokens[matched:] if matched else tokens
-        self._clock += 1  # the touch of the new path: the leaf is born with the new tick
-        leaf = RadixNode(
-            self._generation, node, key, new_locations.tobytes(),
-            end // BYTES_PER_TOKEN, self._clock,
-        )
+        return cached_len, self._add_leaf(node, key, locations[matched // BYTES_PER_TOKEN :].tobytes(),
+                                          end // BYTES_PER_TOKEN)
+
+    def _add_leaf(self, node: RadixNode, key: bytes, value: bytes, cached_len: int) -> RadixNode:
+        """Hang a new device-resident leaf below ``node`` and touch the new path (one clock tick)."""
+        self._clock = tick = self._clock + 1  # the leaf is born with the new tick
+        leaf = RadixNode(self._generation, node, key, value, cached_len, tick)
         node.children[key[: self._page_bytes]] = leaf
         if node.heap_seq >= 0:
             self._candidates.discard(node)  # it has a device-resident child now
-        self._evictable += (end - matched) // BYTES_PER_TOKEN
-        self._candidates.add(leaf)
-        root, tick = self._root, self._clock
+        self._evictable += len(value) >> 2
+        self._candidates.add_new(leaf)
+        root = self._root
         while node is not root:  # _stamp_ancestors, inline
             node.last_access = tick
             node = node.parent
         if self.__dict__.get("_kv_event_listeners"):
             self.report_stored(leaf)
-        return _new_tuple(InsertResult, (cached_len, leaf))
+        return leaf
 
     def evict(self, size: int) -> torch.Tensor:
-        size = checked_evict_size(size, self._evictable, self._protected)
-        if size == 0:
-            return self._empty
+        freed = self._evict(size)
+        return locations_tensor(freed, self.device) if freed else self._empty
+
+    def evict_host(self, size: int) -> np.ndarray:
+        freed = self._evict(size)
+        return as_int32(b"".join(freed)) if freed else _NO_LOCATIONS
+
+    def _evict(self, size: int) -> list[bytes]:
+        """Evict at least ``size`` tokens, least recently used leaves first; their values."""
+        if size.__class__ is not int or not 0 < size <= self._evictable:  # the common case: one test
+            size = checked_evict_size(size, self._evictable, self._protected)
+            if size == 0:
+                return []
+        if self._tier is None and not self.__dict__.get("_kv_event_listeners"):
+            return self._evict_leaves(size << 2)
         freed: list[bytes] = []
         freed_bytes = 0
         wanted_bytes = size * BYTES_PER_TOKEN
@@ -244,7 +324,29 @@ class RadixPrefixCache(BasePrefixCache):
             self.refresh(parent)  # it may have become a candidate
         if tier is not None:
             tier.finish_evict()
-        return locations_tensor(freed, self.device)
+        return freed
+
+    def _evict_leaves(self, wanted_bytes: int) -> list[bytes]:
+        """``_evict`` without a tier or listeners: every candidate is an unlocked leaf, so evicting
+        one only unlinks it, and its parent becomes a candidate once it is an unlocked leaf."""
+        freed: list[bytes] = []
+        freed_bytes = 0
+        page_bytes = self._page_bytes
+        root = self._root
+        candidates = self._candidates
+        pop, add_new = candidates.pop_least_recent, candidates.add_new
+        while freed_bytes < wanted_bytes:
+            leaf = pop()
+            value = leaf.value
+            freed.append(value)
+            freed_bytes += len(value)
+            parent = leaf.parent
+            del parent.children[leaf.key[:page_bytes]]
+            leaf.parent = None
+            if not parent.children and not parent.lock_ref and parent is not root:
+                add_new(parent)  # an internal node is never a candidate: this one is new
+        self._evictable -= freed_bytes >> 2
+        return freed
 
     def reset(self) -> None:
         self._candidates.clear()
@@ -273,9 +375,27 @@ class RadixPrefixCache(BasePrefixCache):
             tokens = ids.tobytes()
         else:
             tokens = match_tokens(input_ids, self.device, self.page_size)
-        node, _, common, partial = self._find(tokens)
-        if partial is not None:
-            node = self._split(partial, common)
+        return self._match_tokens(tokens)
+
+    def _match_tokens(self, tokens: bytes) -> RadixNode:
+        """The deepest node of the longest cached prefix of ``tokens`` (int32 bytes, whole pages),
+        split there if it ends inside an edge, and touched (``_find``, ``_split``, ``_touch_path``)."""
+        node = self._root
+        page_bytes = self._page_bytes
+        here = 0
+        stop = len(tokens)
+        while here < stop:  # _find, inline
+            child = node.children.get(tokens[here : here + page_bytes])
+            if child is None:
+                break
+            key = child.key
+            after = here + len(key)
+            if after <= stop and tokens.startswith(key, here):
+                here = after
+                node = child
+                continue
+            node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
+            break
         self._touch_path(node)
         return node
 
