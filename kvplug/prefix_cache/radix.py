@@ -150,7 +150,12 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             node = self.live_node(handle)
             if node is root:
                 return
-        step, flips_at = self._count_own_lock(node, handle, unlock)
+        if unlock:
+            step, flips_at = self._count_own_lock(node, handle, unlock)
+        else:  # _count_own_lock, inline
+            node.own_locks += 1
+            step = 1
+            flips_at = 0
         moved = moved_host = 0  # bytes of locations whose node flips between evictable and protected
         walker = node
         while walker is not root:
@@ -161,9 +166,10 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
                     moved += len(walker.value)
             walker.lock_ref += step
             walker = walker.parent
-        moved = step * (moved // BYTES_PER_TOKEN)
-        self._evictable -= moved
-        self._protected += moved
+        if moved:
+            moved = moved >> 2 if unlock is False else -(moved >> 2)
+            self._evictable -= moved
+            self._protected += moved
         if moved_host:
             moved_host = step * (moved_host // BYTES_PER_TOKEN)
             self._host_evictable -= moved_host
@@ -238,19 +244,52 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         many tokens, any strides); returns ``(cached_len, handle)``."""
         if self._tier is not None:
             return self._insert_tiered(tokens, locations)
+        node = self._root
+        page_bytes = self._page_bytes
+        matched = 0  # bytes
         end = len(tokens)
-        node, here, common, partial = self._find(tokens)
-        matched = here + common
+        partial = None
+        while matched < end:  # _find, inline
+            child = node.children.get(tokens[matched : matched + page_bytes])
+            if child is None:
+                break
+            key = child.key
+            after = matched + len(key)
+            if after <= end and tokens.startswith(key, matched):
+                matched = after
+                node = child
+                continue
+            partial = child
+            common = shared_page_bytes(key, tokens, matched, self.page_size)
+            matched += common
+            break
         if matched == end:  # all cached already
             if partial is not None:
                 node = self._split(partial, common)
             self._touch_path(node)
-            return matched >> 2, node
-        check_location_values(locations[matched >> 2 :])  # the new part only: O(new pages)
+            return end >> 2, node
+        new_locations = locations[matched >> 2 :]
+        check_location_values(new_locations)  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)
-        return matched >> 2, self._add_leaf(node, tokens[matched:] if matched else tokens,
-                                             locations[matched >> 2 :].tobytes(), end >> 2)
+        key = tokens[matched:] if matched else tokens
+        value = new_locations.tobytes()
+        # _add_leaf, inline
+        self._clock = tick = self._clock + 1  # the leaf is born with the new tick
+        leaf = RadixNode(self._generation, node, key, value, end >> 2, tick)
+        node.children[key[:page_bytes]] = leaf
+        if node.heap_seq >= 0:
+            self._candidates.discard(node)  # it has a device-resident child now
+        self._evictable += len(value) >> 2
+        self._candidates.add_new(leaf)
+        cached_len = matched >> 2
+        root = self._root
+        while node is not root:  # _stamp_ancestors, inline
+            node.last_access = tick
+            node = node.parent
+        if self.__dict__.get("_kv_event_listeners"):
+            self.report_stored(leaf)
+        return cached_len, leaf
 
     def _insert_tiered(self, tokens: bytes, locations: np.ndarray) -> tuple[int, RadixNode]:
         """``_insert`` when a host tier may hold part of the path."""
@@ -461,8 +500,12 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
 
     def _touch_path(self, node: RadixNode) -> None:
         """Give every node from ``node`` up to the root the next clock tick (LRU refresh)."""
-        self._clock += 1
-        self._stamp_ancestors(node, self._clock)
+        self._clock = tick = self._clock + 1
+        root = self._root
+        walker = node
+        while walker is not root:  # _stamp_ancestors, inline
+            walker.last_access = tick
+            walker = walker.parent
         if node.on_host:
             self.refresh(node)
             self.refresh(self.device_head(node))
