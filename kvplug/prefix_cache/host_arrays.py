@@ -27,7 +27,10 @@ class HostArrayCalls(ABC):
     """``match_prefix`` / ``insert_prefix`` / ``evict`` over host arrays (see the module docstring).
 
     Arrays are shape ``[n]``, int32 (native byte order), any strides; they are read during the
-    call and never kept, so the caller may reuse them at once.
+    call and never kept, so the caller may reuse them at once. Shapes and dtypes are checked as in
+    the tensor methods; the *values* of ``insert_host``'s locations are not: the caller hands over
+    KV pages it owns (kvplug's allocator keeps one owner per page, ``check_allocator``), where
+    ``insert_prefix`` checks a third party's (distinct, non-negative; the new part only).
     """
 
     @abstractmethod
@@ -36,7 +39,8 @@ class HostArrayCalls(ABC):
 
     @abstractmethod
     def insert_host(self, input_ids: np.ndarray, indices: np.ndarray) -> tuple[int, BaseCacheHandle]:
-        """``insert_prefix`` for host arrays; returns ``(cached_len, handle)`` (``InsertResult``'s fields)."""
+        """``insert_prefix`` for host arrays of the caller's own pages (their location values
+        unchecked); returns ``(cached_len, handle)`` (``InsertResult``'s fields)."""
 
     @abstractmethod
     def evict_host(self, size: int) -> np.ndarray:

@@ -6,7 +6,9 @@ Children are keyed by the bytes of their first page, so descending one edge is o
 plus one memcmp over the whole edge; only a mismatch inside an edge touches numpy to find where.
 
 Validation costs O(new pages): the locations of the part an insert adds are checked (distinct,
-non-negative); the already-cached prefix is neither re-read nor re-validated. The tree is only
+non-negative); the already-cached prefix is neither re-read nor re-validated. kvplug's allocator
+calls the host-array methods (``HostArrayCalls``: numpy in, bare handles and arrays out, the
+locations its own pages, so checked once, by the allocator's ownership, not again here). The tree is only
 changed once every check passed (a match ending inside an edge is split after validation).
 
 Recency. A logical clock ticks once per ``match_prefix``/``insert_prefix``; every node on the
@@ -210,7 +212,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         else:
             tokens = arrays[0].tobytes()
             locations = arrays[1]
-        return _new_tuple(InsertResult, self._insert(tokens, locations))
+        return _new_tuple(InsertResult, self._insert(tokens, locations, True))
 
     def insert_host(self, input_ids: np.ndarray, indices: np.ndarray) -> tuple[int, RadixNode]:
         if (
@@ -222,7 +224,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         length = input_ids.shape[0]
         if length != indices.shape[0] or length % self.page_size:
             self._check_host_insert(input_ids, indices)
-        return self._insert(input_ids.tobytes(), indices)
+        return self._insert(input_ids.tobytes(), indices, False)
 
     def _check_host_insert(self, input_ids: object, indices: object) -> None:
         """Raise unless ``insert_host``'s arguments are int32 host arrays of one length, whole pages."""
@@ -239,11 +241,12 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
                 f"inserted length must be a multiple of the page size {self.page_size}, got {input_ids.shape[0]}"
             )
 
-    def _insert(self, tokens: bytes, locations: np.ndarray) -> tuple[int, RadixNode]:
+    def _insert(self, tokens: bytes, locations: np.ndarray, check: bool) -> tuple[int, RadixNode]:
         """Insert ``tokens`` (int32 bytes, whole pages) with ``locations`` (host int32 array of as
-        many tokens, any strides); returns ``(cached_len, handle)``."""
+        many tokens, any strides); returns ``(cached_len, handle)``. ``check``: validate the
+        locations of the new part (``insert_host``'s caller owns them: see ``HostArrayCalls``)."""
         if self._tier is not None:
-            return self._insert_tiered(tokens, locations)
+            return self._insert_tiered(tokens, locations, check)
         node = self._root
         page_bytes = self._page_bytes
         matched = 0  # bytes
@@ -269,7 +272,8 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             self._touch_path(node)
             return end >> 2, node
         new_locations = locations[matched >> 2 :]
-        check_location_values(new_locations)  # the new part only: O(new pages)
+        if check:
+            check_location_values(new_locations)  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)
         key = tokens[matched:] if matched else tokens
@@ -291,7 +295,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             self.report_stored(leaf)
         return cached_len, leaf
 
-    def _insert_tiered(self, tokens: bytes, locations: np.ndarray) -> tuple[int, RadixNode]:
+    def _insert_tiered(self, tokens: bytes, locations: np.ndarray, check: bool) -> tuple[int, RadixNode]:
         """``_insert`` when a host tier may hold part of the path."""
         end = len(tokens)
         node, here, common, partial = self._find(tokens)
@@ -300,7 +304,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         on_host = (partial if partial is not None else node).on_host
         head = self.device_head(node) if on_host else None
         kept_from = head.cached_len * BYTES_PER_TOKEN if on_host else matched
-        if kept_from < end:
+        if check and kept_from < end:
             check_location_values(locations[kept_from // BYTES_PER_TOKEN :])  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)

@@ -59,15 +59,17 @@ class EvictionCandidates:
     def add(self, node: RadixNode) -> None:
         """Make ``node`` a candidate, or re-rank it after its ``last_access`` changed."""
         if self._seq_of(node) < 0:
-            self._size += 1
-        self._push(node)
+            self.add_new(node)
+            return
+        self._size -= 1  # add_new counts it again
+        self.add_new(node)  # its old entry goes stale
+        if len(self._queue) + len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
+            self._drop_stale_entries()
 
     def add_new(self, node: RadixNode) -> None:
-        """``add`` for a node known not to be a candidate (a new leaf, a parent that became one)."""
+        """``add`` for a node known not to be a candidate (a new leaf, a parent that became one).
+        One live entry more and no stale one: the bound on stale entries still holds."""
         self._size += 1
-        self._push(node)
-
-    def _push(self, node: RadixNode) -> None:
         seq = next(self._next_seq)
         setattr(node, self._seq_field, seq)
         queue = self._queue
@@ -76,8 +78,6 @@ class EvictionCandidates:
             queue.append((last_access, seq, node))
         else:
             heappush(self._heap, (last_access, seq, node))
-        if len(queue) + len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
-            self._drop_stale_entries()
 
     def discard(self, node: RadixNode) -> None:
         """``node`` is no longer a candidate (locked, got a child, or evicted); its entry goes stale."""
