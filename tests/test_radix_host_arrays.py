@@ -130,3 +130,34 @@ def test_evict_host_of_nothing_is_an_empty_array_and_bad_sizes_raise():
         cache.evict_host(True)
     cache.insert_host(np.array([5], dtype=np.int32), np.array([7], dtype=np.int32))
     assert cache.evict_host(np.int64(1)).tolist() == [7]
+
+
+def test_the_allocator_hands_the_radix_its_host_arrays(monkeypatch):
+    """kvplug's allocator calls ``match_host`` / ``insert_host`` / ``evict_host`` on the built-in
+    radix, numpy in and out, never its tensor methods (a plugin's cache gets those: test_allocator)."""
+    from kvplug.memory.allocator import PagedAllocator
+    from kvplug.memory.page_table import PageTable
+
+    seen: list[tuple[str, type]] = []
+    for name in ("match_host", "insert_host", "evict_host", "match_prefix", "insert_prefix", "evict"):
+        original = getattr(RadixPrefixCache, name)
+
+        def spy(self, *args, name=name, original=original):
+            seen.append((name, type(args[0])))
+            return original(self, *args)
+
+        monkeypatch.setattr(RadixPrefixCache, name, spy)
+    page_size, num_pages = 2, 4
+    table = PageTable(2, 16, dummy_location=num_pages * page_size, device=torch.device("cpu"))
+    allocator = PagedAllocator(num_pages, page_size, table, radix(page_size))
+    assert allocator.host_arrays
+    first = allocator.open_request(0, torch.arange(6, dtype=torch.int32))
+    allocator.allocate([first])
+    allocator.mark_computed([first])
+    allocator.cache_request(first, finished=True)  # caches 6 tokens: 3 of the 4 pages
+    second = allocator.open_request(0, torch.arange(100, 108, dtype=torch.int32))
+    allocator.allocate([second])  # 4 pages: evicts
+    assert [name for name, _ in seen] == ["match_host", "insert_host", "match_host", "evict_host"]
+    assert {kind for name, kind in seen if name != "evict_host"} == {np.ndarray}
+    allocator.cache_request(second, finished=True)
+    allocator.check_integrity()

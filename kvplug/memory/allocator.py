@@ -57,8 +57,7 @@ from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
 from kvplug.memory.ragged import HostInts, host_ints
 from kvplug.memory.request import Request, RequestTable
-from kvplug.prefix_cache.host_arrays import HostArrayCalls
-from kvplug.prefix_cache.radix_arguments import dense_host_array
+from kvplug.prefix_cache.host_arrays import HostArrayCalls, host_view
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +172,8 @@ class PagedAllocator:
         states: the ``RequestTable`` (``Request`` objects are views of it).
         evicted_tokens: tokens evicted from the prefix cache so far.
         tiered: the prefix cache has a host-memory tier (``BaseTieredPrefixCache``).
+        host_arrays: the prefix cache is a built-in one that takes host arrays (``HostArrayCalls``):
+            ids and locations go to it as numpy arrays, evictions come back as one.
         host_hit_tokens: tokens loaded from the host tier into admitted requests so far.
         skipped_load_tokens: host-resident tokens matched but computed instead (no pages, or a
             failed copy).
@@ -192,7 +193,7 @@ class PagedAllocator:
         self.host_hit_tokens = 0
         self.skipped_load_tokens = 0
         self.tiered = isinstance(prefix_cache, BaseTieredPrefixCache)
-        self._host_arrays = isinstance(prefix_cache, HostArrayCalls)  # a built-in cache: host arrays in and out
+        self.host_arrays = isinstance(prefix_cache, HostArrayCalls)  # a built-in cache: host arrays in and out
         # NOTE: bumped by every call that may change what the cache matches (insert, evict,
         # a load), so a PrefixLookup made before it is matched again instead of trusted
         self._epoch = 0
@@ -201,7 +202,7 @@ class PagedAllocator:
         """Use ``cache`` from now on (a hand-over: ``kvplug.cache_guard``); earlier lookups are stale."""
         self.prefix_cache = cache
         self.tiered = isinstance(cache, BaseTieredPrefixCache)
-        self._host_arrays = isinstance(cache, HostArrayCalls)
+        self.host_arrays = isinstance(cache, HostArrayCalls)
         self._epoch += 1
 
     # ------------------------------------------------------------------ sizes
@@ -244,8 +245,8 @@ class PagedAllocator:
     def _match(self, query: torch.Tensor) -> MatchResult:
         """``prefix_cache.match_prefix(query)``, through ``match_host`` where the cache takes host
         arrays and ``query`` (checked by ``_check_prompt``) reads in place."""
-        if self._host_arrays:
-            ids = dense_host_array(query)
+        if self.host_arrays:
+            ids = host_view(query)
             if ids is not None:
                 return MatchResult(self.prefix_cache.match_host(ids))
         return self.prefix_cache.match_prefix(query)
@@ -281,7 +282,7 @@ class PagedAllocator:
         else:
             if lookup is not None:
                 handle = lookup.match.handle
-            elif self._host_arrays and (ids := dense_host_array(query)) is not None:
+            elif self.host_arrays and (ids := host_view(query)) is not None:
                 handle = cache.match_host(ids)
             else:
                 handle = cache.match_prefix(query).handle
@@ -488,7 +489,7 @@ class PagedAllocator:
                     + (f", plus {pending} pending lazy frees" if pending else "")
                 )
             self._epoch += 1
-            if self._host_arrays:
+            if self.host_arrays:
                 locations = self.prefix_cache.evict_host(shortage * self.page_size)
             else:
                 evicted = self.prefix_cache.evict(shortage * self.page_size)
@@ -518,7 +519,7 @@ class PagedAllocator:
         aligned = min(request.cached_len, request.known_len) // size * size
         old_handle = request.handle
         self._epoch += 1
-        if self._host_arrays:  # views: the cache reads them during the call and keeps nothing
+        if self.host_arrays:  # views: the cache reads them during the call and keeps nothing
             locations = table.host_locations(row, 0, aligned)
             cached_len, new_handle = self.prefix_cache.insert_host(table.host_token_ids(row, 0, aligned), locations)
         else:  # copies: the cache may keep the tensors it is given, and the row will be rewritten

@@ -19,6 +19,7 @@ from typing import NoReturn
 import numpy as np
 
 from kvplug.interface import BaseCacheHandle, InvalidArgumentError
+from kvplug.prefix_cache.radix_arguments import dense_host_array
 
 HOST_INT32 = np.dtype(np.int32)  # the native int32 descriptor that every int32 array shares
 
@@ -45,6 +46,13 @@ class HostArrayCalls(ABC):
     @abstractmethod
     def evict_host(self, size: int) -> np.ndarray:
         """``evict(size)`` as a read-only host int32 array of the freed locations."""
+
+
+def host_view(tensor: object) -> np.ndarray | None:
+    """``tensor`` as a numpy view for a ``HostArrayCalls`` call when it is a dense 1-D int32 CPU
+    tensor whose storage holds it, else ``None`` (the caller then uses the tensor methods, which
+    validate and explain)."""
+    return dense_host_array(tensor)
 
 
 def is_host_int32(array: object) -> bool:
