@@ -251,11 +251,12 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         page_bytes = self._page_bytes
         matched = 0  # bytes
         end = len(tokens)
-        partial = None
+        partial = first_page = None
         while matched < end:  # _find, inline
-            child = node.children.get(tokens[matched : matched + page_bytes])
+            first_page = tokens[matched : matched + page_bytes]
+            child = node.children.get(first_page)
             if child is None:
-                break
+                break  # first_page: the new leaf's
             key = child.key
             after = matched + len(key)
             if after <= end and tokens.startswith(key, matched):
@@ -265,6 +266,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             partial = child
             common = shared_page_bytes(key, tokens, matched, self.page_size)
             matched += common
+            first_page = tokens[matched : matched + page_bytes]
             break
         if matched == end:  # all cached already
             if partial is not None:
@@ -281,7 +283,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         # _add_leaf, inline
         self._clock = tick = self._clock + 1  # the leaf is born with the new tick
         leaf = RadixNode(self._generation, node, key, value, end >> 2, tick)
-        node.children[key[:page_bytes]] = leaf
+        node.children[first_page] = leaf
         if node.heap_seq >= 0:
             self._candidates.discard(node)  # it has a device-resident child now
         self._evictable += len(value) >> 2
