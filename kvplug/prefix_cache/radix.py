@@ -123,12 +123,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
 
     # ------------------------------------------------------------------ version-1 surface
     def match_prefix(self, input_ids: torch.Tensor) -> MatchResult:
-        ids = dense_host_array(input_ids) if self._on_cpu else None
-        if ids is not None and not ids.shape[0] % self.page_size:
-            tokens = ids.tobytes()
-        else:
-            tokens = match_tokens(input_ids, self.device, self.page_size)
-        node = self._match_tokens(tokens)
+        node = self._match(input_ids)
         if node.on_host:
             node = self.device_head(node)
         return _new_tuple(MatchResult, (node,))
@@ -290,7 +285,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         self._candidates.add_new(leaf)
         cached_len = matched >> 2
         root = self._root
-        while node is not root:  # _stamp_ancestors, inline
+        while node is not root:  # the new tick up to the root
             node.last_access = tick
             node = node.parent
         if self.__dict__.get("_kv_event_listeners"):
@@ -330,7 +325,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         self._evictable += len(value) >> 2
         self._candidates.add_new(leaf)
         root = self._root
-        while node is not root:  # _stamp_ancestors, inline
+        while node is not root:  # the new tick up to the root
             node.last_access = tick
             node = node.parent
         if self.__dict__.get("_kv_event_listeners"):
@@ -509,7 +504,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         self._clock = tick = self._clock + 1
         root = self._root
         walker = node
-        while walker is not root:  # _stamp_ancestors, inline
+        while walker is not root:  # the new tick up to the root
             walker.last_access = tick
             walker = walker.parent
         if node.on_host:
@@ -519,13 +514,6 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             self._candidates.add(node)  # re-rank it under its new tick (refresh(), inline)
         elif node.heap_seq >= 0:
             self._candidates.discard(node)
-
-    def _stamp_ancestors(self, node: RadixNode, tick: int) -> None:
-        """Set ``last_access = tick`` from ``node`` up to (not including) the root."""
-        root = self._root
-        while node is not root:
-            node.last_access = tick
-            node = node.parent
 
     # ------------------------------------------------------------------ what the tier calls
     def refresh(self, node: RadixNode) -> None:
