@@ -232,24 +232,23 @@ class PagedAllocator:
     def lookup(self, input_ids: torch.Tensor) -> PrefixLookup:
         """Match ``input_ids`` (shape ``[n]``, int32, cpu; ``n >= 1``) without locking or
         changing anything: at most ``n - 1`` tokens, as ``open_request`` would."""
-        self._check_prompt(input_ids)
-        query = input_ids[: int(input_ids.shape[0]) - 1]
+        query_len = self._check_prompt(input_ids) - 1
         if self.tiered:
-            match = self.prefix_cache.match_tiered(query)
+            match = self.prefix_cache.match_tiered(input_ids[:query_len])
             cached = int(match.handle.cached_len) + int(match.host_len)
         else:
-            match = self._match(query)
+            match = self._match(input_ids, query_len)
             cached = int(match.handle.cached_len)
         return PrefixLookup(input_ids, cached, match, self._epoch)
 
-    def _match(self, query: torch.Tensor) -> MatchResult:
-        """``prefix_cache.match_prefix(query)``, through ``match_host`` where the cache takes host
-        arrays and ``query`` (checked by ``_check_prompt``) reads in place."""
+    def _match(self, input_ids: torch.Tensor, query_len: int) -> MatchResult:
+        """``prefix_cache.match_prefix(input_ids[:query_len])``, through ``match_host`` where the
+        cache takes host arrays and ``input_ids`` (checked by ``_check_prompt``) reads in place."""
         if self.host_arrays:
-            ids = host_view(query)
+            ids = host_view(input_ids)
             if ids is not None:
-                return MatchResult(self.prefix_cache.match_host(ids))
-        return self.prefix_cache.match_prefix(query)
+                return MatchResult(self.prefix_cache.match_host(ids[:query_len]))
+        return self.prefix_cache.match_prefix(input_ids[:query_len])
 
     def open_request(self, row: int, input_ids: torch.Tensor | PrefixLookup, *, match: bool = True) -> Request:
         """Match the prompt against the prefix cache, lock the match, point the row at it and
@@ -273,19 +272,18 @@ class PagedAllocator:
         self.page_table.check_row(row, allow_dummy=False)
         if self.states.key[row] >= 0:
             raise InvalidArgumentError(f"row {row} already belongs to a live request")
-        query = input_ids[: n - 1]
+        query_len = n - 1 if match else 0
         cache = self.prefix_cache
-        if not match:
-            query = query[:0]
         if self.tiered:
-            handle = self._match_and_load(query if lookup is None else None, lookup.match if lookup else None)
+            handle = self._match_and_load(input_ids[:query_len] if lookup is None else None,
+                                          lookup.match if lookup else None)
         else:
             if lookup is not None:
                 handle = lookup.match.handle
-            elif self.host_arrays and (ids := host_view(query)) is not None:
-                handle = cache.match_host(ids)
+            elif self.host_arrays and (ids := host_view(input_ids)) is not None:
+                handle = cache.match_host(ids[:query_len])  # a numpy slice: cheaper than the tensor's
             else:
-                handle = cache.match_prefix(query).handle
+                handle = cache.match_prefix(input_ids[:query_len]).handle
             cache.lock_handle(handle)
         matched = int(handle.cached_len)
         try:
