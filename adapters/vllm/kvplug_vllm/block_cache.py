@@ -136,7 +136,7 @@ class BlockPrefixCache:
 
         The blocks of the part that was not cached yet get kvplug's reference; the caller's copies of
         the part that was (its own hit, or another request's copy) stay the caller's to free.
-        Returns the inserted prefix (not locked; ``block_ids`` are the caller's).
+        Returns the prefix the cache holds now (not locked; its ``block_ids`` are the caller's).
         """
         length = len(block_ids) * self.block_size
         if length == 0:
@@ -148,12 +148,14 @@ class BlockPrefixCache:
         blocks = torch.tensor(block_ids, dtype=torch.int32)
         locations = (blocks[:, None] * self.block_size + self._offsets).reshape(-1)
         result = space.cache.insert_prefix(ids, locations)
-        fresh = list(block_ids[result.cached_len // self.block_size:])
+        # the cache keeps [cached_len, handle.cached_len) of what it was given (nothing, for naive)
+        kept = result.handle.cached_len // self.block_size
+        fresh = list(block_ids[result.cached_len // self.block_size:kept])
         if fresh:
             self._take_refs(fresh)
             self.stats.inserted_tokens += len(fresh) * self.block_size
             self.epoch += 1
-        return BlockMatch(space, result.handle, length, tuple(block_ids))
+        return BlockMatch(space, result.handle, kept * self.block_size, tuple(block_ids[:kept]))
 
     # ------------------------------------------------------------------ eviction and sizes
     @property

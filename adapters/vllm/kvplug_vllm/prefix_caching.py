@@ -61,7 +61,8 @@ class RequestPrefixes:
     def __init__(self, cache: BlockPrefixCache) -> None:
         self.cache = cache
         self._lookups: dict[str, _Lookup] = {}
-        self._held: dict[str, BlockMatch] = {}
+        self._held: dict[str, BlockMatch] = {}  # the locked prefix of each running request
+        self._offered: dict[str, int] = {}  # whole blocks of each running request offered to the cache
 
     def lookup(self, request: Any) -> BlockMatch:
         rid = request.request_id
@@ -101,28 +102,31 @@ class RequestPrefixes:
         """Cache ``request``'s computed whole blocks not cached by it yet, moving its lock onto them:
         a request sharing the prefix can hit it while this one still runs (vLLM caches at this
         pace too). Blocks another request cached meanwhile stay this request's private copies."""
-        held = self._held.get(request.request_id)
+        rid = request.request_id
         computed = min(request.num_computed_tokens - request.num_in_flight_tokens, len(request.all_token_ids))
         num_blocks = max(computed, 0) // self.cache.block_size
-        if num_blocks * self.cache.block_size <= (held.num_tokens if held is not None else 0):
+        if num_blocks <= self._offered.get(rid, 0):
             return
         block_ids = []
         for block in blocks[:num_blocks]:
             if block.is_null:
                 break
             block_ids.append(block.block_id)
-        if len(block_ids) * self.cache.block_size <= (held.num_tokens if held is not None else 0):
+        if len(block_ids) <= self._offered.get(rid, 0):
             return
+        self._offered[rid] = len(block_ids)
         inserted = self.cache.insert(namespace_of(request), request.all_token_ids, block_ids)
         self.cache.lock(inserted)
+        held = self._held.pop(rid, None)
         if held is not None:
             self.cache.unlock(held)
-        self._held[request.request_id] = inserted
+        self._held[rid] = inserted
 
     def release(self, request: Any, blocks: list) -> None:
         """Before vLLM frees ``request``: cache its computed whole blocks, then drop its lock."""
         self._lookups.pop(request.request_id, None)
         self.checkpoint(request, blocks)
+        self._offered.pop(request.request_id, None)
         held = self._held.pop(request.request_id, None)
         if held is not None:
             self.cache.unlock(held)
