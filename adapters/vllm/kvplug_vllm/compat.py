@@ -131,9 +131,25 @@ INTERNALS: tuple[Internal, ...] = (
              "self.blocks set by the class"),
     Internal(_POOL, "free_block_queue", READ, "the free queue's length (the shortage to evict)", ASSIGNED,
              "self.free_block_queue set by the class"),
-    Internal("vllm.v1.core.kv_cache_utils", "KVCacheBlock", READ, "block ids and reference counts",
-             FIELDS, "block_id, ref_cnt"),
+    Internal(_MANAGER, "empty_kv_cache_blocks", READ, "the no-hit answer", ASSIGNED,
+             "self.empty_kv_cache_blocks set by the class"),
+    Internal(_POOL, "num_gpu_blocks", READ, "the pool's size (conservation, stats, checked caches)", ASSIGNED,
+             "self.num_gpu_blocks set by the class"),
+    Internal("vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue", "num_free_blocks", READ,
+             "blocks in the free queue", ASSIGNED, "self.num_free_blocks set by the class"),
+    Internal("vllm.v1.core.kv_cache_utils", "KVCacheBlock", READ, "block ids, reference counts, the null block",
+             FIELDS, "block_id, ref_cnt, is_null"),
+    Internal("vllm.v1.kv_cache_interface", "KVCacheConfig", READ, "the KV cache groups (one, full attention)",
+             FIELDS, "kv_cache_groups, num_blocks"),
+    Internal("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", READ, "a group's spec", FIELDS, "kv_cache_spec"),
+    Internal("vllm.v1.kv_cache_interface", "FullAttentionSpec", READ, "the block size kvplug pages by",
+             FIELDS, "block_size"),
+    Internal("vllm.config", "CacheConfig", READ, "the block size, in every process", FIELDS, "block_size"),
     # ---- Request: tokens, progress and the namespace of its KV
+    Internal(_REQUEST, "request_id", READ, "per-request lookups and locks", ASSIGNED,
+             "self.request_id set by the class"),
+    Internal(_REQUEST, "num_tokens", READ, "prompt plus output length (a hit stops one token short)", PARAMETERS,
+             "self"),
     Internal(_REQUEST, "all_token_ids", READ, "the tokens kvplug matches and caches", ASSIGNED,
              "self.all_token_ids set by the class"),
     Internal(_REQUEST, "num_computed_tokens", READ, "how many tokens' KV is written when the request is freed",
@@ -150,6 +166,9 @@ INTERNALS: tuple[Internal, ...] = (
              ASSIGNED, "self.skip_reading_prefix_cache set by the class"),
     Internal("vllm.multimodal.inputs", "MultiModalFeatureSpec", READ, "a multimodal input's identity and place",
              FIELDS, "identifier, mm_position"),
+    Internal("vllm.multimodal.inputs", "PlaceholderRange", READ, "where a multimodal input sits in the prompt",
+             FIELDS, "offset"),
+    Internal("vllm.lora.request", "LoRARequest", READ, "the adapter's id (namespace)", FIELDS, "lora_int_id"),
     # ---- the connector seam
     Internal(f"{_CONNECTOR}.factory.KVConnectorFactory", "register_connector", CALLED,
              "registers KvplugConnector (lazily, by module path)", PARAMETERS, "cls, name, module_path, class_name"),
@@ -161,6 +180,19 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CONNECTOR}.v1.base.KVConnectorBase_V1", "bind_kv_cache_manager", OVERRIDDEN,
              "where kvplug takes over the scheduler's KVCacheManager, right after vLLM built it",
              PARAMETERS, "self, kv_cache_manager"),
+    # ---- statistics, the stats route and the launcher
+    Internal(f"{_CONNECTOR}.v1.metrics", "KVConnectorStats", IMPLEMENTED,
+             "KvplugConnectorStats carries kvplug's snapshot through vLLM's stats pipeline", INTERFACE,
+             "c33842c8f85da84a"),
+    Internal("vllm.v1.metrics.stats", "SchedulerStats", READ, "the snapshot arrives in the API server here",
+             FIELDS, "kv_connector_stats"),
+    Internal("vllm.v1.metrics.loggers.StatLoggerBase", "record", IMPLEMENTED,
+             "KvplugStatLogger keeps the latest snapshot for /kvplug/stats", PARAMETERS,
+             "self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx"),
+    Internal("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin", IMPLEMENTED,
+             "KvplugStatsEndpoint adds GET /kvplug/stats", INTERFACE, "82686de715c61cb3"),
+    Internal("vllm.entrypoints.cli.main", "main", CALLED, "python -m kvplug_vllm.launch runs vLLM's CLI",
+             PARAMETERS, ""),
 )
 
 
@@ -249,9 +281,12 @@ def _assigned(owner: Any, attribute: str) -> str:
 
 
 def _fields(owner: Any, wanted: str) -> str:
-    if not dataclasses.is_dataclass(owner):
-        return f"{getattr(owner, '__name__', owner)} is not a dataclass"
-    present = {field.name for field in dataclasses.fields(owner)}
+    if dataclasses.is_dataclass(owner):
+        present = {field.name for field in dataclasses.fields(owner)}
+    elif hasattr(owner, "__struct_fields__"):  # a msgspec Struct
+        present = set(owner.__struct_fields__)
+    else:
+        return f"{getattr(owner, '__name__', owner)} is neither a dataclass nor a msgspec Struct"
     names = [name.strip() for name in wanted.split(",")]
     return ", ".join(name if name in present else f"{name} ({_MISSING})" for name in names)
 

