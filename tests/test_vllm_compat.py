@@ -164,3 +164,35 @@ def test_block_cache_keeps_vllm_reference_counts_exact(name: str, data: st.DataO
         model.drop(blocks)
     assert cache.reset()
     assert len(model.free) == num_blocks and not any(model.refs)
+
+
+def test_namespaces_separate_lora_salt_and_multimodal_inputs() -> None:
+    from types import SimpleNamespace as NS
+
+    from kvplug_vllm.namespaces import DEFAULT_NAMESPACE, namespace_of
+
+    def request(lora=None, salt=None, features=()):
+        return NS(lora_request=lora, cache_salt=salt, mm_features=list(features))
+
+    image = NS(identifier="img-1", mm_position=NS(offset=5))
+    other_image = NS(identifier="img-2", mm_position=NS(offset=5))
+    spaces = {
+        namespace_of(request()),
+        namespace_of(request(lora=NS(lora_int_id=1))),
+        namespace_of(request(lora=NS(lora_int_id=2))),
+        namespace_of(request(salt="tenant-a")),
+        namespace_of(request(features=[image])),
+        namespace_of(request(features=[other_image])),
+        namespace_of(request(features=[NS(identifier="img-1", mm_position=NS(offset=9))])),
+    }
+    assert len(spaces) == 7 and namespace_of(request()) == DEFAULT_NAMESPACE
+    assert namespace_of(request(features=[image])) == namespace_of(request(features=[image]))
+
+    model = RefModel(8)
+    cache = BlockPrefixCache(lambda: kvplug.create_prefix_cache("radix", page_size=4), 4, model.take, model.drop)
+    tokens = list(range(9))
+    blocks = model.allocate(2)
+    cache.insert(namespace_of(request(salt="tenant-a")), tokens, blocks)
+    assert cache.match(namespace_of(request(salt="tenant-a")), tokens, 8).block_ids == tuple(blocks)
+    for other in spaces - {namespace_of(request(salt="tenant-a"))}:
+        assert cache.match(other, tokens, 8).num_tokens == 0
