@@ -44,6 +44,9 @@ def test_other_versions_are_refused_with_one_clear_error() -> None:
     with pytest.raises(compat.UnsupportedVLLMError, match="not installed"):
         compat.check_version(None, env={})
     assert compat.check_version("0.33.0", env={compat.ALLOW_UNTESTED_ENV: "1"}) == "0.33.0"
+    assert compat.check_version("0.32.0+cpu", env={}) == "0.32.0+cpu"  # how vLLM names its CPU build
+    with pytest.raises(compat.UnsupportedVLLMError):
+        compat.check_version("0.32.1+cpu", env={})
 
 
 def test_readme_table_is_the_internals_table() -> None:

@@ -129,9 +129,16 @@ def test_vllm_serve_on_kvplug_radix(model_dir: Path, tmp_path: Path) -> None:
         assert engine["prefix_cache"] == "radix"
         assert engine["hit_tokens"] >= 384 * 2 + 256  # the repeated completions, the repeated chat prompt
         assert engine["cached_tokens"] > 0 and engine["namespaces"] == 1
+        # vLLM's own metrics count kvplug's hits as its prefix-cache hits
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        hits = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("vllm:prefix_cache_hits_total")]
+        assert hits and hits[0] >= 384 * 2, [line for line in metrics.splitlines() if "prefix_cache" in line]
     finally:
         status = stop(process, log) if process.poll() is None else process.returncode
     assert status == 0, f"vllm serve exited with {status} after SIGTERM:\n{tail(log)}"
+    assert "kvplug-vllm supports vLLM" not in log.read_text(errors="replace")  # the gate passed in every process
 
 
 def test_vllm_serve_refuses_an_unknown_prefix_cache(model_dir: Path, tmp_path: Path) -> None:

@@ -215,7 +215,8 @@ def check_version(version: str | None, env: Mapping[str, str] | None = None) -> 
     """``version`` if the adapter may install into it, else ``UnsupportedVLLMError`` (one message)."""
     if version is None:
         raise UnsupportedVLLMError(f"vLLM is not installed; kvplug-vllm needs it: {INSTALL_HINT}")
-    if version in SUPPORTED_VERSIONS or untested_allowed(env):
+    # a local label names the build, not the source: vLLM spells its CPU build "0.32.0+cpu"
+    if version.split("+", 1)[0] in SUPPORTED_VERSIONS or untested_allowed(env):
         return version
     raise UnsupportedVLLMError(
         f"kvplug-vllm supports vLLM {', '.join(SUPPORTED_VERSIONS)}, found {version}: {INSTALL_HINT} "
