@@ -502,7 +502,7 @@ class KvplugAttentionImpl(AttentionImpl[KvplugAttentionMetadata]):
         if logits_soft_cap:
             problems.append(f"logit soft-capping ({logits_soft_cap})")
         if attn_type != AttentionType.DECODER:
-            problems.append(f"{attn_type} attention (kvplug computes causal decoder attention)")
+            problems.append(f"{getattr(attn_type, 'value', attn_type)} attention (kvplug computes causal decoder attention)")
         if kv_sharing_target_layer_name is not None:
             problems.append(f"KV sharing with {kv_sharing_target_layer_name}")
         if kv_cache_dtype != "auto":
