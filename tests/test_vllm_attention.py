@@ -225,6 +225,24 @@ def test_an_lbhnc_view_is_refused_naming_the_layout(vllm_config):
         builder.build(0, Step([(0, 4)], 0, 0, seed=3).metadata())
 
 
+def test_the_gpu_tests_rebuild_vllms_views_exactly():
+    """tests/test_vllm_layout_gpu.py (no vLLM there) rebuilds these views and VllmKVViews' K/V."""
+    from tests.test_vllm_layout_gpu import LayoutPool, vllm_layout_views
+
+    names = [f"layer{i}" for i in range(NUM_LAYERS)]
+    _, views = allocate_views(KVCacheLayout.LBNHC, names)
+    mirrored = vllm_layout_views(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    ours, theirs = backend_module.VllmKVViews(views, HEAD_DIM), LayoutPool(mirrored, HEAD_DIM)
+    for layer in range(NUM_LAYERS):
+        assert (views[layer].shape, views[layer].stride()) == (mirrored[layer].shape, mirrored[layer].stride())
+        assert views[layer].data_ptr() - views[0].data_ptr() == mirrored[layer].data_ptr() - mirrored[0].data_ptr()
+        for get in ("k_cache", "v_cache"):
+            a, b = getattr(ours, get)(layer), getattr(theirs, get)(layer)
+            assert (a.shape, a.stride()) == (b.shape, b.stride())
+            assert a.data_ptr() - views[0].data_ptr() == b.data_ptr() - mirrored[0].data_ptr()
+    assert (ours.num_pages, ours.page_size, ours.dummy_location) == (theirs.num_pages, theirs.page_size, 0)
+
+
 def test_live_requests_after_padding_are_refused():
     with pytest.raises(InvalidArgumentError, match="must follow its live ones"):
         backend_module.plan_step(np.array([0, 1, 1, 2]), np.array([5, 0, 6]), 2, dummy_row=8)
