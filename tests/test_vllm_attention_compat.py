@@ -9,6 +9,8 @@ field, and names the entry; the KVPLUG classes still match the signatures vLLM c
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ registration = pytest.importorskip("kvplug_vllm.attention_registration")
 backend_module = pytest.importorskip("kvplug_vllm.attention_backend")
 
 Check, Internal = registration.Check, registration.Internal
+ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "vllm"
 pinned = pytest.mark.skipif(vllm.__version__ != registration.PINNED_VLLM_VERSION,
                             reason=f"fingerprints are of vLLM {registration.PINNED_VLLM_VERSION}")
 
@@ -107,8 +110,13 @@ def test_kvplug_classes_match_the_signatures_vllm_calls():
     assert [layout.name for layout in backend_module.KvplugAttentionBackend.supported_kv_cache_layouts()] == ["LBNHC"]
 
 
-def test_the_readme_table_lists_every_entry():
+def test_the_adapter_docs_show_the_generated_table():
     table = registration.internals_table_markdown()
     assert table.count("\n") == len(registration.ATTENTION_INTERNALS) + 1
-    for entry in registration.ATTENTION_INTERNALS:
-        assert f"`{entry.name}`" in table
+    docs = [path for path in (ADAPTER / "README.md", ADAPTER / "ATTENTION.md") if path.exists()]
+    texts = [path.read_text(encoding="utf-8") for path in docs]
+    found = [re.search(r"<!-- kvplug-attention-internals:begin -->\n(.*?)\n<!-- kvplug-attention-internals:end -->",
+                       text, re.S) for text in texts]
+    shown = [match.group(1) for match in found if match]
+    assert shown, f"no kvplug-attention-internals markers in {[str(path) for path in docs]}"
+    assert shown == [table] * len(shown), "paste internals_table_markdown() between the markers"
