@@ -219,6 +219,34 @@ def test_steps_reuse_the_fixed_buffers(vllm_config):
     assert b.device_lens.tolist() == [31, 3, 1] and b.table_rows.tolist()[-1] == builder._table.dummy_row
 
 
+def test_graph_capture_then_decode_steps_are_planned_into_the_graph_state(vllm_config, monkeypatch):
+    """build_for_cudagraph_capture prepares every kvplug backend's graph state over vLLM's capture
+    sizes; a later decode step of a captured size is planned for replay (the torch backend reads
+    the captured width), other steps eagerly; only decode steps of prepared sizes are captured."""
+    from kvplug.attention.torch_backend import TorchMetadata
+
+    monkeypatch.setattr(vllm_config.compilation_config, "cudagraph_capture_sizes", [1, 2, 4])
+    builder, layers, scale = make_group(vllm_config)
+    width = MAX_BLOCKS_PER_REQ * BLOCK_SIZE
+    captured = builder.build_for_cudagraph_capture(Step([(0, 1)] * 3, 1, 1, seed=4).metadata())
+    assert builder._graph_sizes == (1, 2, 4)
+    assert all(batch.metadata == TorchMetadata(True, width) for _, batch in captured.plans.values())
+    step = Step([(40, 1), (3, 1), (17, 1)], 1, 1, seed=5)
+    replayed = builder.build(0, step.metadata())
+    assert all(batch.metadata.kv_len_bound == width for _, batch in replayed.plans.values())
+    layer = layers[0]
+    before = layer.kv_cache.clone()
+    output = torch.empty(step.num_tokens, Q_HEADS, HEAD_DIM)
+    layer.impl.forward(layer, step.q, step.k, step.v, layer.kv_cache, replayed, output)
+    torch.testing.assert_close(output[: step.live_tokens].double(), step.reference(before, scale), rtol=1e-5, atol=1e-5)
+    eager = builder.build(0, Step([(40, 1), (3, 1), (17, 1)], 0, 0, seed=6).metadata())  # 3: not captured
+    assert all(batch.metadata.kv_len_bound == 41 for _, batch in eager.plans.values())
+    with pytest.raises(backend_module.UnsupportedAttentionError, match="single-token decode"):
+        builder.build_for_cudagraph_capture(Step([(0, 5)], 0, 0, seed=7).metadata())
+    with pytest.raises(InvalidArgumentError, match=r"graph of 8 requests; KVPLUG prepared \[1, 2, 4\]"):
+        builder.build_for_cudagraph_capture(Step([(0, 1)] * 8, 0, 0, seed=8).metadata())
+
+
 def test_an_lbhnc_view_is_refused_naming_the_layout(vllm_config):
     with pytest.raises(InvalidArgumentError, match="LBNHC"):
         builder, _, _ = make_group(vllm_config, layout=KVCacheLayout.LBHNC)
