@@ -404,23 +404,34 @@ def run_llm(model: str) -> dict:
             "prefix_cache_hits": hits}
 
 
-def _child(model: Path, kvplug: bool) -> dict:
+def _start_child(model: Path, kvplug: bool) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="", OMP_NUM_THREADS="1")
     env.pop(registration.ATTENTION_ENV, None)
     if kvplug:
         env[registration.ATTENTION_ENV] = "1"
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "adapters" / "vllm"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__, str(model)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, __file__, str(model)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root)
+
+
+def _results(children: tuple[subprocess.Popen, ...]) -> list[dict]:
+    """Each child's JSON line; every child is reaped whatever happens."""
+    try:
+        outputs = [child.communicate(timeout=600) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    for child, (_, stderr) in zip(children, outputs):
+        assert child.returncode == 0, stderr[-4000:]
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
 
 
 def test_llm_tokens_identical_to_native_cpu_attention(tmp_path):
     model = build_tiny_model(tmp_path / "tiny-llama-hd32")
-    native = _child(model, kvplug=False)
-    kvplug = _child(model, kvplug=True)
+    children = _start_child(model, kvplug=False), _start_child(model, kvplug=True)  # side by side: startup dominates
+    native, kvplug = _results(children)
     assert native["kvplug_forwards"] == 0 and not native["cpu_override"]
     assert kvplug["cpu_override"] and kvplug["kvplug_forwards"] > 0, "KVPLUG attention did not run"
     assert len(kvplug["tokens"]) == len(PROMPTS) and all(len(ids) == 12 for ids in kvplug["tokens"])
