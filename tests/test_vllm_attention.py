@@ -271,6 +271,14 @@ def test_the_gpu_tests_rebuild_vllms_views_exactly():
     assert (ours.num_pages, ours.page_size, ours.dummy_location) == (theirs.num_pages, theirs.page_size, 0)
 
 
+def test_a_drifted_vllm_fails_when_the_builder_is_built(vllm_config, monkeypatch):
+    from vllm.v1.attention.backends import utils
+
+    monkeypatch.setattr(utils, "PAD_SLOT_ID", -2)
+    with pytest.raises(registration.UnsupportedVllmAttentionError, match=r"PAD_SLOT_ID \(value.*found '-2'"):
+        make_group(vllm_config)
+
+
 def test_live_requests_after_padding_are_refused():
     with pytest.raises(InvalidArgumentError, match="must follow its live ones"):
         backend_module.plan_step(np.array([0, 1, 1, 2]), np.array([5, 0, 6]), 2, dummy_row=8)

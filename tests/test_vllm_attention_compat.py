@@ -86,19 +86,6 @@ def test_a_changed_source_a_constant_and_a_missing_name_are_reported_together(mo
     assert any("NULL_BLOCK_ID (value" in line and "missing (AttributeError" in line for line in problems)
 
 
-@pinned
-def test_the_builders_gate_raises_unless_untested_versions_are_allowed(monkeypatch):
-    from vllm.v1.attention.backends import utils
-
-    monkeypatch.setattr(utils, "PAD_SLOT_ID", -2)
-    with pytest.raises(registration.UnsupportedVllmAttentionError, match="KVPLUG_VLLM_ALLOW_UNTESTED=1"):
-        registration.check_internals_or_warn(env={})
-    (problem,) = registration.check_internals_or_warn(env={registration.ALLOW_UNTESTED_ENV: "1"})
-    assert "PAD_SLOT_ID" in problem
-    monkeypatch.undo()
-    assert registration.check_internals_or_warn(env={}) == ()
-
-
 def test_a_missing_dataclass_field_is_reported():
     entry = _entry("CommonAttentionMetadata")
     renamed = Internal(entry.owner, entry.attribute, entry.check, entry.why,

@@ -341,9 +341,9 @@ class KvplugAttentionMetadataBuilder(AttentionMetadataBuilder[KvplugAttentionMet
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        from kvplug_vllm.attention_registration import check_internals_or_warn, kernel_name
+        from kvplug_vllm.attention_registration import kernel_name, require_attention_internals
 
-        check_internals_or_warn()  # a drifted vLLM fails here, at startup, naming what changed
+        require_attention_internals()  # a drifted vLLM fails here, at startup, naming what changed
         self.kernel = kernel_name(vllm_config)
         scheduler = vllm_config.scheduler_config
         self.max_reqs = int(scheduler.max_num_seqs)

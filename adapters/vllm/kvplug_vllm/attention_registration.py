@@ -16,8 +16,8 @@ the CPU override on by itself; ``check_attention_selection`` makes that a startu
 ``ATTENTION_INTERNALS`` lists every vLLM name the attention part reads, overrides or relies on,
 with a fingerprint of vLLM ``PINNED_VLLM_VERSION``; ``check_attention_internals`` recomputes them
 and names each one that drifted (``tests/test_vllm_attention_compat.py``). The metadata builder
-checks them when vLLM builds it, so a drifted vLLM fails at startup (``KVPLUG_VLLM_ALLOW_UNTESTED=1``
-turns that into a warning).
+checks them when vLLM builds it, so a drifted vLLM fails at startup, whatever the version gate
+allowed (``KVPLUG_VLLM_ALLOW_UNTESTED`` skips only the version comparison, as in ``compat``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "KVPLUG"
 BACKEND_CLASS_PATH = "kvplug_vllm.attention_backend.KvplugAttentionBackend"
 ATTENTION_ENV = "KVPLUG_VLLM_ATTENTION"
-ALLOW_UNTESTED_ENV = "KVPLUG_VLLM_ALLOW_UNTESTED"
 EXTRA_CONFIG_KEY = "attention"
 DEFAULT_KERNEL = "auto"
 PINNED_VLLM_VERSION = "0.32.0"
@@ -326,20 +325,9 @@ def _drift_message(problems: Sequence[str]) -> str:
 
     return (
         f"KVPLUG attention was written against vLLM {PINNED_VLLM_VERSION}; vLLM {vllm.__version__} changed "
-        f"{len(problems)} internal(s) it relies on (set {ALLOW_UNTESTED_ENV}=1 to run anyway):\n"
+        f"{len(problems)} internal(s) it relies on:\n"
         + "\n".join(f"- {line}" for line in problems)
     )
-
-
-def check_internals_or_warn(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """``require_attention_internals()``, or only a logged warning when ``KVPLUG_VLLM_ALLOW_UNTESTED``
-    is set (for people porting the adapter); returns the drifted entries."""
-    problems = check_attention_internals()
-    if problems and (os.environ if env is None else env).get(ALLOW_UNTESTED_ENV, "") in ("", "0"):
-        raise UnsupportedVllmAttentionError(_drift_message(problems))
-    for line in problems:
-        logger.warning("kvplug-vllm: %s is set; running KVPLUG over a changed vLLM internal: %s", ALLOW_UNTESTED_ENV, line)
-    return problems
 
 
 def internals_table_markdown(entries: Sequence[Internal] = ATTENTION_INTERNALS) -> str:
