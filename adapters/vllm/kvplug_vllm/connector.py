@@ -37,6 +37,7 @@ from kvplug.plugins import default_manager
 from kvplug.prefix_cache.checked import CheckedPrefixCache
 
 from kvplug_vllm.compat import require_supported_vllm
+from kvplug_vllm.attention_registration import check_attention_selection
 from kvplug_vllm.settings import KvplugSettings, parse_settings
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         self.vllm_version = require_supported_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = parse_settings(self._kv_transfer_config.kv_connector_extra_config)
+        check_attention_selection(vllm_config)  # kvplug attention asked for where it would not run
         self.block_size = vllm_config.cache_config.block_size
         num_blocks = getattr(kv_cache_config, "num_blocks", None) or 1
         self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)

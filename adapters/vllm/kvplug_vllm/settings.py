@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from kvplug.interface import InvalidArgumentError
 
-KNOWN_KEYS = ("prefix_cache", "prefix_cache_options", "host_memory")
+KNOWN_KEYS = ("prefix_cache", "prefix_cache_options", "host_memory", "attention")
 DEFAULT_PREFIX_CACHE = "radix"
 
 

@@ -28,3 +28,6 @@ def register() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvplug_vllm.connector", "KvplugConnector")
+    from kvplug_vllm.attention_registration import register_attention
+
+    register_attention()  # --attention-backend KVPLUG; on CPU, CPU_ATTN -> KVPLUG with KVPLUG_VLLM_ATTENTION=1
