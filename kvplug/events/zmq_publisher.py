@@ -10,6 +10,13 @@ Sequence numbers start at the publisher's start time in microseconds since the e
 after a restart a router sees the numbers jump and knows it missed something (the new process
 starts with ``AllBlocksCleared`` anyway), instead of reading the new stream as old messages.
 
+The PUB socket is an XPUB (a PUB to every subscriber) so the publisher hears each subscription:
+it answers one with an empty batch at once, which tells the subscriber the current sequence number.
+A router that reconnects to a restarted server (ZMQ reconnects by itself; what was published
+before it did is lost to it) therefore sees the jump, replays from the last number it had, and
+gets this run's first batch, ``AllBlocksCleared``, instead of keeping the old run's pages until
+the next step.
+
 Replay (vLLM's protocol): a client sends the first sequence number it wants (8 bytes,
 big-endian) to the ROUTER socket, from a REQ socket or a DEALER with an empty delimiter frame;
 the publisher answers with every buffered ``[topic, seq, payload]`` from that number on, then
@@ -114,6 +121,8 @@ class ZmqEventPublisher(KVEventPublisher):
             finally:
                 self._ready.set()
             while True:
+                if self._subscribed(pub):
+                    self._send(pub, EventBatch(time.time(), ()))
                 if replay is not None:
                     for _ in range(MAX_REPLAYS_PER_WAKE):  # batches keep flowing while clients ask
                         if not replay.poll(0):
@@ -133,12 +142,20 @@ class ZmqEventPublisher(KVEventPublisher):
                 if sock is not None:
                     sock.close(linger=0)
 
+    def _subscribed(self, pub: Any) -> bool:
+        """Whether a subscription arrived (``XPUB_VERBOSE``: every subscriber's, repeats included)."""
+        joined = False
+        while pub.poll(0):
+            joined = pub.recv()[:1] == b"\x01" or joined  # b"\x00" + topic: an unsubscription
+        return joined
+
     def _open(self, context: Any) -> tuple[Any, Any]:
         zmq = self._zmq
         config = self.config
-        pub = context.socket(zmq.PUB)
+        pub = context.socket(zmq.XPUB)
         replay = None
         try:
+            pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             pub.setsockopt(zmq.SNDHWM, config.hwm)
             _attach(pub, "endpoint", config.endpoint, bind=config.bind)
             if config.replay_endpoint is not None:
