@@ -20,10 +20,8 @@ from kvplug.events import KVEventCollector, KVEventsConfig, create_publisher, pa
 from kvplug.events.publisher import EventBatch, NullEventPublisher
 from kvplug.events.wire import END_OF_REPLAY, decode_batch, encode_batch, sequence_number, wire_event
 from kvplug.interface import AllCleared, BlockRemoved, BlockStored, InvalidArgumentError, KVPlugError
+from tests.kv_events_support import Subscriber, replay, zmq
 from tests.test_kv_events import radix_prefixes
-
-zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed: pip install 'kvplug[events]'")
-pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed: pip install 'kvplug[events]'")
 
 _ENDPOINTS = itertools.count()
 
@@ -130,52 +128,6 @@ def test_a_bad_config_names_the_key(text, named):
 
 
 # ---------------------------------------------------------------------------- the publisher
-class Subscriber:
-    """A SUB socket reading whole messages: (topic, sequence number, decoded batch)."""
-
-    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sock.setsockopt(zmq.RCVTIMEO, 5000)
-        self.sock.connect(endpoint)
-
-    def receive(self):
-        topic, sequence, payload = self.sock.recv_multipart()
-        return topic, sequence_number(sequence), decode_batch(payload)
-
-    def receive_events(self):
-        """The next non-empty batch (skipping the empty ones a subscription is answered with)."""
-        while True:
-            topic, sequence, batch = self.receive()
-            if batch.events:
-                return topic, sequence, batch
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-def replay(endpoint: str, start: int, *, delimiter: bool = True) -> list:
-    """vLLM's replay protocol from a DEALER: every (sequence, batch) answered until the end marker."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.RCVTIMEO, 5000)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")] if delimiter else [start.to_bytes(8, "big")])
-        answered = []
-        while True:
-            frames = dealer.recv_multipart()
-            if delimiter:
-                assert frames[0] == b""
-                frames = frames[1:]
-            _, sequence, payload = frames
-            if sequence_number(sequence) == -1:
-                assert payload == b""
-                return answered
-            answered.append((sequence_number(sequence), decode_batch(payload)))
-    finally:
-        dealer.close(linger=0)
-
-
 @pytest.fixture
 def publisher_at():
     made = []
