@@ -3,7 +3,7 @@ by random, round-robin, sticky-session and NVIDIA Dynamo routing (one or two sel
 replicas reading every worker's KV events); prefix-cache hit rate, TTFT p50/p99, throughput.
 
     python benchmarks/fleet.py --dynamo-python /tmp/kvplug-dynamo-venv/bin/python \\
-        [--workers 2] [--conversations 9] [--turns 3] [--kv-memory 4MiB] [--out fleet.json]
+        [--workers 2] [--conversations 9] [--turns 3] [--kv-memory 16MiB] [--out fleet.json]
 
 Without ``--dynamo-python`` only the three Dynamo-free policies run. ``bash
 scripts/test-dynamo-fleet.sh`` builds a Python with ``ai-dynamo-runtime==1.6.1``. The workers serve
@@ -201,7 +201,8 @@ def run_policy(policy: str, workers: list[Worker], dynamo: Dynamo | None, replic
                 worker = workers[number % len(workers)]
             else:
                 status, tokenized = call(f"{workers[0].url}/tokenize", {"messages": history})
-                worker = next(w for w in workers if w.id == dynamo.select(tokenized["tokens"], replicas))
+                picked = dynamo.select(tokenized["tokens"], replicas)
+                worker = next(w for w in workers if w.id == picked)
             chosen.append(worker.id)
             reply, ttft, total = streamed_chat(worker, history, args.max_tokens)
             ttfts.append(ttft)
@@ -231,7 +232,8 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=9)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--kv-memory", default="4MiB", help="each worker's KV pool (small: the pools must evict)")
+    parser.add_argument("--kv-memory", default="16MiB",
+                        help="each worker's KV pool: its share of the conversations fits, all of them do not")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--model", help="a local checkpoint (default: the embedded model)")
     parser.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime==1.6.1 (default: no Dynamo policy)")
