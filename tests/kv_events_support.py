@@ -23,13 +23,6 @@ class Subscriber:
         topic, sequence, payload = self.sock.recv_multipart()
         return topic, sequence_number(sequence), decode_batch(payload)
 
-    def receive_events(self):
-        """The next non-empty batch (skipping the empty ones a subscription is answered with)."""
-        while True:
-            topic, sequence, batch = self.receive()
-            if batch.events:
-                return topic, sequence, batch
-
     def close(self) -> None:
         self.sock.close(linger=0)
 

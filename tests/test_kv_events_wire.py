@@ -231,6 +231,26 @@ def test_a_full_queue_drops_and_counts_and_the_next_batch_clears_the_router(publ
         sub.close()
 
 
+def test_a_batch_that_cannot_be_sent_is_counted_and_the_next_clears_the_router(publisher_at, caplog):
+    publisher = publisher_at(first_sequence=0)
+    sub = Subscriber(publisher.config.endpoint)
+    try:
+        assert sub.receive()[2].events == []
+        with caplog.at_level("ERROR", logger="kvplug.events"):
+            assert publisher.publish(EventBatch(1.0, (BlockStored((1,), None, (object(),), 1),)))  # not encodable
+            assert publisher.publish(EventBatch(2.0, (BlockRemoved((2,)),)))
+            _, sequence, batch = sub.receive()
+        assert sequence == 1 and batch.events == [{"type": "AllBlocksCleared"}, wire_event(BlockRemoved((2,)))]
+        deadline = time.monotonic() + 5
+        while publisher.stats().published_batches < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # counted just after the send
+        stats = publisher.stats()
+        assert (stats.dropped_batches, stats.dropped_events, stats.published_batches) == (1, 1, 2)
+        assert "could not be published" in caplog.text
+    finally:
+        sub.close()
+
+
 def test_an_address_in_use_fails_at_creation_naming_the_key():
     with socket_port() as port:
         endpoint = f"tcp://127.0.0.1:{port}"

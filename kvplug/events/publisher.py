@@ -26,9 +26,10 @@ class PublisherStats(NamedTuple):
 
     Attributes:
         published_batches, published_events: sent on the PUB socket.
-        dropped_batches, dropped_events: refused by ``publish`` (the queue was full). The next
-            batch that fits starts with ``AllBlocksCleared``, so a router forgets what it might
-            never hear removed rather than keep it.
+        dropped_batches, dropped_events: refused by ``publish`` (the queue was full), or that the
+            publisher thread failed to encode or send. The next batch sent starts with
+            ``AllBlocksCleared``, so a router forgets what it might never hear removed rather than
+            keep it.
         queued_batches: waiting for the publisher thread now.
         replay_requests: replay requests answered; ``replay_errors``: malformed ones ignored.
         next_sequence: the sequence number the next batch gets.

@@ -63,8 +63,11 @@ class ZmqEventPublisher(KVEventPublisher):
         self._buffer: deque = deque(maxlen=config.buffer_steps)
         self._next = time.time_ns() // 1000 if first_sequence is None else int(first_sequence)
         self._resync = False  # a batch was dropped: the next one that fits starts with AllBlocksCleared
+        self._clear_next = False  # the same, for a batch the publisher thread failed to send
+        self._send_failed = False  # logged once
         self._published_batches = self._published_events = 0
-        self._dropped_batches = self._dropped_events = 0
+        self._dropped_batches = self._dropped_events = 0  # written by the step thread
+        self._failed_batches = self._failed_events = 0  # the same, written by the publisher thread
         self._replay_requests = self._replay_errors = 0
         self._stop = threading.Event()
         self._close_deadline = float("inf")
@@ -98,7 +101,8 @@ class ZmqEventPublisher(KVEventPublisher):
     def stats(self) -> PublisherStats:
         return PublisherStats(
             "zmq", self.config.endpoint, self.config.replay_endpoint, self.config.topic,
-            self._published_batches, self._published_events, self._dropped_batches, self._dropped_events,
+            self._published_batches, self._published_events, self._dropped_batches + self._failed_batches,
+            self._dropped_events + self._failed_events,
             self._queue.qsize(), self._replay_requests, self._replay_errors, self._next,
         )
 
@@ -134,7 +138,15 @@ class ZmqEventPublisher(KVEventPublisher):
                     batch = self._queue.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
-                self._send(pub, batch)
+                try:
+                    self._send(pub, batch)
+                except Exception:  # a batch that cannot be encoded or sent is lost: the router is told
+                    self._failed_batches += 1
+                    self._failed_events += len(batch.events)
+                    self._clear_next = True
+                    if not self._send_failed:
+                        logger.exception("kvplug: a KV event batch could not be published (counted as dropped)")
+                        self._send_failed = True
         except Exception:  # never silent: a dead publisher thread is logged once, the server keeps serving
             logger.exception("kvplug: the KV event publisher stopped")
         finally:
@@ -169,13 +181,17 @@ class ZmqEventPublisher(KVEventPublisher):
         return pub, replay
 
     def _send(self, pub: Any, batch: EventBatch) -> None:
-        payload = encode_batch(batch.timestamp, batch.events, self._rank)
+        events = batch.events
+        if self._clear_next:
+            events = (AllCleared(), *events)
+        payload = encode_batch(batch.timestamp, events, self._rank)
         sequence = self._next
         pub.send_multipart((self._topic, sequence_bytes(sequence), payload), flags=self._zmq.NOBLOCK)
         self._buffer.append((sequence, payload))
         self._next = sequence + 1
+        self._clear_next = False
         self._published_batches += 1
-        self._published_events += len(batch.events)
+        self._published_events += len(events)
 
     def _answer_replay(self, replay: Any) -> None:
         frames = replay.recv_multipart()
