@@ -7,9 +7,11 @@ replicas reading every worker's KV events); prefix-cache hit rate, TTFT p50/p99,
 
 Without ``--dynamo-python`` only the three Dynamo-free policies run. ``bash
 scripts/test-dynamo-fleet.sh`` builds a Python with ``ai-dynamo-runtime==1.6.1``. The workers serve
-the embedded model (``--model PATH`` for another); the requests go one at a time, turn 1 of every
-conversation, then turn 2 of every conversation, ..., so a worker's small pool (``--kv-memory``)
-must choose what to keep, as a busy server must. Between policies every worker's prefix cache is
+the embedded model (``--model PATH`` for another); the requests go in waves, turn 1 of every
+conversation, then turn 2 of every conversation, ..., ``--concurrency`` at a time, so a worker's
+small pool (``--kv-memory``) must choose what to keep, as a busy server must. The Dynamo policies
+tokenise each request on a worker (``/tokenize``), ask ``/select_and_reserve`` (the request counts
+against the worker's load until its ``DELETE /reservations/{id}``) of the replicas in turn. Between policies every worker's prefix cache is
 flushed (``POST /flush_cache``: Dynamo hears ``AllBlocksCleared``), so each policy starts cold.
 
 Hit rate is cached prompt tokens over prompt tokens, from the workers' own ``/kvplug/stats``
@@ -31,7 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -102,16 +106,20 @@ class Worker:
 
 
 class Dynamo:
-    """``replicas`` selection services, each reading every worker's events (as two gateways would)."""
+    """``replicas`` selection services, each reading every worker's events (as two gateways would) and
+    sharing the load of what it placed with the others."""
 
     def __init__(self, python: str, replicas: int, workers: list[Worker], model: str, logs: Path) -> None:
         self.ports = [free_port() for _ in range(replicas)]
+        sync_ports = [free_port() for _ in range(replicas)]
         self.processes = []
         for number, port in enumerate(self.ports):
+            argv = [python, "-m", "dynamo.select_service", "--port", str(port), "--threads", "1"]
+            if replicas > 1:  # the replicas share the load of the requests each one placed (Dynamo's replica sync)
+                peers = ",".join(f"tcp://127.0.0.1:{peer}" for other, peer in enumerate(sync_ports) if other != number)
+                argv += ["--replica-sync-port", str(sync_ports[number]), "--replica-sync-peers", peers]
             with open(logs / f"select_service{number}.log", "wb") as log:
-                self.processes.append(subprocess.Popen(
-                    [python, "-m", "dynamo.select_service", "--port", str(port), "--threads", "1"],
-                    stdout=log, stderr=subprocess.STDOUT))
+                self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
         for port, process in zip(self.ports, self.processes):
             wait_for(f"http://127.0.0.1:{port}/health", process, "dynamo.select_service", timeout=60)
             for worker in workers:
@@ -123,14 +131,26 @@ class Dynamo:
                     sys.exit(f"fleet: registering worker {worker.id} with Dynamo failed: {body}")
         self.model = model
         self.turn = 0
+        self.lock = threading.Lock()
 
-    def select(self, token_ids: list[int], replicas: int) -> int:
-        port = self.ports[self.turn % replicas]  # requests alternate between the router replicas
-        self.turn += 1
-        status, body = call(f"http://127.0.0.1:{port}/select", {"token_ids": token_ids, "model_name": self.model})
+    def reserve(self, token_ids: list[int], replicas: int) -> tuple[int, int, int]:
+        """(worker id, the replica that chose it, the reservation): ``/select_and_reserve`` counts the
+        request against the worker's load until ``release``, as a gateway does."""
+        with self.lock:
+            replica = self.turn % replicas  # requests alternate between the router replicas
+            self.turn += 1
+        port = self.ports[replica]
+        status, body = call(f"http://127.0.0.1:{port}/select_and_reserve",
+                            {"token_ids": token_ids, "model_name": self.model})
         if status != 200:
-            sys.exit(f"fleet: Dynamo's /select failed: {body}")
-        return body["worker_id"]
+            sys.exit(f"fleet: Dynamo's /select_and_reserve failed: {body}")
+        return body["worker_id"], replica, body["selection_id"]
+
+    def release(self, replica: int, selection_id: str) -> None:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.ports[replica]}/reservations/{selection_id}",
+                                         method="DELETE")
+        with urllib.request.urlopen(request, timeout=30):
+            pass
 
     def stop(self) -> None:
         for process in self.processes:
@@ -188,27 +208,43 @@ def run_policy(policy: str, workers: list[Worker], dynamo: Dynamo | None, replic
     chats = conversations(args.conversations, args.seed)
     histories: list[list[dict]] = [[] for _ in chats]
     before = {worker.id: worker.stats() for worker in workers}
-    ttfts, totals, chosen = [], [], []
-    started = time.perf_counter()
-    for turn in range(args.turns):
-        for number, messages in enumerate(chats):
-            history = histories[number] + [{"role": "user", "content": messages[turn]}]
-            if policy == "random":
-                worker = rng.choice(workers)
-            elif policy == "round-robin":
-                worker = workers[len(chosen) % len(workers)]
-            elif policy == "sticky":
-                worker = workers[number % len(workers)]
-            else:
-                status, tokenized = call(f"{workers[0].url}/tokenize", {"messages": history})
-                picked = dynamo.select(tokenized["tokens"], replicas)
-                worker = next(w for w in workers if w.id == picked)
-            chosen.append(worker.id)
-            reply, ttft, total = streamed_chat(worker, history, args.max_tokens)
+    ttfts, chosen = [], []
+    lock = threading.Lock()
+
+    def one_turn(number: int, turn: int, worker: Worker | None) -> None:
+        history = histories[number] + [{"role": "user", "content": chats[number][turn]}]
+        reservation = None
+        if worker is None:  # Dynamo: tokenised as the workers will, then selected and reserved
+            status, tokenized = call(f"{workers[0].url}/tokenize", {"messages": history})
+            picked, replica, selection = dynamo.reserve(tokenized["tokens"], replicas)
+            worker, reservation = next(w for w in workers if w.id == picked), (replica, selection)
+        reply, ttft, _ = streamed_chat(worker, history, args.max_tokens)
+        if reservation is not None:
+            dynamo.release(*reservation)
+        with lock:
             ttfts.append(ttft)
-            totals.append(total)
-            histories[number] = history + [{"role": "assistant", "content": reply}]
-            time.sleep(args.gap)  # the step's events reach the routers
+            chosen.append(worker.id)
+        histories[number] = history + [{"role": "assistant", "content": reply}]
+
+    started = time.perf_counter()
+    placed = 0
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        for turn in range(args.turns):  # a wave per turn: every conversation's turn, concurrency at a time
+            futures = []
+            for number in range(len(chats)):
+                if policy == "random":
+                    worker = rng.choice(workers)
+                elif policy == "round-robin":
+                    worker = workers[placed % len(workers)]
+                elif policy == "sticky":
+                    worker = workers[number % len(workers)]
+                else:
+                    worker = None
+                placed += 1
+                futures.append(pool.submit(one_turn, number, turn, worker))
+            for future in futures:
+                future.result()
+            time.sleep(args.gap)  # the wave's last events reach the routers
     elapsed = time.perf_counter() - started
     after = {worker.id: worker.stats() for worker in workers}
     hit = sum(after[w]["cache_hit_tokens"] - before[w]["cache_hit_tokens"] for w in after)
@@ -239,7 +275,8 @@ def main() -> int:
     parser.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime==1.6.1 (default: no Dynamo policy)")
     parser.add_argument("--policies", default="random,round-robin,sticky,dynamo1,dynamo2")
     parser.add_argument("--threads-per-worker", type=int, default=1)
-    parser.add_argument("--gap", type=float, default=0.2, help="seconds between requests (events reach the routers)")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--gap", type=float, default=0.5, help="seconds between waves (events reach the routers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
@@ -271,6 +308,7 @@ def main() -> int:
         for worker in workers:
             worker.stop()
     report = {"workers": args.workers, "conversations": args.conversations, "turns": args.turns,
+              "concurrency": args.concurrency,
               "kv_memory": args.kv_memory, "max_tokens": args.max_tokens, "model": args.model or "embedded",
               "machine": os.uname().nodename, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
               "results": results, "logs": str(logs)}

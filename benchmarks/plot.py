@@ -244,7 +244,7 @@ def plot_fleet(data: dict, path: Path) -> None:
         axis.grid(True, axis="y", alpha=0.3)
     figure.suptitle(
         f"{data['workers']} kvplug serve workers ({data['model']} model, KV pool {data['kv_memory']} each), "
-        f"{data['conversations']} chats x {data['turns']} turns, one request at a time, {data['cpus']} CPUs",
+        f"{data['conversations']} chats x {data['turns']} turns, {data.get('concurrency', 1)} in flight, {data['cpus']} CPUs",
         fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
