@@ -311,7 +311,8 @@ def main() -> int:
               "concurrency": args.concurrency,
               "kv_memory": args.kv_memory, "max_tokens": args.max_tokens, "model": args.model or "embedded",
               "machine": os.uname().nodename, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-              "results": results, "logs": str(logs)}
+              "results": results}
+    print(f"fleet: worker and router logs in {logs}", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
