@@ -120,15 +120,19 @@ class Dynamo:
                 argv += ["--replica-sync-port", str(sync_ports[number]), "--replica-sync-peers", peers]
             with open(logs / f"select_service{number}.log", "wb") as log:
                 self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        for port, process in zip(self.ports, self.processes):
-            wait_for(f"http://127.0.0.1:{port}/health", process, "dynamo.select_service", timeout=60)
-            for worker in workers:
-                status, body = call(f"http://127.0.0.1:{port}/workers", {
-                    "worker_id": worker.id, "endpoint": worker.url, "model_name": model, "block_size": PAGE,
-                    "kv_events_endpoints": {"0": f"tcp://127.0.0.1:{worker.events_port}"},
-                    "replay_endpoint": f"tcp://127.0.0.1:{worker.replay_port}"})
-                if status not in (200, 201):
-                    sys.exit(f"fleet: registering worker {worker.id} with Dynamo failed: {body}")
+        try:
+            for port, process in zip(self.ports, self.processes):
+                wait_for(f"http://127.0.0.1:{port}/health", process, "dynamo.select_service", timeout=60)
+                for worker in workers:
+                    status, body = call(f"http://127.0.0.1:{port}/workers", {
+                        "worker_id": worker.id, "endpoint": worker.url, "model_name": model, "block_size": PAGE,
+                        "kv_events_endpoints": {"0": f"tcp://127.0.0.1:{worker.events_port}"},
+                        "replay_endpoint": f"tcp://127.0.0.1:{worker.replay_port}"})
+                    if status not in (200, 201):
+                        sys.exit(f"fleet: registering worker {worker.id} with Dynamo failed: {body}")
+        except BaseException:
+            self.stop()
+            raise
         self.model = model
         self.turn = 0
         self.lock = threading.Lock()

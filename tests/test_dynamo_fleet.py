@@ -112,6 +112,8 @@ class Dynamo:
             self.processes.append(subprocess.Popen([python, "-m", module, "--port", str(port), "--threads", "1"],
                                                    stdout=log, stderr=subprocess.STDOUT))
             log.close()
+
+    def wait_ready(self) -> None:
         for port in (self.indexer_port, self.select_port):
             deadline = time.monotonic() + 60
             while True:
@@ -181,6 +183,7 @@ def fleet(dynamo_python, embedded, cache_dir, tmp_path_factory):  # noqa: F811
         for worker in workers.values():
             worker.wait_ready()
         dynamo = Dynamo(dynamo_python, logs)
+        dynamo.wait_ready()
         for worker in workers.values():
             dynamo.register(worker)
         yield dynamo, workers
