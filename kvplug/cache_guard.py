@@ -130,8 +130,10 @@ def hand_over(backend: "KVBackend", cache: BasePrefixCache, *, reset_old: bool =
     which resets it here), asking the old cache nothing (see the module docstring)."""
     allocator, tables = backend.allocator, backend.tables
     old = allocator.prefix_cache
-    if isinstance(cache, BaseTieredPrefixCache) or allocator.has_pending_loads:
-        raise InvalidArgumentError("a prefix cache with a host tier cannot be handed over (loads may be running)")
+    if reset_old and isinstance(cache, BaseTieredPrefixCache):
+        raise InvalidArgumentError("a prefix cache with a host tier cannot be reset through a hand-over")
+    if allocator.has_pending_loads:  # the faulty cache's host memory goes with it: no copy may still read it
+        allocator.wait_for_loads()  # the one wait of a hand-over, on the fault path only
     size, num_pages, width = allocator.page_size, allocator.num_pages, tables.row_width
     kept = np.zeros(num_pages, dtype=bool)
     kept[allocator.free_list.snapshot(include_pending=True).astype(np.int64) // size] = True
@@ -147,7 +149,12 @@ def hand_over(backend: "KVBackend", cache: BasePrefixCache, *, reset_old: bool =
         cache = old.inner if isinstance(old, InheritedPrefixes) else old  # never a layer over a layer
     # the new cache's answers first: if it faults here, the backend is still unchanged
     holding = [request for request in live if request.prefix_len]
+    if isinstance(cache, BaseTieredPrefixCache) and getattr(cache, "host_pool", None) is None:
+        cache.attach_kv_pool(backend.pool)
     layer = InheritedPrefixes(cache, num_pages=num_pages, page_size=size) if holding else cache
+    if holding and isinstance(cache, BaseTieredPrefixCache):  # NOTE: the layer is not tiered
+        logger.warning("kvplug: running requests hold prefixes of the replaced cache; the replacement's host tier "
+                       "stays unused until the backend is rebuilt")
     empty = torch.empty(0, dtype=torch.int32)  # prefix caches keep host data
     handles = []
     for request in live:
@@ -181,10 +188,14 @@ def _chain(cache: Any) -> list:
 
 
 def checked(cache: BasePrefixCache, name: str, num_pages: int, page_size: int) -> BasePrefixCache:
-    """``cache`` as the backend uses it: as it is when its class is ``trusted``, or when it has a
-    host tier (a tiered plugin's answers are not checked yet), else in a ``CheckedPrefixCache``."""
-    if getattr(type(cache), "trusted", False) or isinstance(cache, BaseTieredPrefixCache):
+    """``cache`` as the backend uses it: as it is when its class is ``trusted``, else in a
+    ``CheckedPrefixCache`` (a ``CheckedTieredPrefixCache`` for a cache with a host tier)."""
+    if getattr(type(cache), "trusted", False):
         return cache
+    if isinstance(cache, BaseTieredPrefixCache):
+        from kvplug.prefix_cache.checked_tiered import CheckedTieredPrefixCache
+
+        return CheckedTieredPrefixCache(cache, num_pages=num_pages, page_size=page_size, name=name)
     from kvplug.prefix_cache.checked import CheckedPrefixCache
 
     return CheckedPrefixCache(cache, num_pages=num_pages, page_size=page_size, name=name)

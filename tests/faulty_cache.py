@@ -55,19 +55,24 @@ FAULTS = {
 class FaultyCache(BasePrefixCache):
     """``radix`` with a fault (see the module docstring). ``calls`` counts calls per method."""
 
+    known_faults = FAULTS
+
     def __init__(self, config: kvplug.PrefixCacheConfig) -> None:
         options = dict(config.options)
         fault = options.pop("fault", "none")
         self.method, _, self.fault = fault.partition(":")
         self.after = int(options.pop("after", 0))
         self.times = options.pop("times", None)
-        if fault != "none" and self.fault not in FAULTS.get(self.method, ()):
-            raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
-        self.inner = RadixPrefixCache(dataclasses.replace(config, options=options))
+        if fault != "none" and self.fault not in self.known_faults.get(self.method, ()):
+            raise ValueError(f"unknown fault {fault!r}; known: {self.known_faults}")
+        self.inner = self._inner_cache(config, options)
         self.page_size = config.page_size
         self.device = config.device
         self.calls: dict[str, int] = {}
         self.faults = 0
+
+    def _inner_cache(self, config: kvplug.PrefixCacheConfig, options: dict) -> BasePrefixCache:
+        return RadixPrefixCache(dataclasses.replace(config, options=options))
 
     def _faulting(self, method: str) -> str | None:
         count = self.calls.get(method, 0)

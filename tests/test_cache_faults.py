@@ -51,14 +51,14 @@ def _backend(manager, fault: str, page_size: int = 4, num_pages: int = 24, **opt
                           prefix_cache_options={"fault": fault, **options.pop("cache", {})}, **options)
 
 
-def _serve(backend, rng: np.random.Generator, requests: int, live_max: int = 3) -> int:
-    """Admit, prefill, decode and finish ``requests`` requests sharing prefixes, at most
-    ``live_max`` at once (so some hold locked matches while others finish and evict). Returns
-    how many finished."""
-    prefixes = [rng.integers(0, 300, 12).tolist() for _ in range(3)]
+def _serve(backend, rng: np.random.Generator, requests: int, live_max: int = 3, prefixes: int = 3) -> int:
+    """Admit, prefill, decode and finish ``requests`` requests sharing ``prefixes`` prefixes, at
+    most ``live_max`` at once (so some hold locked matches while others finish and evict).
+    Returns how many finished."""
+    shared = [rng.integers(0, 300, 12).tolist() for _ in range(prefixes)]
     live, done = [], 0
     for number in range(requests):
-        prompt = prefixes[number % 3] + rng.integers(0, 300, int(rng.integers(1, 9))).tolist()
+        prompt = shared[number % prefixes] + rng.integers(0, 300, int(rng.integers(1, 9))).tolist()
         request = backend.admit(prompt)
         while True:
             try:

@@ -58,6 +58,7 @@ class CheckedHandle(BaseCacheHandle):
         inner: the plugin's handle (what the plugin's ``lock_handle`` is given).
         cached_len: checked, page-aligned.
         pages: shape ``[cached_len / page_size]``, int64, host; the handle's page numbers.
+        locks: locks taken through this handle and not released.
     """
 
     def __init__(self, owner: "CheckedPrefixCache", inner: Any, cached_len: int, indices: torch.Tensor,
@@ -67,6 +68,7 @@ class CheckedHandle(BaseCacheHandle):
         self.cached_len = cached_len
         self._indices = indices
         self.pages = pages
+        self.locks = 0
 
     def get_matched_indices(self) -> torch.Tensor:
         """shape ``[cached_len]``, int32, the cache's device (a checked copy)."""
@@ -235,9 +237,11 @@ class CheckedPrefixCache(BasePrefixCache):
         if unlock:
             locks[pages] -= 1
             self._locked_pages -= int(np.count_nonzero(locks[pages] == 0))
+            handle.locks -= 1
         else:
             self._locked_pages += int(np.count_nonzero(locks[pages] == 0))
             locks[pages] += 1
+            handle.locks += 1
 
     def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
         check_insert_shapes(input_ids, indices, self.device, self.page_size)
