@@ -1,4 +1,4 @@
-"""Installing kvplug into transformers' continuous batching: the six replaced internals.
+"""Installing kvplug into transformers' continuous batching: the seven replaced internals.
 
 Each is an entry of kind ``patched`` in ``compat.INTERNALS`` (the version gate fingerprints it;
 the adapter README lists the table). Every replacement carries the original as
@@ -27,6 +27,10 @@ the adapter README lists the table). Every replacement carries the original as
    (``KVPlugPagedCache.wait_for_deferred_loads``), it waits for the copies and runs the pass again
    with those requests first; otherwise transformers would take the empty pass for a full cache
    and fail.
+7. ``ContinuousBatchProcessor.prepare_next_batch``, which the batching thread calls before every
+   scheduling pass (about every 0.1 s when idle), first lets the kvplug cache do what waits for
+   the batching thread (``KVPlugPagedCache.between_steps``: a requested prefix-cache flush, and
+   publishing the KV events of the pass before, issue 27), then runs the original.
 
 All are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
@@ -52,6 +56,7 @@ class _Originals:
     warmup: Callable
     add_waiting_request: Callable
     process_candidates: Callable
+    prepare_next_batch: Callable
 
 
 _lock = threading.Lock()
@@ -72,15 +77,17 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         register_attention_function(modules.modeling_utils)
         manager_class = modules.continuous_api.ContinuousBatchingManager
         runner_class = modules.model_runner.ModelRunner
+        processor_class = modules.continuous_api.ContinuousBatchProcessor
         if _installed is None:
             _installed = _Originals(
                 modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
                 runner_class.compute_batch, runner_class.warmup, modules.scheduler.Scheduler.add_waiting_request,
-                modules.scheduler.Scheduler._process_candidates,
+                modules.scheduler.Scheduler._process_candidates, processor_class.prepare_next_batch,
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
         original_process = _installed.process_candidates
+        original_prepare = _installed.prepare_next_batch
 
         def kvplug_compute_batch(runner: Any, model: Any, batch_data: dict) -> None:
             cache = runner.cache
@@ -112,6 +119,12 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
                 result = original_process(scheduler, ordered, *args, **kwargs)
             return result
 
+        def kvplug_prepare_next_batch(processor: Any) -> bool:
+            between_steps = getattr(processor.cache, "between_steps", None)
+            if between_steps is not None:
+                between_steps()
+            return original_prepare(processor)
+
         def kvplug_warmup(runner: Any, model: Any) -> None:
             original_warmup(runner, model)
             capture = getattr(runner.cache, "capture_decode_graphs", None)
@@ -130,6 +143,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             (runner_class, "warmup", kvplug_warmup, original_warmup),
             (modules.scheduler.Scheduler, "add_waiting_request", kvplug_add_waiting_request, original_add_waiting),
             (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process),
+            (processor_class, "prepare_next_batch", kvplug_prepare_next_batch, original_prepare),
         )
         for owner, attribute, replacement, original in replacements:  # compat.INTERNALS, kind "patched"
             setattr(replacement, ORIGINAL_ATTRIBUTE, original)
@@ -151,6 +165,7 @@ def uninstall_patches() -> None:
         modules.model_runner.ModelRunner.warmup = _installed.warmup
         modules.scheduler.Scheduler.add_waiting_request = _installed.add_waiting_request
         modules.scheduler.Scheduler._process_candidates = _installed.process_candidates
+        modules.continuous_api.ContinuousBatchProcessor.prepare_next_batch = _installed.prepare_next_batch
         _installed = None
 
 
