@@ -420,7 +420,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
     def _match_tokens(self, tokens: bytes) -> RadixNode:
         """The deepest node of the longest cached prefix of ``tokens`` (int32 bytes, whole pages),
         split there if it ends inside an edge, and touched (``_find``, ``_split``, ``_touch_path``)."""
-        node = self._root
+        node = root = self._root
         page_bytes = self._page_bytes
         here = 0
         stop = len(tokens)
@@ -436,7 +436,14 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
                 continue
             node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
             break
-        self._touch_path(node)
+        if node.on_host or node.lock_ref == 0 and node.host_children == len(node.children):
+            self._touch_path(node)  # a candidate to re-rank (or the root: nothing to rank)
+            return node
+        self._clock = tick = self._clock + 1  # _touch_path of a node that is no candidate, inline
+        walker = node
+        while walker is not root:  # the new tick up to the root
+            walker.last_access = tick
+            walker = walker.parent
         return node
 
     def _find(self, tokens: bytes) -> tuple[RadixNode, int, int, RadixNode | None]:
