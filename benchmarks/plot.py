@@ -19,7 +19,9 @@ Writes:
   ``kvplug bench graphs`` JSON (default: the H200 run in benchmarks/results/);
 - ``host_tier_cpu.png`` / ``host_tier_h200.png`` (``--host-tier FILE.json``, repeatable): hit rate per tier and TTFT p50 of
   ``radix`` and ``radix+host`` against the working-set / pool ratio, from ``kvplug bench e2e
-  --workloads long-context-chat --variants radix,radix+host --working-set-ratio 1,2,4,8`` runs.
+  --workloads long-context-chat --variants radix,radix+host --working-set-ratio 1,2,4,8`` runs;
+- ``fleet_cpu.png`` (``--fleet FILE.json``): hit rate and TTFT p50/p99 per routing policy of a
+  ``benchmarks/fleet.py`` run (N kvplug servers, random / round-robin / sticky / Dynamo routing).
 
 Every point is a measured one from those files; nothing is interpolated.
 """
@@ -219,6 +221,36 @@ def plot_host_tier(runs: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def plot_fleet(data: dict, path: Path) -> None:
+    """Hit rate and TTFT per routing policy of one ``benchmarks/fleet.py`` run."""
+    rows = data["results"]
+    names = [row["policy"] for row in rows]
+    colors = ["tab:red" if name.startswith("dynamo") else "tab:green" if name == "sticky" else "tab:gray"
+              for name in names]
+    figure, (hit_axis, ttft_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    hit_axis.bar(names, [row["hit_rate"] for row in rows], color=colors)
+    for number, row in enumerate(rows):
+        hit_axis.text(number, row["hit_rate"] + 0.01, f"{row['hit_rate']:.2f}", ha="center", fontsize=9)
+    hit_axis.set_ylabel("prompt tokens cached (fraction)")
+    hit_axis.set_ylim(0, 1)
+    positions = range(len(rows))
+    ttft_axis.bar([p - 0.2 for p in positions], [row["ttft_p50_ms"] for row in rows], width=0.4, label="p50",
+                  color=colors)
+    ttft_axis.bar([p + 0.2 for p in positions], [row["ttft_p99_ms"] for row in rows], width=0.4, label="p99",
+                  color=colors, alpha=0.45)
+    ttft_axis.set_xticks(list(positions), names)
+    ttft_axis.set_ylabel("TTFT (ms; p50 solid, p99 light)")
+    for axis in (hit_axis, ttft_axis):
+        axis.grid(True, axis="y", alpha=0.3)
+    figure.suptitle(
+        f"{data['workers']} kvplug serve workers ({data['model']} model, KV pool {data['kv_memory']} each), "
+        f"{data['conversations']} chats x {data['turns']} turns, {data.get('concurrency', 1)} in flight, {data['cpus']} CPUs",
+        fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--e2e", metavar="FILE.json", action="append", default=[],
@@ -230,6 +262,7 @@ def main() -> None:
                              "(repeatable; drawn together as e2e_h200_graphs_vs_eager.png)")
     parser.add_argument("--host-tier", metavar="FILE.json", action="append", default=[],
                         help="kvplug bench e2e long-context-chat runs of radix and radix+host (repeatable)")
+    parser.add_argument("--fleet", metavar="FILE.json", help="a benchmarks/fleet.py result")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "plots"))
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
@@ -250,6 +283,9 @@ def main() -> None:
         name = "host_tier_h200.png" if runs[0]["model"]["device"].startswith("cuda") else "host_tier_cpu.png"
         plot_host_tier(runs, out_dir / name)
         written.append(name)
+    if args.fleet:
+        plot_fleet(json.loads(Path(args.fleet).read_text()), out_dir / "fleet_cpu.png")
+        written.append("fleet_cpu.png")
     plot_h200_bandwidth(json.loads(Path(args.attention).read_text()), out_dir / "h200_bandwidth.png")
     plot_h200_graph_step(json.loads(Path(args.graphs).read_text()), out_dir / "h200_graph_step.png")
     written += ["h200_bandwidth.png", "h200_graph_step.png"]

@@ -228,6 +228,9 @@ def test_every_route_but_health_needs_the_key_and_models_show_no_paths(server):
         status, answer = get_json(port, path)
         assert status == 401 and "--api-key" in answer["error"]["message"], path
     assert get_json(port, "/health")[0] == 200
+    for path in ("/flush_cache", "/reset_prefix_cache"):  # issue 27: emptying the cache needs the key too
+        status, answer = post(port, path, b"{}")
+        assert status == 401 and "--api-key" in answer["error"]["message"], path
     status, models = get_json(port, "/v1/models", headers=AUTH)
     assert status == 200 and str(cache_dir) not in json.dumps(models) and "/" not in json.dumps(models["data"])
 

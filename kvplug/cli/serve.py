@@ -51,7 +51,7 @@ DEFAULTS = {
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
 KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
                      "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile", "host_memory",
-                     "on_cache_failure")
+                     "on_cache_failure", "kv_events_config")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # vLLM / SGLang spellings of kvplug serve's own flags: (alias, the flag it stands for, whose flag)
@@ -179,6 +179,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--on-cache-failure", choices=("fallback", "fail"),
         help="when a third-party prefix cache raises or answers outside the contract: 'fallback' (default) hands "
         "its pages back and serves on with the naive cache; 'fail' stops the server",
+    )
+    parser.add_argument(  # issue 27
+        "--kv-events-config", metavar="JSON",
+        help="publish the prefix cache's KV events for cache-aware routers (NVIDIA Dynamo, vllm-router) in vLLM's "
+        "and SGLang's ZMQ format, with their keys: '{\"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://127.0.0.1:5557\", \"replay_endpoint\": \"tcp://127.0.0.1:5558\", \"topic\": \"\"}' "
+        "(also bind, buffer_steps, hwm, max_queue_size; default: none)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, metavar="FRACTION",
@@ -428,6 +435,11 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
             raise InvalidArgumentError(
                 f"--host-memory is a tier of the radix prefix cache; --prefix-cache is {args.prefix_cache!r}"
             )
+    kv_events = None
+    if args.kv_events_config is not None:  # issue 27
+        from kvplug.events.config import parse_kv_events_config
+
+        kv_events = parse_kv_events_config(args.kv_events_config)
     if args.kv_backend == "kvplug":
         _check_names(manager, "prefix_cache", [args.prefix_cache], "--prefix-cache")
         if args.attention != "auto":
@@ -464,6 +476,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "timeout_body": args.timeout_body,
         "stream_stall_timeout": args.stream_stall_timeout,
         "on_cache_failure": args.on_cache_failure or "fallback",  # issue 32
+        "kv_events": kv_events,  # issue 27
         "ignored_flags": tuple(ignored),
         "trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
         "seed": getattr(args, "seed", None),

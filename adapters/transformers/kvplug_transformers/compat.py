@@ -107,6 +107,10 @@ INTERNALS: tuple[Internal, ...] = (
              "the original; when it scheduled nothing while host-tier loads are deferred, waits for them "
              "and runs it again with those requests first",
              PARAMETERS, "self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "prepare_next_batch", PATCHED,
+             "kvplug first runs what waits for the batching thread (a requested prefix-cache flush, the KV events "
+             "of the pass before), then the original",
+             PARAMETERS, "self"),
     Internal(f"{_CB}.scheduler.Scheduler", "_process_candidates", READ,
              "position 0 of its result is the list of scheduled requests (empty: nothing scheduled)",
              RETURNS, "(scheduled_requests, one_allocation_failed, decode_fast_path, num_q_tokens, max_kv_read)"),
@@ -154,6 +158,9 @@ INTERNALS: tuple[Internal, ...] = (
              "the step's static buffers and compute stream", ASSIGNED, "self.inputs_and_outputs set by the class"),
     Internal(f"{_CB}.model_runner.ModelRunner", "cache", READ,
              "finds the kvplug cache behind a step (patched compute_batch, warmup)", ASSIGNED,
+             "self.cache set by the class"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "cache", READ,
+             "finds the kvplug cache behind a scheduling pass (patched prepare_next_batch)", ASSIGNED,
              "self.cache set by the class"),
     Internal(f"{_CB}.scheduler.Scheduler", "cache", READ,
              "finds the kvplug cache behind a scheduling pass", ASSIGNED, "self.cache set by the class"),

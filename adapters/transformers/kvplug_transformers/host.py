@@ -1,8 +1,9 @@
 """``TransformersHost``: the object the ``"transformers"`` host plugin gives kvplug.
 
 It owns the settings, installs kvplug into transformers' continuous batching, collects cache
-statistics from every kvplug cache transformers builds, runs ``kvplug serve``, and hands
-``kvplug bench e2e`` its runner (``e2e_bench``).
+statistics from every kvplug cache transformers builds, gives each the server's KV event collector
+(``publish_kv_events``, issue 27), runs ``kvplug serve``, and hands ``kvplug bench e2e`` its
+runner (``e2e_bench``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class TransformersHost:
         self.settings = (settings or KVPlugSettings()).updated(**options)
         self._records: list[CacheRecord] = []
         self._lock = threading.Lock()
+        self._kv_events: Any = None  # the KVEventCollector every cache built from now on reports to
         self._request_sampling: Any = None
 
     def sample_per_request(self, sampling: Any) -> None:
@@ -83,12 +85,30 @@ class TransformersHost:
 
         record = CacheRecord(self.settings)
         cache = KVPlugPagedCache(
-            *args, settings=self.settings, on_stats=record.update, request_sampling=self._request_sampling, **kwargs
+            *args, settings=self.settings, on_stats=record.update, kv_events=self._kv_events,
+            request_sampling=self._request_sampling, **kwargs,
         )
         record.attach(cache)
         with self._lock:
             self._records.append(record)
         return cache
+
+    # ------------------------------------------------------------------ KV events and flushes (issue 27)
+    def publish_kv_events(self, collector: Any) -> None:
+        """Caches built from now on report their KV events to ``collector`` (a
+        ``kvplug.events.KVEventCollector``; ``None``: to nothing)."""
+        self._kv_events = collector
+
+    def kv_events_stats(self) -> dict | None:
+        """The publisher's counters (``/kvplug/stats``'s ``kv_events``), ``None`` without one."""
+        collector = self._kv_events
+        return None if collector is None else collector.publisher.stats().to_json()
+
+    def live_caches(self) -> list:
+        """The kvplug caches still alive (normally the one of the running manager)."""
+        with self._lock:
+            records = list(self._records)
+        return [cache for cache in (record.cache for record in records) if cache is not None]
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> HostStats:

@@ -57,6 +57,11 @@ class CacheRecord:
     def alive(self) -> bool:
         return self._cache is not None and self._cache() is not None
 
+    @property
+    def cache(self) -> Any:
+        """The ``KVPlugPagedCache``, ``None`` once it is gone."""
+        return None if self._cache is None else self._cache()
+
     def rebase(self) -> None:
         """Count from zero again (``TransformersHost.reset_stats``)."""
         if self.latest is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvplug.interface import KVPlugError
 
+from kvplug_transformers.cache_routes import add_cache_routes
 from kvplug_transformers.generation_routes import add_generation_routes
 from kvplug_transformers.handler_guards import guard_handlers
 from kvplug_transformers.http_guards import InFlightRequests, wrap_app
@@ -102,6 +103,7 @@ class HttpServer:
         add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections,
                           ready=self.ready)
         add_token_routes(app, processor, self.tokenizer, served, limits, _versions())
+        add_cache_routes(app, adapter, opts)  # issue 27
         add_metrics_route(
             app, self.metrics, served.name,
             lambda: adapter.stats().to_json() if opts.kv_backend == "kvplug" else {}, inflight.count,

@@ -1,4 +1,4 @@
-"""Installing kvplug into transformers' continuous batching: the seven replaced internals.
+"""Installing kvplug into transformers' continuous batching: the eight replaced internals.
 
 Each is an entry of kind ``patched`` in ``compat.INTERNALS`` (the version gate fingerprints it;
 the adapter README lists the table). Every replacement carries the original as
@@ -31,6 +31,10 @@ the adapter README lists the table). Every replacement carries the original as
    kvplug's graph replays alike), lets the kvplug cache sample each row with its own request's
    settings (``KVPlugPagedCache.sample_step``, ``sampler.BatchSampler``) when ``kvplug serve``
    asked for per-request sampling (``TransformersHost.sample_per_request``); otherwise the original.
+8. ``ContinuousBatchProcessor.prepare_next_batch``, which the batching thread calls before every
+   scheduling pass (about every 0.1 s when idle), first lets the kvplug cache do what waits for
+   the batching thread (``KVPlugPagedCache.between_steps``: a requested prefix-cache flush, and
+   publishing the KV events of the pass before, issue 27), then runs the original.
 
 All are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
@@ -56,6 +60,7 @@ class _Originals:
     warmup: Callable
     add_waiting_request: Callable
     process_candidates: Callable
+    prepare_next_batch: Callable
     sample: Callable
 
 
@@ -77,15 +82,18 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         register_attention_function(modules.modeling_utils)
         manager_class = modules.continuous_api.ContinuousBatchingManager
         runner_class = modules.model_runner.ModelRunner
+        processor_class = modules.continuous_api.ContinuousBatchProcessor
         if _installed is None:
             _installed = _Originals(
                 modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
                 runner_class.compute_batch, runner_class.warmup, modules.scheduler.Scheduler.add_waiting_request,
-                modules.scheduler.Scheduler._process_candidates, runner_class._sample,
+                modules.scheduler.Scheduler._process_candidates, processor_class.prepare_next_batch,
+                runner_class._sample,
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
         original_process = _installed.process_candidates
+        original_prepare = _installed.prepare_next_batch
         original_sample = _installed.sample
 
         def kvplug_sample(runner: Any, scores: Any, output_ids: Any) -> None:
@@ -123,6 +131,12 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
                 result = original_process(scheduler, ordered, *args, **kwargs)
             return result
 
+        def kvplug_prepare_next_batch(processor: Any) -> bool:
+            between_steps = getattr(processor.cache, "between_steps", None)
+            if between_steps is not None:
+                between_steps()
+            return original_prepare(processor)
+
         def kvplug_warmup(runner: Any, model: Any) -> None:
             original_warmup(runner, model)
             capture = getattr(runner.cache, "capture_decode_graphs", None)
@@ -142,6 +156,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             (modules.scheduler.Scheduler, "add_waiting_request", kvplug_add_waiting_request, original_add_waiting),
             (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process),
             (runner_class, "_sample", kvplug_sample, original_sample),
+            (processor_class, "prepare_next_batch", kvplug_prepare_next_batch, original_prepare),
         )
         for owner, attribute, replacement, original in replacements:  # compat.INTERNALS, kind "patched"
             setattr(replacement, ORIGINAL_ATTRIBUTE, original)
@@ -164,6 +179,7 @@ def uninstall_patches() -> None:
         modules.scheduler.Scheduler.add_waiting_request = _installed.add_waiting_request
         modules.scheduler.Scheduler._process_candidates = _installed.process_candidates
         modules.model_runner.ModelRunner._sample = _installed.sample
+        modules.continuous_api.ContinuousBatchProcessor.prepare_next_batch = _installed.prepare_next_batch
         _installed = None
 
 

@@ -13,6 +13,8 @@ attention, first layer of a step      ``allocate`` to the step's lengths, ``prep
 attention, every layer                ``forward`` (store K/V at ``out_loc``, attend)
 forward + sampler enqueued           commit the step on the device (``StepTracker.commit_step``)
 ``free_blocks(id)``                   ``finish``: computed prefix into the prefix cache, row freed
+before every scheduling pass          ``between_steps``: a requested prefix-cache flush, then the
+                                      step's KV events to the publisher (``--kv-events-config``)
 ====================================  ==========================================================
 
 transformers' block size is kvplug's page size, its block count kvplug's page count; pages the
@@ -27,8 +29,10 @@ runs: a row freed by a request that step N still reads is rewritten only after s
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import queue
 from typing import Any
 
 import torch
@@ -72,6 +76,7 @@ class KVPlugPagedCache:
         settings: KVPlugSettings,
         group_layers_by_attn_type: Any,
         on_stats: Any = None,
+        kv_events: Any = None,
         request_sampling: Any = None,
     ) -> None:
         if getattr(distributed_helper, "tp_size", 1) > 1:
@@ -124,6 +129,12 @@ class KVPlugPagedCache:
         self.stop_strings: StopStrings | None = None
         if request_sampling is not None and request_sampling.decode is not None:
             self.stop_strings = StopStrings(self._stops_of, request_sampling.decode)
+        # issue 27: the server's KVEventCollector (None: no --kv-events-config); flushes asked for by
+        # the HTTP routes wait here for the batching thread, the backend's one driver
+        self.kv_events = kv_events
+        if kv_events is not None:
+            kv_events.attach(self.backend.prefix_cache)
+        self._flushes: queue.SimpleQueue = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ construction helpers
     def _disable_unsupported_features(self, cb: Any) -> None:
@@ -224,6 +235,33 @@ class KVPlugPagedCache:
             if self.sampler is not None:
                 self.sampler.release_all()
             self.steps.finish_all()
+
+    # ------------------------------------------------------------------ between steps (issue 27)
+    def request_flush(self) -> concurrent.futures.Future:
+        """Empty the prefix cache at the batching thread's next scheduling pass (any thread may ask);
+        the future's result is the pages freed (``KVBackend.reset_prefix_cache``: running requests
+        keep their prefixes until they finish)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._flushes.put(future)
+        return future
+
+    def between_steps(self) -> None:
+        """Before every scheduling pass of the batching thread (the patched
+        ``ContinuousBatchProcessor.prepare_next_batch``, about every 0.1 s when idle): run the
+        flushes asked for, then publish the KV events of the pass before as one batch."""
+        while not self._flushes.empty():
+            future = self._flushes.get_nowait()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with self._ordered():
+                    freed = self.steps.reset_prefix_cache()
+            except Exception as error:  # e.g. a host tier, which cannot be handed over: the caller hears it
+                future.set_exception(error)
+            else:
+                future.set_result(freed)
+        if self.kv_events is not None:
+            self.kv_events.end_step()
 
     def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
         """transformers' update of a request the step covered (right after it appended the

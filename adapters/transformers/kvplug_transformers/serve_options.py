@@ -63,6 +63,7 @@ class ServeOptions:
     timeout_body: float = DEFAULT_TIMEOUT_BODY
     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT
     on_cache_failure: str = "fallback"  # issue 32: kvplug.cache_guard's policy
+    kv_events: Any = None  # issue 27: a kvplug.events.KVEventsConfig (--kv-events-config), None: no events
     ignored_flags: tuple[str, ...] = ()  # flags with no effect here, each with why: logged as a warning at start
     trust_remote_code: bool = False  # vLLM's --trust-remote-code: transformers may run the checkpoint's code
     seed: int | None = None  # torch's seed at start

@@ -123,11 +123,16 @@ def serve(adapter: Any, **options: Any) -> int:
         limits = RequestLimits(min(max_seq_len, pool_tokens), _limit_source(opts, context_len))
         logger.info("native transformers paged cache: %s", cb_options or "transformers defaults")
     served = served_model(opts.model_name(model_path), model_path)
+    publisher = None
     try:
+        publisher = _start_kv_events(adapter, opts)  # binds now: an address in use fails the start
         death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits)
     finally:
         if opts.kv_backend == "kvplug":
             adapter.uninstall()
+        if publisher is not None:
+            adapter.publish_kv_events(None)
+            publisher.close()
     failure = None if death is None else KVPlugError(f"the batching worker died ({death}); the server stopped")
     if threads_left:
         # a non-daemon thread would hold the process: anyio's idle thread-pool workers, or a
@@ -214,6 +219,39 @@ def _run_server(
     if death is None:
         logger.info("kvplug serve: stopped")
     return death, threads_left
+
+
+def _start_kv_events(adapter: Any, opts: ServeOptions) -> Any:
+    """The KV event publisher of ``--kv-events-config`` (issue 27), its collector given to the
+    adapter's caches; ``None`` without one."""
+    config = opts.kv_events
+    if config is None or not config.enabled or opts.kv_backend != "kvplug":
+        return None
+    from kvplug.events import KVEventCollector, create_publisher
+
+    publisher = create_publisher(config)
+    adapter.publish_kv_events(KVEventCollector(publisher))
+    replay = f", replay on {config.replay_endpoint}" if config.replay_endpoint else ""
+    logger.info(
+        "kvplug serve: publishing KV events on %s (%s, topic %r%s), sequence numbers from %d",
+        config.endpoint, "bound" if config.bind else "connected", config.topic, replay, publisher.stats().next_sequence,
+    )
+    exposed = [endpoint for endpoint in (config.endpoint if config.bind else None, config.replay_endpoint)
+               if endpoint is not None and not _is_local_endpoint(endpoint)]
+    if exposed:
+        logger.warning(
+            "kvplug serve: KV events on %s can be read by anyone who reaches that address; they carry the token ids "
+            "of every cached prompt", ", ".join(exposed),
+        )
+    return publisher
+
+
+def _is_local_endpoint(endpoint: str) -> bool:
+    """A ZMQ address only this machine reaches: ipc://, inproc://, or tcp:// on a loopback address."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return _is_loopback(host)
 
 
 def _is_loopback(host: str) -> bool:

@@ -4,7 +4,8 @@
 evictions, utilisation, ...); with ``native``, what transformers' own cache exposes
 (``cache_hit_tokens`` from its prefix-sharing counter, block counts) once it exists. Both add
 ``kv_backend``, ``model`` (the served model name), ``max_context_len``, ``in_flight`` and
-``worker`` (``{"alive": bool, "error": str | None}``); the answer is 503 once the batching worker
+``worker`` (``{"alive": bool, "error": str | None}``), and ``kv_events`` (the KV event
+publisher's counters with ``--kv-events-config``, else ``null``); the answer is 503 once the batching worker
 has died. ``/health`` and ``/v1/models`` replace transformers' own: its health check does not see
 a closing server, and its model list scans the Hugging Face hub cache (500 without one) instead of
 naming the model this server serves. transformers' ``/reset``, ``/load_model`` and
@@ -74,6 +75,7 @@ def add_kvplug_routes(
         body = {
             "kv_backend": opts.kv_backend, "model": served.name, "max_context_len": watch.limits.max_context_len,
             **cache, "in_flight": inflight.count(), "worker": worker,
+            "kv_events": adapter.kv_events_stats() if opts.kv_backend == "kvplug" else None,  # issue 27
             "connections": {**(connections.to_json() if connections is not None else {}),
                             "stalled_streams": inflight.stalled_total},
         }

