@@ -68,6 +68,7 @@ class ServeOptions:
     seed: int | None = None  # torch's seed at start
     log_requests: bool = True  # False: --disable-log-requests drops transformers' per-request line
     uvicorn_log_level: str | None = None  # uvicorn's loggers only (None: --log-level)
+    engine_process: bool = False  # issue 28: model and batching worker in their own process
 
 
     def __post_init__(self) -> None:

@@ -102,6 +102,7 @@ def serve(adapter: Any, **options: Any) -> int:
     shape = model_shape(config, kv_dtype)
 
     cb_options: dict[str, Any] = {}
+    engine_settings = None
     if opts.kv_backend == "kvplug":
         settings = adapter.settings.updated(**opts.kvplug_settings())
         plan = plan_pool(settings, shape, device, context_len=context_len)
@@ -114,7 +115,10 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
         _check_components(settings, shape, device)
         limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))
-        adapter.install(**opts.kvplug_settings())
+        if opts.engine_process:
+            engine_settings = settings  # installed in the engine process, not here
+        else:
+            adapter.install(**opts.kvplug_settings())
     else:
         max_seq_len = opts.max_seq_len or context_len
         cb_options = native_cb_options(opts, shape, max_seq_len)
@@ -123,7 +127,8 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("native transformers paged cache: %s", cb_options or "transformers defaults")
     served = served_model(opts.model_name(model_path), model_path)
     try:
-        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits)
+        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits,
+                                          engine_settings)
     finally:
         if opts.kv_backend == "kvplug":
             adapter.uninstall()
@@ -166,7 +171,7 @@ def _limit_source(opts: ServeOptions, context_len: int) -> str:
 
 def _run_server(
     adapter: Any, opts: ServeOptions, served: ServedModel, device: torch.device, dtype_name: str, cb_options: dict,
-    limits: RequestLimits,
+    limits: RequestLimits, engine_settings: Any = None,
 ) -> tuple[str | None, list[str]]:
     """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
     non-daemon threads still alive)."""
@@ -175,7 +180,8 @@ def _run_server(
     connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body)
     with _stop_on_signals(stop):
         try:
-            server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections)
+            server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections,
+                                kvplug_settings=engine_settings)
         except KVPlugError:
             raise
         except Exception as error:  # transformers raises many types for a bad checkpoint
@@ -205,11 +211,11 @@ def _run_server(
                     opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
                     connections.max_connections,
                 )
-                death = _watch(server, adapter, opts, stop, watch)
+                death = _watch(server, server.stats_source, opts, stop, watch)
         finally:
             threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
     if opts.kv_backend == "kvplug":
-        logger.info("%s", adapter.stats().describe())
+        logger.info("%s", server.stats_source.stats().describe())
     if death is None:
         logger.info("kvplug serve: stopped")
     return death, threads_left
@@ -309,6 +315,8 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
         logger.warning("kvplug serve: aborted %d request(s) still running at shutdown", aborted)
     if not watch.stop_worker(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
         logger.warning("kvplug serve: the batching worker did not stop in time")
+    if not server.stop_engine(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
+        logger.warning("kvplug serve: the engine process did not stop in time; killed")
     thread = server.thread
     if thread is not None:
         thread.join(timeout=max(deadline - time.monotonic() - margin / 4, 0.1))
