@@ -7,6 +7,8 @@
 # pydantic and their dependencies for Python 3.12), carried to the machine. Output: $OUT/serve.json.
 #   KVPLUG_ARGS / NATIVE_ARGS  extra `kvplug serve` arguments of each side
 #   BENCH_ARGS                 extra `kvplug bench serve` arguments
+#   MODE=stream                issue 28: kvplug only, 512 random prompts x 256 tokens at concurrency 256,
+#                              clients streaming and not, then `kvplug bench e2e` in-process, same call
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/device-serve-bench-out}
@@ -41,6 +43,20 @@ tokenizer.save_pretrained(sys.argv[1])
 print("checkpoint written to", sys.argv[1])
 PY
 COMMON="--max-seq-len 4096 --log-level warning"
+if [ "${MODE:-ab}" = stream ]; then
+  # issue 28: one kvplug server config, clients streaming and not, beside the in-process figure
+  ARGS="$CKPT $COMMON --attention triton --max-running-reqs 256 --cuda-graph-max-bs 256 ${KVPLUG_ARGS:-}"
+  for pass in stream nostream; do
+    flag=""; [ "$pass" = nostream ] && flag=--no-stream
+    timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS" --dataset random --num-prompts 512 \
+        --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 $flag ${BENCH_ARGS:-} \
+        --out "$OUT/serve_$pass.json" 2>&1 | tail -20 | tee "$OUT/bench_$pass.log"
+  done
+  timeout 200 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix --requests 512 \
+      --system-tokens 16 --question-tokens 128 --output-tokens 256 --concurrency 256 --attention triton \
+      --variants radix --out "$OUT/e2e_inprocess.json" 2>&1 | tail -12 | tee "$OUT/e2e.log"
+  exit 0
+fi
 timeout 500 python3 -m kvplug bench serve \
     --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 64 --cuda-graph-max-bs 64 ${KVPLUG_ARGS:-}" \
     --serve-args "$CKPT $COMMON --kv-backend native ${NATIVE_ARGS:-}" \
