@@ -28,6 +28,7 @@ from kvplug_transformers.engine_process import run_engine
 
 logger = logging.getLogger("kvplug.serve")
 STATS_TIMEOUT_S = 5.0
+EXIT_CODE_WAIT_S = 0.5  # for the log's exit code once the engine's pipe closed
 DEFAULT_STOP_S = 5.0  # a stop without a time bound gets this one
 STOP_MARGIN_S = 1.0  # after the stop's wait, what a process still alive is given after SIGKILL
 
@@ -228,10 +229,13 @@ class RemoteBatchingManager:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                self._process.join(2.0)
+                self._process.join(EXIT_CODE_WAIT_S)
                 why = f"the engine process exited (exit code {self._process.exitcode})"
                 if not self._stop_sent:  # a stop asked for is no death
                     self.background_thread_status.record_fatal_error(EngineProcessError(why))
+                for future in list(self._queries.values()):  # no answer will come: the last statistics
+                    if not future.done():
+                        future.set_result(self.last_stats)
                 self._fail_pending(why)
                 return
             kind = message[0]
