@@ -68,6 +68,10 @@ class HttpServer:
         # generation config and tokenizer the handlers read (a model on the meta device)
         self.model_manager = ModelManager(device="meta" if engine_process else str(device), dtype=dtype_name,
                                           force_model=served.path, trust_remote_code=opts.trust_remote_code)
+        for timed in self.model_manager.loaded_models.values():
+            # the pinned model is never unloaded (force_model), yet every request's model lookup
+            # restarts its unload timer: a thread started per request on the event loop
+            timed.reset_timer = _pinned
         cb_kwargs = {
             key.removeprefix("cb_"): value for key, value in cb_options.items() if value is not None
         }
@@ -175,6 +179,10 @@ class HttpServer:
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+
+def _pinned() -> None:
+    """``TimedModel.reset_timer`` of the one model this server serves: nothing to restart."""
 
 
 def tokenizer_bytes_per_token(processor: Any, path: str) -> int:
