@@ -11,8 +11,10 @@ included), so a signal to the whole process group still gets the bounded shutdow
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -38,9 +40,9 @@ def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
 
     try:
         host, manager = _build(spec)
-    except BaseException as error:  # noqa: BLE001 - whatever stops the build is the start's failure
+    except Exception as error:  # whatever stops the build is the start's failure, told to the frontend
         send((protocol.FATAL, f"{type(error).__name__}: {error}"))
-        raise
+        sys.exit(1)  # the frontend reports it (no traceback in the server's log)
     sender = _OutputSender(manager, send)
     threading.Thread(target=sender.run, name="kvplug-engine-sender", daemon=True).start()
     send((protocol.READY, _pid()))
@@ -48,9 +50,8 @@ def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
         _serve(conn, manager, host, send, sender)
     finally:
         sender.stop()
-        send_final = host.stats() if host is not None else None
         try:
-            send((protocol.STOPPED, send_final))
+            send((protocol.STOPPED, host.stats() if host is not None else None))
         except OSError:  # the frontend is gone
             pass
 
@@ -109,7 +110,7 @@ def _serve(conn: Any, manager: Any, host: Any, send: Any, sender: _OutputSender)
             manager._has_new_requests.set()  # wake it if it waits for requests
             thread = getattr(manager, "_generation_thread", None)
             if thread is not None:
-                thread.join(timeout=message[1] if len(message) > 1 else None)
+                thread.join(timeout=message[1])
             return
 
 
@@ -181,6 +182,4 @@ def _native_stats(manager: Any) -> dict | None:
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 ADD = "add"  # (ADD, request_id, input_ids, max_new_tokens, eos_token_id, streaming)
 CANCEL = "cancel"  # (CANCEL, request_id)
 STATS = "stats"  # (STATS, query_id)
-STOP = "stop"  # (STOP,)
+STOP = "stop"  # (STOP, seconds the worker may take to stop)
 # engine -> frontend
 READY = "ready"  # (READY, pid)
 STEP = "step"  # (STEP, [StepOutput, ...])
