@@ -52,6 +52,7 @@ from kvplug.memory.model_shape import ModelShape
 from kvplug.memory.request import Request
 from kvplug.memory.token_ids import as_token_ids, host_token_ids
 from kvplug.prefix_cache import ownership  # issue 32 seam
+from kvplug.prefix_cache.host_arrays import host_view
 
 if TYPE_CHECKING:
     from kvplug.decode_step import DecodeGraphs
@@ -490,17 +491,21 @@ class KVBackend:
         if self.allocator.tiered:
             match = cache.match_tiered(input_ids)
             return int(match.handle.cached_len) + int(match.host_len)
+        if self.allocator.host_arrays and (ids := host_view(input_ids)) is not None:
+            return cache.match_host(ids).cached_len
         return int(cache.match_prefix(input_ids).handle.cached_len)
 
     @backend_call
     def evict_prefix_cache(self, tokens: int) -> int:
         """Evict at least ``tokens`` tokens of unlocked cached prefixes; their pages go to the free
         list. Returns the tokens evicted (``InvalidArgumentError`` past the evictable size)."""
-        evicted = self.prefix_cache.evict(tokens)
-        self.allocator.evicted_tokens += int(evicted.shape[0])
-        locations = evicted.numpy()
+        if self.allocator.host_arrays:
+            locations = self.prefix_cache.evict_host(tokens)
+        else:
+            locations = self.prefix_cache.evict(tokens).numpy()
+        self.allocator.evicted_tokens += int(locations.shape[0])
         self.allocator.free_list.release(locations[locations % self.page_size == 0], immediately=True)
-        return int(evicted.shape[0])
+        return int(locations.shape[0])
 
     @backend_call
     def reset_prefix_cache(self) -> int:

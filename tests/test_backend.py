@@ -602,8 +602,10 @@ def test_a_lookup_is_matched_once_and_again_only_after_the_cache_changed(manager
     run_prefill(backend, first)
     backend.finish(first)
     calls = []
-    original = backend.prefix_cache.match_prefix
-    monkeypatch.setattr(backend.prefix_cache, "match_prefix", lambda ids: calls.append(len(ids)) or original(ids))
+    cache = backend.prefix_cache
+    for name in ("match_prefix", "match_host"):  # the allocator hands the built-in radix host arrays
+        original = getattr(cache, name)
+        monkeypatch.setattr(cache, name, lambda ids, original=original: calls.append(len(ids)) or original(ids))
     lookup = backend.lookup(list(range(9)) + [100])
     assert lookup.cached_len == 8 and calls == [9]
     request = backend.admit(lookup)  # the lookup's match: no second one

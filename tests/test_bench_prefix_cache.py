@@ -109,3 +109,31 @@ def test_checked_variant_runs_radix_behind_the_checks_with_the_same_work(tmp_pat
         assert checked["n"] == plain["n"] > 0
         for fact in ("hit_tokens_mean", "cached_tokens", "freed_tokens_mean"):
             assert checked.get(fact) == plain.get(fact), (workload, fact)
+
+
+def test_repeated_runs_report_the_median_run_and_its_spread(tmp_path):
+    out = tmp_path / "repeated.json"
+    assert main(["bench", "prefix-cache", "--quick", "--page-sizes", "1", "--no-sglang", "--repeat", "3",
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {(row["workload"], row["operation"]): row for row in data["results"]}
+    shared = rows[("shared-prefix", "match+lock")]
+    assert shared["runs"] == 3 and shared["n"] == 3 * data["sizes"]["requests"]
+    for row in rows.values():
+        assert row["runs"] == 3 and row["p50_low_us"] <= row["p50_us"] <= row["p50_high_us"], row
+
+
+def test_tensor_inputs_drive_the_public_methods(monkeypatch, tmp_path):
+    """Default: kvplug's radix gets host arrays (as from the allocator); ``--tensor-inputs``: tensors."""
+    from kvplug.prefix_cache.radix import RadixPrefixCache
+
+    calls: set[str] = set()
+    for name in ("match_prefix", "match_host", "insert_prefix", "insert_host"):
+        original = getattr(RadixPrefixCache, name)
+        monkeypatch.setattr(RadixPrefixCache, name,
+                            lambda self, *args, name=name, original=original: calls.add(name) or original(self, *args))
+    for flags, expected in (([], {"match_host", "insert_host"}), (["--tensor-inputs"], {"match_prefix", "insert_prefix"})):
+        calls.clear()
+        assert main(["bench", "prefix-cache", "--quick", "--page-sizes", "1", "--no-sglang", *flags,
+                     "--out", str(tmp_path / "inputs.json")]) == 0
+        assert calls == expected

@@ -10,7 +10,10 @@ Workloads, at each page size (default 1 and 16):
   prefix with 100 leaves of 32 tokens each); 50 timed calls leave over 9,500 leaves.
 
 Every call is timed on its own (``perf_counter_ns``, cyclic GC paused during the timed loop);
-inputs are built in each implementation's native form before timing. SGLang's RadixCache runs
+``--repeat N`` runs each workload N times per cache, the caches taking turns, and reports the
+median of the runs' percentiles with the lowest and highest run p50 beside it;
+inputs are built in each implementation's native form before timing (kvplug's own caches: host
+int32 arrays, as its allocator passes them; ``--tensor-inputs``: tensors, as a third party would). SGLang's RadixCache runs
 the same workloads in the same process when it imports (see ``sglang_anchor``), and
 ``speedups`` are SGLang's latency divided by kvplug's. ``--quick`` shrinks every size ~20x.
 """
@@ -50,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", metavar="DIR", default=None,
                         help="also run the radix cache of another version in the same process: DIR is a copy of its "
                              "kvplug/prefix_cache (e.g. git archive REF kvplug/prefix_cache | tar -x -C /tmp)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every workload N times per cache, the caches taking turns (in alternating order), "
+                             "and report the median of the N runs' percentiles (for a busy machine; default 1)")
+    parser.add_argument("--tensor-inputs", action="store_true",
+                        help="drive kvplug's caches through the public tensor methods only, as a third-party caller "
+                             "would (default: host arrays where a cache takes them, as kvplug's allocator does)")
     parser.add_argument("--checked", action="store_true",
                         help="also run each cache behind CheckedPrefixCache (how a KVBackend runs an untrusted plugin)")
 
@@ -129,11 +138,13 @@ WORKLOADS = {"shared-prefix": shared_prefix, "conversation": conversation, "evic
 
 def _drivers(args: argparse.Namespace, page_size: int, sglang_version: str | None,
              baseline: type | None = None) -> list[CacheDriver]:
-    drivers: list[CacheDriver] = [KvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
+    tensor_inputs = getattr(args, "tensor_inputs", False)
+    drivers: list[CacheDriver] = [KvplugDriver(name, page_size, tensor_inputs=tensor_inputs)
+                                  for name in filter(None, args.caches.split(","))]
     if baseline is not None:
         from kvplug.bench.prefix_cache_baseline import BaselineRadixDriver
 
-        drivers.append(BaselineRadixDriver(baseline, page_size))
+        drivers.append(BaselineRadixDriver(baseline, page_size, tensor_inputs=tensor_inputs))
     if getattr(args, "checked", False):
         drivers += [CheckedKvplugDriver(name, page_size) for name in filter(None, args.caches.split(","))]
     if sglang_version:
@@ -186,17 +197,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvplug.bench.prefix_cache_baseline import load_baseline_radix
 
         baseline = load_baseline_radix(args.baseline)
+    repeat = getattr(args, "repeat", 1)
+    if repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {repeat}")
     rows: list[dict] = []
     for page_size in page_sizes:
         for workload, function in WORKLOADS.items():
-            for driver in _drivers(args, page_size, sglang_version, baseline):
-                timings, facts = function(driver, sizes, np.random.default_rng(args.seed))
-                for operation, samples in timings.items():
-                    rows.append({"workload": workload, "page_size": page_size, "operation": operation,
-                                 "cache": driver.name, **summarize_ns(samples), **facts})
+            runs: dict[tuple[str, str], list[dict]] = {}
+            facts_of: dict[str, dict] = {}
+            for round_ in range(repeat):
+                drivers = _drivers(args, page_size, sglang_version, baseline)  # fresh caches every round
+                for driver in drivers if round_ % 2 == 0 else drivers[::-1]:
+                    timings, facts_of[driver.name] = function(driver, sizes, np.random.default_rng(args.seed))
+                    for operation, samples in timings.items():
+                        runs.setdefault((driver.name, operation), []).append(summarize_ns(samples))
+            for (cache, operation), summaries in runs.items():
+                rows.append({"workload": workload, "page_size": page_size, "operation": operation, "cache": cache,
+                             **_median_summary(summaries), **facts_of[cache]})
     speedups = _speedups(rows)
     bars = _bars(rows, speedups, full_size=sizes is FULL)
-    print(format_table(rows, ["workload", "page_size", "operation", "cache", "n", "p50_us", "p99_us", "mean_us"]))
+    print(format_table(rows, ["workload", "page_size", "operation", "cache", "n", "p50_us", "p99_us", "mean_us"]
+                       + (["p50_low_us", "p50_high_us"] if repeat > 1 else [])))
     if speedups:
         print("\nspeed-up over SGLang's RadixCache (SGLang us / kvplug us):")
         print(format_table(speedups, ["workload", "page_size", "operation", "cache", "p50_speedup", "p99_speedup"]))
@@ -214,6 +235,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "sglang_missing": sglang_missing},
         "results": rows, "speedups": speedups, "bars": bars, "baseline": getattr(args, "baseline", None),
         "versus_baseline": versus_baseline,
+    }
+
+
+def _median_summary(summaries: list[dict]) -> dict:
+    """One row from the runs of one operation: the median of each run's percentiles, the samples of
+    all runs counted, and the lowest and highest run p50 (how noisy the machine was)."""
+    p50s = [summary["p50_us"] for summary in summaries]
+    return {
+        "n": sum(summary["n"] for summary in summaries),
+        **{key: round(float(np.median([summary[key] for summary in summaries])), 3)
+           for key in ("p50_us", "p99_us", "mean_us")},
+        "min_us": min(summary["min_us"] for summary in summaries),
+        "runs": len(summaries), "p50_low_us": min(p50s), "p50_high_us": max(p50s),
     }
 
 

@@ -68,7 +68,8 @@ def load_baseline_radix(directory: str | pathlib.Path) -> type:
 class BaselineRadixDriver(KvplugDriver):
     """The baseline's ``radix`` on the CPU, driven exactly as ``KvplugDriver`` drives this one's."""
 
-    def __init__(self, cache_class: type, page_size: int) -> None:
+    def __init__(self, cache_class: type, page_size: int, *, tensor_inputs: bool = False) -> None:
         self.name = "baseline-radix"
         self.device = torch.device("cpu")
         self.cache = cache_class(PrefixCacheConfig(device="cpu", page_size=page_size))
+        self._use_host_arrays(tensor_inputs)

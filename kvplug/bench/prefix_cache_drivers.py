@@ -54,19 +54,44 @@ class CacheDriver(ABC):
 
 
 class KvplugDriver(CacheDriver):
-    """A prefix cache built by name through ``kvplug.create_prefix_cache`` (built-in or plugin)."""
+    """A prefix cache built by name through ``kvplug.create_prefix_cache`` (built-in or plugin).
 
-    def __init__(self, name: str, page_size: int, device: str = "cpu") -> None:
+    A cache with the ``HostArrayCalls`` capability is driven as kvplug's allocator drives it: with
+    host int32 arrays (``match_host`` / ``insert_host`` / ``evict_host``); ``tensor_inputs=True``
+    (``--tensor-inputs``) drives it through the public tensor methods instead, as a third party would.
+    """
+
+    def __init__(self, name: str, page_size: int, device: str = "cpu", *, tensor_inputs: bool = False) -> None:
         self.name = f"kvplug-{name}"
         self.device = torch.device(device)
         self.cache = kvplug.create_prefix_cache(name, page_size=page_size, device=device)
+        self._use_host_arrays(tensor_inputs)
 
-    def prepare(self, token_ids: np.ndarray, locations: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.from_numpy(np.ascontiguousarray(token_ids, dtype=np.int32)).to(self.device)
-        return ids, torch.from_numpy(np.ascontiguousarray(locations, dtype=np.int32)).to(self.device)
+    def _use_host_arrays(self, tensor_inputs: bool) -> None:
+        from kvplug.prefix_cache.host_arrays import HostArrayCalls
+
+        # by name too: a --baseline copy of this version has its own HostArrayCalls class
+        capable = any(base is HostArrayCalls or base.__name__ == "HostArrayCalls" for base in type(self.cache).__mro__)
+        self.host_arrays = not tensor_inputs and self.device.type == "cpu" and capable
+        if self.host_arrays:  # bound methods: what the allocator's calls cost, no adapter in between
+            self.match_lock = self._match_lock_host
+            self.insert = self._insert_host
+            self.evict = self._evict_host
+
+    def prepare(self, token_ids: np.ndarray, locations: np.ndarray) -> Any:
+        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        locations = np.ascontiguousarray(locations, dtype=np.int32)
+        if self.host_arrays:
+            return ids, locations
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(locations).to(self.device)
 
     def match_lock(self, item: tuple[torch.Tensor, torch.Tensor]) -> Any:
         handle = self.cache.match_prefix(item[0]).handle
+        self.cache.lock_handle(handle)
+        return handle
+
+    def _match_lock_host(self, item: tuple[np.ndarray, np.ndarray]) -> Any:
+        handle = self.cache.match_host(item[0])
         self.cache.lock_handle(handle)
         return handle
 
@@ -79,11 +104,17 @@ class KvplugDriver(CacheDriver):
     def insert(self, item: tuple[torch.Tensor, torch.Tensor]) -> Any:
         return self.cache.insert_prefix(item[0], item[1])
 
+    def _insert_host(self, item: tuple[np.ndarray, np.ndarray]) -> Any:
+        return self.cache.insert_host(item[0], item[1])
+
     def unlock(self, matched: Any) -> None:
         self.cache.lock_handle(matched, unlock=True)
 
     def evict(self, num_tokens: int) -> int:
         return int(self.cache.evict(num_tokens).shape[0])
+
+    def _evict_host(self, num_tokens: int) -> int:
+        return self.cache.evict_host(num_tokens).shape[0]
 
     def total_tokens(self) -> int:
         return self.cache.size_info.total_size
@@ -97,7 +128,7 @@ class CheckedKvplugDriver(KvplugDriver):
     POOL_TOKENS = 3 << 20
 
     def __init__(self, name: str, page_size: int, device: str = "cpu") -> None:
-        super().__init__(name, page_size, device)
+        super().__init__(name, page_size, device, tensor_inputs=True)
         from kvplug.prefix_cache.checked import CheckedPrefixCache
 
         self.name = f"kvplug-{name}+checked"

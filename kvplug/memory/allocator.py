@@ -49,6 +49,7 @@ from kvplug.interface import (
     BaseTieredPrefixCache,
     HostLoad,
     InvalidArgumentError,
+    MatchResult,
     OutOfMemoryError,
     TierCopyError,
 )
@@ -56,6 +57,7 @@ from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
 from kvplug.memory.ragged import HostInts, host_ints
 from kvplug.memory.request import Request, RequestTable
+from kvplug.prefix_cache.host_arrays import HostArrayCalls, host_view
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,8 @@ class PagedAllocator:
         states: the ``RequestTable`` (``Request`` objects are views of it).
         evicted_tokens: tokens evicted from the prefix cache so far.
         tiered: the prefix cache has a host-memory tier (``BaseTieredPrefixCache``).
+        host_arrays: the prefix cache is a built-in one that takes host arrays (``HostArrayCalls``):
+            ids and locations go to it as numpy arrays, evictions come back as one.
         host_hit_tokens: tokens loaded from the host tier into admitted requests so far.
         skipped_load_tokens: host-resident tokens matched but computed instead (no pages, or a
             failed copy).
@@ -189,6 +193,7 @@ class PagedAllocator:
         self.host_hit_tokens = 0
         self.skipped_load_tokens = 0
         self.tiered = isinstance(prefix_cache, BaseTieredPrefixCache)
+        self.host_arrays = isinstance(prefix_cache, HostArrayCalls)  # a built-in cache: host arrays in and out
         # NOTE: bumped by every call that may change what the cache matches (insert, evict,
         # a load), so a PrefixLookup made before it is matched again instead of trusted
         self._epoch = 0
@@ -197,6 +202,7 @@ class PagedAllocator:
         """Use ``cache`` from now on (a hand-over: ``kvplug.cache_guard``); earlier lookups are stale."""
         self.prefix_cache = cache
         self.tiered = isinstance(cache, BaseTieredPrefixCache)
+        self.host_arrays = isinstance(cache, HostArrayCalls)
         self._epoch += 1
 
     # ------------------------------------------------------------------ sizes
@@ -226,15 +232,23 @@ class PagedAllocator:
     def lookup(self, input_ids: torch.Tensor) -> PrefixLookup:
         """Match ``input_ids`` (shape ``[n]``, int32, cpu; ``n >= 1``) without locking or
         changing anything: at most ``n - 1`` tokens, as ``open_request`` would."""
-        self._check_prompt(input_ids)
-        query = input_ids[: int(input_ids.shape[0]) - 1]
+        query_len = self._check_prompt(input_ids) - 1
         if self.tiered:
-            match = self.prefix_cache.match_tiered(query)
+            match = self.prefix_cache.match_tiered(input_ids[:query_len])
             cached = int(match.handle.cached_len) + int(match.host_len)
         else:
-            match = self.prefix_cache.match_prefix(query)
+            match = self._match(input_ids, query_len)
             cached = int(match.handle.cached_len)
         return PrefixLookup(input_ids, cached, match, self._epoch)
+
+    def _match(self, input_ids: torch.Tensor, query_len: int) -> MatchResult:
+        """``prefix_cache.match_prefix(input_ids[:query_len])``, through ``match_host`` where the
+        cache takes host arrays and ``input_ids`` (checked by ``_check_prompt``) reads in place."""
+        if self.host_arrays:
+            ids = host_view(input_ids)
+            if ids is not None:
+                return MatchResult(self.prefix_cache.match_host(ids[:query_len]))
+        return self.prefix_cache.match_prefix(input_ids[:query_len])
 
     def open_request(self, row: int, input_ids: torch.Tensor | PrefixLookup, *, match: bool = True) -> Request:
         """Match the prompt against the prefix cache, lock the match, point the row at it and
@@ -258,14 +272,18 @@ class PagedAllocator:
         self.page_table.check_row(row, allow_dummy=False)
         if self.states.key[row] >= 0:
             raise InvalidArgumentError(f"row {row} already belongs to a live request")
-        query = input_ids[: n - 1]
+        query_len = n - 1 if match else 0
         cache = self.prefix_cache
-        if not match:
-            query = query[:0]
         if self.tiered:
-            handle = self._match_and_load(query if lookup is None else None, lookup.match if lookup else None)
+            handle = self._match_and_load(input_ids[:query_len] if lookup is None else None,
+                                          lookup.match if lookup else None)
         else:
-            handle = (cache.match_prefix(query) if lookup is None else lookup.match).handle
+            if lookup is not None:
+                handle = lookup.match.handle
+            elif self.host_arrays and (ids := host_view(input_ids)) is not None:
+                handle = cache.match_host(ids[:query_len])  # a numpy slice: cheaper than the tensor's
+            else:
+                handle = cache.match_prefix(input_ids[:query_len]).handle
             cache.lock_handle(handle)
         matched = int(handle.cached_len)
         try:
@@ -469,13 +487,16 @@ class PagedAllocator:
                     + (f", plus {pending} pending lazy frees" if pending else "")
                 )
             self._epoch += 1
-            evicted = self.prefix_cache.evict(shortage * self.page_size)
-            if not isinstance(evicted, torch.Tensor) or evicted.device.type != "cpu":
-                raise InvalidArgumentError(
-                    f"prefix cache {type(self.prefix_cache).__name__}.evict returned "
-                    f"{getattr(evicted, 'device', type(evicted).__name__)}; prefix caches keep host data (cpu)"
-                )
-            locations = evicted.numpy()
+            if self.host_arrays:
+                locations = self.prefix_cache.evict_host(shortage * self.page_size)
+            else:
+                evicted = self.prefix_cache.evict(shortage * self.page_size)
+                if not isinstance(evicted, torch.Tensor) or evicted.device.type != "cpu":
+                    raise InvalidArgumentError(
+                        f"prefix cache {type(self.prefix_cache).__name__}.evict returned "
+                        f"{getattr(evicted, 'device', type(evicted).__name__)}; prefix caches keep host data (cpu)"
+                    )
+                locations = evicted.numpy()
             self.evicted_tokens += int(locations.shape[0])
             # a cache holds whole pages, so each evicted page shows up once by its first location
             self.free_list.release(locations[locations % self.page_size == 0], immediately=True)
@@ -495,18 +516,21 @@ class PagedAllocator:
         size, row, table = self.page_size, request.row, self.page_table
         aligned = min(request.cached_len, request.known_len) // size * size
         old_handle = request.handle
-        # copies: the cache may keep the tensors it is given, and the row will be rewritten
-        token_ids = torch.from_numpy(table.host_token_ids(row, 0, aligned).copy())
-        locations = table.host_locations(row, 0, aligned).copy()
         self._epoch += 1
-        result = self.prefix_cache.insert_prefix(token_ids, torch.from_numpy(locations))
-        new_handle = result.handle
+        if self.host_arrays:  # views: the cache reads them during the call and keeps nothing
+            locations = table.host_locations(row, 0, aligned)
+            cached_len, new_handle = self.prefix_cache.insert_host(table.host_token_ids(row, 0, aligned), locations)
+        else:  # copies: the cache may keep the tensors it is given, and the row will be rewritten
+            token_ids = torch.from_numpy(table.host_token_ids(row, 0, aligned).copy())
+            locations = table.host_locations(row, 0, aligned).copy()
+            result = self.prefix_cache.insert_prefix(token_ids, torch.from_numpy(locations))
+            cached_len, new_handle = result.cached_len, result.handle
         # every cache call before the first free, so a fault of the cache changes nothing here
         if not finished:
             self.prefix_cache.lock_handle(new_handle)
         self.prefix_cache.lock_handle(old_handle, unlock=True)
         old_len = int(old_handle.cached_len)
-        duplicate_end = max(int(result.cached_len), old_len)
+        duplicate_end = max(int(cached_len), old_len)
         kept_end = max(duplicate_end, int(new_handle.cached_len))
         shared = None
         if not finished and duplicate_end > old_len:

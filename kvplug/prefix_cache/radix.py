@@ -6,7 +6,9 @@ Children are keyed by the bytes of their first page, so descending one edge is o
 plus one memcmp over the whole edge; only a mismatch inside an edge touches numpy to find where.
 
 Validation costs O(new pages): the locations of the part an insert adds are checked (distinct,
-non-negative); the already-cached prefix is neither re-read nor re-validated. The tree is only
+non-negative); the already-cached prefix is neither re-read nor re-validated. kvplug's allocator
+calls the host-array methods (``HostArrayCalls``: numpy in, bare handles and arrays out, the
+locations its own pages, so checked once, by the allocator's ownership, not again here). The tree is only
 changed once every check passed (a match ending inside an edge is split after validation).
 
 Recency. A logical clock ticks once per ``match_prefix``/``insert_prefix``; every node on the
@@ -47,6 +49,7 @@ from kvplug.interface import (
     SizeInfo,
 )
 from kvplug.prefix_cache.block_hashes import chained_page_hashes
+from kvplug.prefix_cache.host_arrays import HOST_INT32, HostArrayCalls, is_host_int32, reject_host_array
 from kvplug.prefix_cache.radix_arguments import (
     dense_host_array,
     dense_host_pair,
@@ -74,9 +77,12 @@ from kvplug.prefix_cache.validation import (
 )
 
 _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python-level __new__
+_NDARRAY = np.ndarray
+_NO_LOCATIONS = as_int32(b"")
+assert BYTES_PER_TOKEN == 4  # the hot paths turn bytes into tokens with ``>> 2``
 
 
-class RadixPrefixCache(BasePrefixCache):
+class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
     """Radix-tree prefix cache (docs/design.md, section 4).
 
     Handles are the tree's nodes (``RadixNode``). Locks are counted per node, as in SGLang, and
@@ -122,6 +128,15 @@ class RadixPrefixCache(BasePrefixCache):
             node = self.device_head(node)
         return _new_tuple(MatchResult, (node,))
 
+    def match_host(self, input_ids: np.ndarray) -> RadixNode:
+        if input_ids.__class__ is not _NDARRAY or input_ids.dtype is not HOST_INT32 or input_ids.ndim != 1:
+            if not is_host_int32(input_ids):
+                reject_host_array(input_ids, "input_ids")
+        length = input_ids.shape[0]
+        usable = length - length % self.page_size
+        node = self._match_tokens((input_ids if usable == length else input_ids[:usable]).tobytes())
+        return self.device_head(node) if node.on_host else node
+
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         if unlock.__class__ is not bool:
             reject_unlock_flag(unlock)
@@ -132,7 +147,12 @@ class RadixPrefixCache(BasePrefixCache):
             node = self.live_node(handle)
             if node is root:
                 return
-        step, flips_at = self._count_own_lock(node, handle, unlock)
+        if unlock:
+            step, flips_at = self._count_own_lock(node, handle, unlock)
+        else:  # _count_own_lock, inline
+            node.own_locks += 1
+            step = 1
+            flips_at = 0
         moved = moved_host = 0  # bytes of locations whose node flips between evictable and protected
         walker = node
         while walker is not root:
@@ -143,9 +163,10 @@ class RadixPrefixCache(BasePrefixCache):
                     moved += len(walker.value)
             walker.lock_ref += step
             walker = walker.parent
-        moved = step * (moved // BYTES_PER_TOKEN)
-        self._evictable -= moved
-        self._protected += moved
+        if moved:
+            moved = moved >> 2 if unlock is False else -(moved >> 2)
+            self._evictable -= moved
+            self._protected += moved
         if moved_host:
             moved_host = step * (moved_host // BYTES_PER_TOKEN)
             self._host_evictable -= moved_host
@@ -186,6 +207,93 @@ class RadixPrefixCache(BasePrefixCache):
         else:
             tokens = arrays[0].tobytes()
             locations = arrays[1]
+        return _new_tuple(InsertResult, self._insert(tokens, locations, True))
+
+    def insert_host(self, input_ids: np.ndarray, indices: np.ndarray) -> tuple[int, RadixNode]:
+        if (
+            input_ids.__class__ is not _NDARRAY or indices.__class__ is not _NDARRAY
+            or input_ids.dtype is not HOST_INT32 or indices.dtype is not HOST_INT32
+            or input_ids.ndim != 1 or indices.ndim != 1
+        ):
+            self._check_host_insert(input_ids, indices)
+        length = input_ids.shape[0]
+        if length != indices.shape[0] or length % self.page_size:
+            self._check_host_insert(input_ids, indices)
+        return self._insert(input_ids.tobytes(), indices, False)
+
+    def _check_host_insert(self, input_ids: object, indices: object) -> None:
+        """Raise unless ``insert_host``'s arguments are int32 host arrays of one length, whole pages."""
+        if not is_host_int32(input_ids):
+            reject_host_array(input_ids, "input_ids")
+        if not is_host_int32(indices):
+            reject_host_array(indices, "indices")
+        if input_ids.shape[0] != indices.shape[0]:
+            raise InvalidArgumentError(
+                f"input_ids and indices must have the same length, got {input_ids.shape[0]} and {indices.shape[0]}"
+            )
+        if input_ids.shape[0] % self.page_size:
+            raise InvalidArgumentError(
+                f"inserted length must be a multiple of the page size {self.page_size}, got {input_ids.shape[0]}"
+            )
+
+    def _insert(self, tokens: bytes, locations: np.ndarray, check: bool) -> tuple[int, RadixNode]:
+        """Insert ``tokens`` (int32 bytes, whole pages) with ``locations`` (host int32 array of as
+        many tokens, any strides); returns ``(cached_len, handle)``. ``check``: validate the
+        locations of the new part (``insert_host``'s caller owns them: see ``HostArrayCalls``)."""
+        if self._tier is not None:
+            return self._insert_tiered(tokens, locations, check)
+        node = self._root
+        page_bytes = self._page_bytes
+        matched = 0  # bytes
+        end = len(tokens)
+        partial = first_page = None
+        while matched < end:  # _find, inline
+            first_page = tokens[matched : matched + page_bytes]
+            child = node.children.get(first_page)
+            if child is None:
+                break  # first_page: the new leaf's
+            key = child.key
+            after = matched + len(key)
+            if after <= end and tokens.startswith(key, matched):
+                matched = after
+                node = child
+                continue
+            partial = child
+            common = shared_page_bytes(key, tokens, matched, self.page_size)
+            matched += common
+            first_page = tokens[matched : matched + page_bytes]
+            break
+        if matched == end:  # all cached already
+            if partial is not None:
+                node = self._split(partial, common)
+            self._touch_path(node)
+            return end >> 2, node
+        new_locations = locations[matched >> 2 :]
+        if check:
+            check_location_values(new_locations)  # the new part only: O(new pages)
+        if partial is not None:
+            node = self._split(partial, common)
+        key = tokens[matched:] if matched else tokens
+        value = new_locations.tobytes()
+        # _add_leaf, inline
+        self._clock = tick = self._clock + 1  # the leaf is born with the new tick
+        leaf = RadixNode(self._generation, node, key, value, end >> 2, tick)
+        node.children[first_page] = leaf
+        if node.heap_seq >= 0:
+            self._candidates.discard(node)  # it has a device-resident child now
+        self._evictable += len(value) >> 2
+        self._candidates.add_new(leaf)
+        cached_len = matched >> 2
+        root = self._root
+        while node is not root:  # the new tick up to the root
+            node.last_access = tick
+            node = node.parent
+        if self.__dict__.get("_kv_event_listeners"):
+            self.report_stored(leaf)
+        return cached_len, leaf
+
+    def _insert_tiered(self, tokens: bytes, locations: np.ndarray, check: bool) -> tuple[int, RadixNode]:
+        """``_insert`` when a host tier may hold part of the path."""
         end = len(tokens)
         node, here, common, partial = self._find(tokens)
         matched = here + common
@@ -193,41 +301,53 @@ class RadixPrefixCache(BasePrefixCache):
         on_host = (partial if partial is not None else node).on_host
         head = self.device_head(node) if on_host else None
         kept_from = head.cached_len * BYTES_PER_TOKEN if on_host else matched
-        new_locations = locations[kept_from // BYTES_PER_TOKEN :]
-        if kept_from < end:
-            check_location_values(new_locations)  # the new part only: O(new pages)
+        if check and kept_from < end:
+            check_location_values(locations[kept_from // BYTES_PER_TOKEN :])  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)
         if on_host:
             self._tier.adopt(node, head, locations[kept_from // BYTES_PER_TOKEN : matched // BYTES_PER_TOKEN].tobytes())
-            new_locations = locations[matched // BYTES_PER_TOKEN :]
         cached_len = kept_from // BYTES_PER_TOKEN
         if matched == end:
             self._touch_path(node)
-            return _new_tuple(InsertResult, (cached_len, node))
+            return cached_len, node
         key = tokens[matched:] if matched else tokens
-        self._clock += 1  # the touch of the new path: the leaf is born with the new tick
-        leaf = RadixNode(
-            self._generation, node, key, new_locations.tobytes(),
-            end // BYTES_PER_TOKEN, self._clock,
-        )
+        return cached_len, self._add_leaf(node, key, locations[matched // BYTES_PER_TOKEN :].tobytes(),
+                                          end // BYTES_PER_TOKEN)
+
+    def _add_leaf(self, node: RadixNode, key: bytes, value: bytes, cached_len: int) -> RadixNode:
+        """Hang a new device-resident leaf below ``node`` and touch the new path (one clock tick)."""
+        self._clock = tick = self._clock + 1  # the leaf is born with the new tick
+        leaf = RadixNode(self._generation, node, key, value, cached_len, tick)
         node.children[key[: self._page_bytes]] = leaf
         if node.heap_seq >= 0:
             self._candidates.discard(node)  # it has a device-resident child now
-        self._evictable += (end - matched) // BYTES_PER_TOKEN
-        self._candidates.add(leaf)
-        root, tick = self._root, self._clock
-        while node is not root:  # _stamp_ancestors, inline
+        self._evictable += len(value) >> 2
+        self._candidates.add_new(leaf)
+        root = self._root
+        while node is not root:  # the new tick up to the root
             node.last_access = tick
             node = node.parent
         if self.__dict__.get("_kv_event_listeners"):
             self.report_stored(leaf)
-        return _new_tuple(InsertResult, (cached_len, leaf))
+        return leaf
 
     def evict(self, size: int) -> torch.Tensor:
-        size = checked_evict_size(size, self._evictable, self._protected)
-        if size == 0:
-            return self._empty
+        freed = self._evict(size)
+        return locations_tensor(freed, self.device) if freed else self._empty
+
+    def evict_host(self, size: int) -> np.ndarray:
+        freed = self._evict(size)
+        return as_int32(b"".join(freed)) if freed else _NO_LOCATIONS
+
+    def _evict(self, size: int) -> list[bytes]:
+        """Evict at least ``size`` tokens, least recently used leaves first; their values."""
+        if size.__class__ is not int or not 0 < size <= self._evictable:  # the common case: one test
+            size = checked_evict_size(size, self._evictable, self._protected)
+            if size == 0:
+                return []
+        if self._tier is None and not self.__dict__.get("_kv_event_listeners"):
+            return self._evict_leaves(size << 2)
         freed: list[bytes] = []
         freed_bytes = 0
         wanted_bytes = size * BYTES_PER_TOKEN
@@ -244,7 +364,29 @@ class RadixPrefixCache(BasePrefixCache):
             self.refresh(parent)  # it may have become a candidate
         if tier is not None:
             tier.finish_evict()
-        return locations_tensor(freed, self.device)
+        return freed
+
+    def _evict_leaves(self, wanted_bytes: int) -> list[bytes]:
+        """``_evict`` without a tier or listeners: every candidate is an unlocked leaf, so evicting
+        one only unlinks it, and its parent becomes a candidate once it is an unlocked leaf."""
+        freed: list[bytes] = []
+        freed_bytes = 0
+        page_bytes = self._page_bytes
+        root = self._root
+        candidates = self._candidates
+        pop, add_new = candidates.pop_least_recent, candidates.add_new
+        while freed_bytes < wanted_bytes:
+            leaf = pop()
+            value = leaf.value
+            freed.append(value)
+            freed_bytes += len(value)
+            parent = leaf.parent
+            del parent.children[leaf.key[:page_bytes]]
+            leaf.parent = None
+            if not parent.children and not parent.lock_ref and parent is not root:
+                add_new(parent)  # an internal node is never a candidate: this one is new
+        self._evictable -= freed_bytes >> 2
+        return freed
 
     def reset(self) -> None:
         self._candidates.clear()
@@ -273,9 +415,27 @@ class RadixPrefixCache(BasePrefixCache):
             tokens = ids.tobytes()
         else:
             tokens = match_tokens(input_ids, self.device, self.page_size)
-        node, _, common, partial = self._find(tokens)
-        if partial is not None:
-            node = self._split(partial, common)
+        return self._match_tokens(tokens)
+
+    def _match_tokens(self, tokens: bytes) -> RadixNode:
+        """The deepest node of the longest cached prefix of ``tokens`` (int32 bytes, whole pages),
+        split there if it ends inside an edge, and touched (``_find``, ``_split``, ``_touch_path``)."""
+        node = self._root
+        page_bytes = self._page_bytes
+        here = 0
+        stop = len(tokens)
+        while here < stop:  # _find, inline
+            child = node.children.get(tokens[here : here + page_bytes])
+            if child is None:
+                break
+            key = child.key
+            after = here + len(key)
+            if after <= stop and tokens.startswith(key, here):
+                here = after
+                node = child
+                continue
+            node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
+            break
         self._touch_path(node)
         return node
 
@@ -341,8 +501,12 @@ class RadixPrefixCache(BasePrefixCache):
 
     def _touch_path(self, node: RadixNode) -> None:
         """Give every node from ``node`` up to the root the next clock tick (LRU refresh)."""
-        self._clock += 1
-        self._stamp_ancestors(node, self._clock)
+        self._clock = tick = self._clock + 1
+        root = self._root
+        walker = node
+        while walker is not root:  # the new tick up to the root
+            walker.last_access = tick
+            walker = walker.parent
         if node.on_host:
             self.refresh(node)
             self.refresh(self.device_head(node))
@@ -350,13 +514,6 @@ class RadixPrefixCache(BasePrefixCache):
             self._candidates.add(node)  # re-rank it under its new tick (refresh(), inline)
         elif node.heap_seq >= 0:
             self._candidates.discard(node)
-
-    def _stamp_ancestors(self, node: RadixNode, tick: int) -> None:
-        """Set ``last_access = tick`` from ``node`` up to (not including) the root."""
-        root = self._root
-        while node is not root:
-            node.last_access = tick
-            node = node.parent
 
     # ------------------------------------------------------------------ what the tier calls
     def refresh(self, node: RadixNode) -> None:
