@@ -209,3 +209,41 @@ def test_sigterm_under_load_exits_0_in_time_and_stops_the_engine(cache_dir, tmp_
     for kind, detail in outcomes:  # cut off with a reason at the deadline, never a hang
         assert kind == "ok" or "shutting down" in detail, (kind, detail)
     assert "kvplug serve: stopped" in output and "Traceback" not in output
+
+
+def test_api_key_refusals_and_metrics_come_from_the_engine(cache_dir, tmp_path):
+    import urllib.request
+
+    log, port = tmp_path / "serve.log", free_port()
+    process = start(
+        ["-m", "kvplug", "serve", "--engine-process", "--port", str(port), "--kv-memory", "16MiB",
+         "--max-seq-len", "2048", "--api-key", "k3y", "--stream-stall-timeout", "5"],
+        cache_dir, log,
+    )
+    try:
+        wait_ready(process, port, log, api_key="k3y")
+        assert get_json(port, "/kvplug/stats")[0] == 401  # no key
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as refused:  # checked in the HTTP process, the engine never sees it
+            client.chat.completions.create(model="kvplug-default", max_tokens=-1,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert "max_tokens" in str(refused.value)
+        prompt = "Tell me about paged KV caches. " * 4
+        for _ in range(2):  # the second finds the first's prompt in the engine's prefix cache
+            client.completions.create(model="kvplug-default", prompt=prompt, max_tokens=3)
+        ids = client.completions.create(model="kvplug-default", prompt=[1, 2, 3, 4, 5], max_tokens=3)
+        assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens <= 3
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer k3y"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read().decode()
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        label = '{model_name="kvplug-default"}'
+        assert float(samples["vllm:prefix_cache_hits_total" + label]) > 0  # HostStats of the engine process
+        assert float(samples["vllm:e2e_request_latency_seconds_count" + label]) == 3
+        status, stats = get_json(port, "/kvplug/stats", headers={"Authorization": "Bearer k3y"})
+        assert status == 200 and stats["finished_requests"] == 3 and stats["in_flight"] == 0
+    finally:
+        code, _ = stop(process)
+    assert code == 0, log.read_text()[-4000:]
