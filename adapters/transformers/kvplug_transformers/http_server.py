@@ -63,7 +63,7 @@ class HttpServer:
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
 
-        engine_process = bool(getattr(opts, "engine_process", False))
+        engine_process = opts.engine_process
         # with --engine-process the weights live in the engine process: here only the config,
         # generation config and tokenizer the handlers read (a model on the meta device)
         self.model_manager = ModelManager(device="meta" if engine_process else str(device), dtype=dtype_name,

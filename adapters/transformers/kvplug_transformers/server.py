@@ -23,6 +23,9 @@ the integration, never the reverse:
   ``/kvplug/stats`` say so and the process exits with an error;
 * SIGTERM / Ctrl-C: new requests are refused at once, running ones may finish, what still runs
   at ``--shutdown-timeout`` minus a margin is aborted, and the process exits 0 within the timeout.
+* ``--engine-process``: the model, the batching worker and kvplug run in a process of their own
+  (``engine_process``, ``engine_client``); this process keeps HTTP and detokenising, and the engine
+  process's death is the worker's.
 
 Every failure it can foresee at startup (bad model, unknown component, a KV budget too small for one
 request, a busy port, a ``--max-seq-len`` beyond the model's context) is a ``KVPlugError`` with an
