@@ -249,6 +249,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "next step is scheduled while the current one runs: transformers' async batching)",
     )
     parser.add_argument(
+        "--engine-process", action="store_true",
+        help="run the model, the batching worker and kvplug in a process of their own, the HTTP server and "
+        "every client's token stream in this one (vLLM v1's engine core): streaming clients no longer "
+        "take the interpreter from the batching worker",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
     )
@@ -482,6 +488,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "seed": getattr(args, "seed", None),
         "log_requests": not getattr(args, "disable_log_requests", False),
         "uvicorn_log_level": getattr(args, "uvicorn_log_level", None),
+        "engine_process": bool(getattr(args, "engine_process", False)),
     }
 
 

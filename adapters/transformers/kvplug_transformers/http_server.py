@@ -47,11 +47,14 @@ class HttpServer:
         limits: what one request may hold.
         inflight: the server's running requests.
         connections: the connection cap and read deadlines.
+        kvplug_settings: the ``KVPlugSettings`` the engine process installs (``--engine-process``;
+            ``None`` with the native backend).
     """
 
     def __init__(
         self, adapter: Any, opts: Any, served: ServedModel, device: Any, dtype_name: str, cb_options: dict,
         limits: RequestLimits, inflight: InFlightRequests, connections: ConnectionLimits,
+        kvplug_settings: Any = None,
     ) -> None:
         import uvicorn
         from transformers import ContinuousBatchingConfig
@@ -62,8 +65,15 @@ class HttpServer:
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
 
-        self.model_manager = ModelManager(device=str(device), dtype=dtype_name, force_model=served.path,
-                                          trust_remote_code=opts.trust_remote_code)
+        engine_process = opts.engine_process
+        # with --engine-process the weights live in the engine process: here only the config,
+        # generation config and tokenizer the handlers read (a model on the meta device)
+        self.model_manager = ModelManager(device="meta" if engine_process else str(device), dtype=dtype_name,
+                                          force_model=served.path, trust_remote_code=opts.trust_remote_code)
+        for timed in self.model_manager.loaded_models.values():
+            # the pinned model is never unloaded (force_model), yet every request's model lookup
+            # restarts its unload timer: a thread started per request on the event loop
+            timed.reset_timer = _pinned
         cb_kwargs = {
             key.removeprefix("cb_"): value for key, value in cb_options.items() if value is not None
         }
@@ -71,6 +81,22 @@ class HttpServer:
             continuous_batching=True, cb_config=ContinuousBatchingConfig(**cb_kwargs) if cb_kwargs else None
         )
         self.generation_state = generation_state
+        self.stats_source = adapter  # what /kvplug/stats, /health, /metrics and the log read HostStats from
+        if engine_process:
+            from kvplug_transformers.engine_client import RemoteGenerateManager, RemoteStats
+            from kvplug_transformers.engine_protocol import EngineSpec
+
+            def spec_for(generation_config: Any) -> EngineSpec:
+                return EngineSpec(
+                    model_path=served.path, device=str(device), dtype_name=dtype_name,
+                    trust_remote_code=opts.trust_remote_code, cb_kwargs=cb_kwargs, kvplug_settings=kvplug_settings,
+                    generation_config=generation_config, seed=opts.seed, log_level=opts.log_level,
+                    uvicorn_log_level=opts.uvicorn_log_level, log_requests=opts.log_requests,
+                )
+
+            generation_state._cb_manager = RemoteGenerateManager(spec_for)
+            generation_state._cb_model_id = served.name  # the id the guarded handlers resolve the model to
+            self.stats_source = RemoteStats(generation_state, adapter)
         self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
         handlers = {
             "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
@@ -81,7 +107,9 @@ class HttpServer:
         _, model, processor = handlers["chat"]._resolve_model({})
         # the kvplug cache samples each request its own way; transformers' own applies one config to all
         self.sampling = None
-        if opts.kv_backend == "kvplug":
+        # NOTE: with --engine-process the worker samples in the engine with the checkpoint's settings
+        # (other sampling is refused with a 400, as with the native cache): per-request sampling is in-process only
+        if opts.kv_backend == "kvplug" and not engine_process:
             self.sampling = RequestSampling(
                 model.generation_config, model.config.get_text_config().vocab_size,
                 decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
@@ -100,13 +128,13 @@ class HttpServer:
         )
         self.metrics = ServeMetrics()
         add_generation_routes(app, guarded, self.tokenizer, self.watch.cancel, self.metrics)
-        add_kvplug_routes(app, adapter, opts, served, generation_state, self.watch, inflight, connections,
+        add_kvplug_routes(app, self.stats_source, opts, served, generation_state, self.watch, inflight, connections,
                           ready=self.ready)
         add_token_routes(app, processor, self.tokenizer, served, limits, _versions())
         add_cache_routes(app, adapter, opts)  # issue 27
         add_metrics_route(
             app, self.metrics, served.name,
-            lambda: adapter.stats().to_json() if opts.kv_backend == "kvplug" else {}, inflight.count,
+            lambda: self.stats_source.stats().to_json() if opts.kv_backend == "kvplug" else {}, inflight.count,
         )
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
         config = uvicorn.Config(
@@ -152,12 +180,22 @@ class HttpServer:
             stop.wait(poll_s)
         return False
 
+    def stop_engine(self, timeout: float) -> bool:
+        """``--engine-process``: wait up to ``timeout`` s for the engine process to exit after its
+        stop, then kill it; ``True`` when it exited by itself (or there is none)."""
+        engine = getattr(self.generation_state._cb_manager, "engine", None)
+        return True if engine is None else engine.terminate(timeout)
+
     @property
     def started(self) -> bool:
         return bool(self.uvicorn.started)
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+
+def _pinned() -> None:
+    """``TimedModel.reset_timer`` of the one model this server serves: nothing to restart."""
 
 
 def tokenizer_bytes_per_token(processor: Any, path: str) -> int:

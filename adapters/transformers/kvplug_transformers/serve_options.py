@@ -69,6 +69,7 @@ class ServeOptions:
     seed: int | None = None  # torch's seed at start
     log_requests: bool = True  # False: --disable-log-requests drops transformers' per-request line
     uvicorn_log_level: str | None = None  # uvicorn's loggers only (None: --log-level)
+    engine_process: bool = False  # issue 28: model and batching worker in their own process
 
 
     def __post_init__(self) -> None:
@@ -99,6 +100,9 @@ class ServeOptions:
             raise InvalidArgumentError("--served-model-name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise InvalidArgumentError("--api-key must not be empty")
+        if self.engine_process and self.kv_events is not None and self.kv_events.enabled:
+            # NOTE: the caches publishing the events live in the engine process; the publisher is not built there yet
+            raise InvalidArgumentError("--kv-events-config does not work with --engine-process yet: drop one of them")
 
     def connection_limit(self) -> int:
         """``--limit-concurrency``, or what the process's file-descriptor limit leaves for

@@ -24,6 +24,9 @@ the integration, never the reverse:
   ``/kvplug/stats`` say so and the process exits with an error;
 * SIGTERM / Ctrl-C: new requests are refused at once, running ones may finish, what still runs
   at ``--shutdown-timeout`` minus a margin is aborted, and the process exits 0 within the timeout.
+* ``--engine-process``: the model, the batching worker and kvplug run in a process of their own
+  (``engine_process``, ``engine_client``); this process keeps HTTP and detokenising, and the engine
+  process's death is the worker's.
 
 Every failure it can foresee at startup (bad model, unknown component, a KV budget too small for one
 request, a busy port, a ``--max-seq-len`` beyond the model's context) is a ``KVPlugError`` with an
@@ -103,6 +106,7 @@ def serve(adapter: Any, **options: Any) -> int:
     shape = model_shape(config, kv_dtype)
 
     cb_options: dict[str, Any] = {}
+    engine_settings = None
     if opts.kv_backend == "kvplug":
         settings = adapter.settings.updated(**opts.kvplug_settings())
         plan = plan_pool(settings, shape, device, context_len=context_len)
@@ -115,7 +119,10 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
         _check_components(settings, shape, device)
         limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))
-        adapter.install(**opts.kvplug_settings())
+        if opts.engine_process:
+            engine_settings = settings  # installed in the engine process, not here
+        else:
+            adapter.install(**opts.kvplug_settings())
     else:
         max_seq_len = opts.max_seq_len or context_len
         cb_options = native_cb_options(opts, shape, max_seq_len)
@@ -126,7 +133,8 @@ def serve(adapter: Any, **options: Any) -> int:
     publisher = None
     try:
         publisher = _start_kv_events(adapter, opts)  # binds now: an address in use fails the start
-        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits)
+        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits,
+                                          engine_settings)
     finally:
         if opts.kv_backend == "kvplug":
             adapter.uninstall()
@@ -172,7 +180,7 @@ def _limit_source(opts: ServeOptions, context_len: int) -> str:
 
 def _run_server(
     adapter: Any, opts: ServeOptions, served: ServedModel, device: torch.device, dtype_name: str, cb_options: dict,
-    limits: RequestLimits,
+    limits: RequestLimits, engine_settings: Any = None,
 ) -> tuple[str | None, list[str]]:
     """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
     non-daemon threads still alive)."""
@@ -181,7 +189,8 @@ def _run_server(
     connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body)
     with _stop_on_signals(stop):
         try:
-            server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections)
+            server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections,
+                                kvplug_settings=engine_settings)
         except KVPlugError:
             raise
         except Exception as error:  # transformers raises many types for a bad checkpoint
@@ -211,11 +220,11 @@ def _run_server(
                     opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
                     connections.max_connections,
                 )
-                death = _watch(server, adapter, opts, stop, watch)
+                death = _watch(server, server.stats_source, opts, stop, watch)
         finally:
             threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
     if opts.kv_backend == "kvplug":
-        logger.info("%s", adapter.stats().describe())
+        logger.info("%s", server.stats_source.stats().describe())
     if death is None:
         logger.info("kvplug serve: stopped")
     return death, threads_left
@@ -348,6 +357,8 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
         logger.warning("kvplug serve: aborted %d request(s) still running at shutdown", aborted)
     if not watch.stop_worker(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
         logger.warning("kvplug serve: the batching worker did not stop in time")
+    if not server.stop_engine(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
+        logger.warning("kvplug serve: the engine process did not stop in time; killed")
     thread = server.thread
     if thread is not None:
         thread.join(timeout=max(deadline - time.monotonic() - margin / 4, 0.1))

@@ -1,0 +1,185 @@
+"""The engine process of ``kvplug serve --engine-process``: the model, transformers'
+``ContinuousBatchingManager`` and kvplug, off the HTTP process's interpreter.
+
+``run_engine`` is the process's target. Its main thread reads the frontend's messages
+(``engine_protocol``) and submits, cancels or stops; a sender thread drains the batching
+worker's output queue and sends one ``STEP`` message per drained batch with each request's new
+token ids. The process ignores SIGINT / SIGTERM: the frontend stops it (its pipe closing
+included), so a signal to the whole process group still gets the bounded shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from typing import Any
+
+from kvplug_transformers import engine_protocol as protocol
+
+logger = logging.getLogger("kvplug.engine")
+READY_POLL_S = 0.02
+OUTPUT_POLL_S = 0.05  # how often an idle sender looks for the worker's death
+
+
+def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
+    """Build the model and the batching worker as ``kvplug serve`` does, then serve ``conn``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from kvplug_transformers.server import _configure_logging
+
+    _configure_logging(spec.log_level, spec.uvicorn_log_level, log_requests=spec.log_requests)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    try:
+        host, manager = _build(spec)
+    except Exception as error:  # whatever stops the build is the start's failure, told to the frontend
+        send((protocol.FATAL, f"{type(error).__name__}: {error}"))
+        sys.exit(1)  # the frontend reports it (no traceback in the server's log)
+    sender = _OutputSender(manager, send)
+    threading.Thread(target=sender.run, name="kvplug-engine-sender", daemon=True).start()
+    send((protocol.READY, _pid()))
+    try:
+        _serve(conn, manager, host, send, sender)
+    finally:
+        sender.stop()
+        try:
+            send((protocol.STOPPED, host.stats() if host is not None else None))
+        except OSError:  # the frontend is gone
+            pass
+
+
+def _build(spec: protocol.EngineSpec) -> tuple[Any, Any]:
+    import torch
+    from transformers import ContinuousBatchingConfig
+    from transformers.cli.serving.model_manager import ModelManager
+
+    if spec.seed is not None:
+        torch.manual_seed(spec.seed)
+    host = None
+    if spec.kvplug_settings is not None:
+        from kvplug_transformers.host import TransformersHost
+
+        host = TransformersHost(spec.kvplug_settings).install()
+    models = ModelManager(device=spec.device, dtype=spec.dtype_name, force_model=spec.model_path,
+                          trust_remote_code=spec.trust_remote_code)
+    model, _ = models.load_model_and_processor(models.process_model_name(spec.model_path))
+    config = ContinuousBatchingConfig(**spec.cb_kwargs) if spec.cb_kwargs else None
+    manager = model.init_continuous_batching(generation_config=spec.generation_config,
+                                             continuous_batching_config=config)
+    manager.start()
+    status = manager.background_thread_status
+    while getattr(manager, "batch_processor", None) is None:  # the pool is built: what cannot be built fails now
+        if status.fatal_error is not None:
+            raise status.fatal_error
+        thread = getattr(manager, "_generation_thread", None)
+        if thread is not None and thread.ident is not None and not thread.is_alive():
+            raise RuntimeError("the batching worker exited while building the KV cache")
+        threading.Event().wait(READY_POLL_S)
+    return host, manager
+
+
+def _serve(conn: Any, manager: Any, host: Any, send: Any, sender: _OutputSender) -> None:
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the frontend died: stop
+            logger.warning("kvplug engine: the HTTP process is gone; stopping")
+            manager.stop(block=True, timeout=2)
+            return
+        kind = message[0]
+        if kind == protocol.ADD:
+            _, request_id, input_ids, max_new_tokens, eos_token_id, streaming = message
+            manager.add_request(input_ids, request_id=request_id, streaming=streaming,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        elif kind == protocol.CANCEL:
+            sender.forget(message[1])
+            manager.cancel_request(message[1])
+        elif kind == protocol.STATS:
+            send((protocol.STATS_REPLY, message[1], host.stats() if host is not None else _native_stats(manager)))
+        elif kind == protocol.STOP:
+            status = manager.background_thread_status
+            status.request_stop(status.HARD_STOP, manager.distributed_helper.global_rank)
+            manager._has_new_requests.set()  # wake it if it waits for requests
+            thread = getattr(manager, "_generation_thread", None)
+            if thread is not None:
+                thread.join(timeout=message[1])
+            return
+
+
+class _OutputSender:
+    """Drains the worker's output queue into ``STEP`` messages (new token ids only); reports the
+    worker's death (``FATAL``) before the failed outputs it delivers."""
+
+    def __init__(self, manager: Any, send: Any) -> None:
+        self._manager = manager
+        self._send = send
+        self._sent: dict[str, int] = {}  # request id -> tokens already sent
+        self._stopped = threading.Event()
+        self._fatal_sent = False
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        outputs = self._manager.output_router.output_queue
+        while not self._stopped.is_set():
+            try:
+                batch = [outputs.get(timeout=OUTPUT_POLL_S)]
+            except queue.Empty:
+                self._check_fatal()
+                continue
+            try:
+                while True:
+                    batch.append(outputs.get_nowait())
+            except queue.Empty:
+                pass
+            items = [self._delta(output) for output in batch]
+            self._check_fatal()
+            try:
+                self._send((protocol.STEP, items))
+            except OSError:
+                return
+
+    def _delta(self, output: Any) -> protocol.StepOutput:
+        tokens = output.generated_tokens
+        done = self._sent.get(output.request_id, 0)
+        finished = output.error is not None or output.is_finished()
+        if finished:
+            self._sent.pop(output.request_id, None)
+        else:
+            self._sent[output.request_id] = len(tokens)
+        error = None if output.error is None else str(output.error)
+        return protocol.StepOutput(output.request_id, list(tokens[done:]), finished, error)
+
+    def _check_fatal(self) -> None:
+        error = self._manager.background_thread_status.fatal_error
+        if error is not None and not self._fatal_sent:
+            self._fatal_sent = True
+            try:
+                self._send((protocol.FATAL, f"{type(error).__name__}: {error}"))
+            except OSError:
+                pass
+
+
+def _native_stats(manager: Any) -> dict | None:
+    """What ``stats_routes`` reads of transformers' own paged cache (``--kv-backend native``)."""
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if cache is None:
+        return None
+    return {"num_blocks": int(cache.num_blocks), "free_blocks": int(cache.get_num_free_blocks()),
+            "prefix_length": int(getattr(cache, "_total_prefix_length", 0)), "block_size": int(cache.block_size)}
+
+
+def _pid() -> int:
+    return os.getpid()
