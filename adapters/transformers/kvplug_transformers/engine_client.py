@@ -323,3 +323,7 @@ class RemoteStats:
         engine = getattr(self._state._cb_manager, "engine", None)
         values = engine.query_stats() if engine is not None else None
         return values if values is not None else self._fallback.stats()
+
+    def kv_events_stats(self) -> None:
+        """No KV events with an engine process (``--kv-events-config`` is refused with it)."""
+        return None
