@@ -285,6 +285,7 @@ def check_tiered_prefix_cache(
     randomised: bool = True,
     seeds: int = 8,
     shrink: bool = True,
+    lru: bool = True,
 ) -> None:
     """Run the version-1 suite with a tier attached and the tier checks (module docstring) at each
     page size; the first failure raises ``AssertionError`` naming the check.
@@ -296,6 +297,10 @@ def check_tiered_prefix_cache(
         randomised: include the randomised checks (the version-1 differential one needs hypothesis).
         seeds: runs of ``randomised_tiered_run`` per page size (seeds ``0 .. seeds - 1``).
         shrink: passed to the version-1 randomised check.
+        lru: ``False`` for a cache whose eviction order is not strict least-recently-used (such
+            as ``radix`` with ``split_refreshes_tail``): the version-1 LRU-order checks and
+            ``host_shortage_drops_least_recent`` are left out, as ``check_prefix_cache(lru=False)``
+            does; everything else still runs.
     """
     for page_size in page_sizes:
         def attached(config: PrefixCacheConfig, host_pages: int = 6) -> Any:
@@ -304,11 +309,13 @@ def check_tiered_prefix_cache(
                 config.page_size, host_pages,
             ).cache
 
-        for check in prefix_cache_checks(randomised=randomised):
+        for check in prefix_cache_checks(lru=lru, randomised=randomised):
             check.run(attached, page_size, "cpu", shrink=shrink)
         for function, host_pages in _TIER_CHECKS:
             runs = range(seeds) if function is randomised_tiered_run and randomised else [0]
             if function is randomised_tiered_run and not randomised:
+                continue
+            if function is host_shortage_drops_least_recent and not lru:
                 continue
             for seed in runs:
                 kit = TieredKit(factory, page_size, host_pages)
