@@ -48,6 +48,8 @@ DECLARED = {
     for spec in [*project.get("dependencies", []),
                  *(s for extra in project.get("optional-dependencies", {}).values() for s in extra)]
 } - OWN_NAMES
+# tools kvplug works beside, installed in an environment of their own (docs/fleet.md), never a dependency
+DECLARED |= {canonicalize_name("ai-dynamo-runtime")}
 
 
 def hint_arguments(rest: str) -> list[str]:
