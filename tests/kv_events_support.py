@@ -6,8 +6,8 @@ import pytest
 
 from kvplug.events.wire import decode_batch, sequence_number
 
-zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed: pip install 'kvplug[events]'")
-pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed: pip install 'kvplug[events]'")
+zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed: pip install -e '.[events]'")
+pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed: pip install -e '.[events]'")
 
 
 class Subscriber:

@@ -24,7 +24,7 @@ import pytest
 from tests import serve_process
 from tests.test_serve import cache_dir, embedded  # noqa: F401  (fixtures)
 
-pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed: pip install 'kvplug[events]'")
+pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed: pip install -e '.[events]'")
 DYNAMO_VERSION = "1.6.1"
 MODEL = "kvplug-default"
 PAGE = 16

@@ -7,7 +7,7 @@ from types import ModuleType
 
 from kvplug.interface import KVPlugError
 
-INSTALL_HINT = "pip install 'kvplug[events]' (pyzmq and msgpack)"
+INSTALL_HINT = 'pip install -e ".[events]" (from the root of the kvplug repository: pyzmq and msgpack)'
 _DISTRIBUTIONS = {"zmq": "pyzmq", "msgpack": "msgpack"}
 
 
