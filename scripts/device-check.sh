@@ -110,6 +110,9 @@ fi
 [ "$FLASHINFER" = 1 ] && [ "$TESTS" = 1 ] && step tf_host_flashinfer 90 "${PYTEST[@]}" --maxfail=1 tests/test_transformers_host.py -k "cuda and (flashinfer or auto)"
 
 # ---------------------------------------------------------------- end to end (last: takes what time is left)
+# `kvplug bench e2e` finds the transformers host through its entry point: install both, editable
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e ./adapters/transformers > "$OUT/install_editable.log" 2>&1 \
+    || note "editable install FAILED (see install_editable.log)"
 # qwen3-0.6b shape, bf16, triton attention; a warm-up run per variant precedes the timed ones
 E2E=${E2E:-decode}
 SHAPE_ARGS=(); [ -n "${SHAPE:-}" ] && SHAPE_ARGS=(--model-shape "$SHAPE")
