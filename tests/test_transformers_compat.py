@@ -112,7 +112,7 @@ def test_missing_names_and_fields_are_refused_together(monkeypatch):
     from transformers.generation.continuous_batching import model_runner
 
     monkeypatch.delattr(model_runner.ModelRunner, "_sample")
-    broken = _entry("fields", compat.READ)
+    broken = _entry("RequestState", compat.READ)
     renamed = compat.Internal(broken.owner, broken.attribute, broken.kind, broken.why, broken.check,
                               broken.fingerprint.replace("initial_tokens", "prompt_tokens"))
     entries = (*[entry for entry in compat.INTERNALS if entry is not broken], renamed)

@@ -8,6 +8,7 @@ field, and names the entry; the KVPLUG classes still match the signatures vLLM c
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from pathlib import Path
@@ -18,14 +19,16 @@ vllm = pytest.importorskip("vllm")
 registration = pytest.importorskip("kvplug_vllm.attention_registration")
 backend_module = pytest.importorskip("kvplug_vllm.attention_backend")
 
-Check, Internal = registration.Check, registration.Internal
+from kvplug import host_internals  # noqa: E402
+
+Internal = registration.Internal
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "vllm"
 pinned = pytest.mark.skipif(vllm.__version__ != registration.PINNED_VLLM_VERSION,
                             reason=f"fingerprints are of vLLM {registration.PINNED_VLLM_VERSION}")
 
 
 def _entry(attribute: str) -> Internal:
-    return next(entry for entry in registration.ATTENTION_INTERNALS if entry.attribute == attribute)
+    return next(entry for entry in registration.ATTENTION_INTERNALS if entry.name.endswith("." + attribute))
 
 
 @pinned
@@ -45,11 +48,11 @@ def test_entries_are_well_formed_and_unique():
     assert len(set(names)) == len(names)
     for entry in registration.ATTENTION_INTERNALS:
         assert entry.owner.startswith("vllm.") and entry.attribute and entry.why and entry.fingerprint
-        assert isinstance(entry.check, Check)
+        assert entry.check in host_internals.CHECKS and entry.kind
     # what the padding mapping and the graph support stand on is covered
     assert _entry("PAD_SLOT_ID").fingerprint == "-1" and _entry("NULL_BLOCK_ID").fingerprint == "0"
     assert "UNIFORM_SINGLE_TOKEN_DECODE" in _entry("AttentionCGSupport").fingerprint
-    assert _entry("GPUModelRunner._build_attention_metadata").check is Check.SOURCE
+    assert _entry("GPUModelRunner._build_attention_metadata").check == host_internals.SOURCE
 
 
 @pinned
@@ -63,7 +66,7 @@ def test_a_changed_signature_is_refused_naming_the_entry(monkeypatch):
     with pytest.raises(registration.UnsupportedVllmAttentionError) as caught:
         registration.require_attention_internals()
     message = str(caught.value)
-    assert "AttentionMetadataBuilder.build_for_cudagraph_capture (parameters" in message
+    assert "AttentionMetadataBuilder.build_for_cudagraph_capture (" in message and ": parameters expected" in message
     assert "found 'self, common_attn_metadata, num_padded'" in message
     assert message.count("\n- ") == 1 and "changed 1 internal(s)" in message
 
@@ -81,17 +84,16 @@ def test_a_changed_source_a_constant_and_a_missing_name_are_reported_together(mo
     monkeypatch.delattr(utils, "NULL_BLOCK_ID")
     problems = registration.check_attention_internals()
     assert len(problems) == 3
-    assert any("CpuPlatform.get_attn_backend_cls (source" in line for line in problems)
-    assert any("PAD_SLOT_ID (value" in line and "found '-2'" in line for line in problems)
-    assert any("NULL_BLOCK_ID (value" in line and "missing (AttributeError" in line for line in problems)
+    assert any("CpuPlatform.get_attn_backend_cls (" in line and ": source expected" in line for line in problems)
+    assert any("PAD_SLOT_ID (" in line and ": value expected" in line and "found '-2'" in line for line in problems)
+    assert any("NULL_BLOCK_ID (" in line and "found 'missing'" in line for line in problems)
 
 
 def test_a_missing_dataclass_field_is_reported():
     entry = _entry("CommonAttentionMetadata")
-    renamed = Internal(entry.owner, entry.attribute, entry.check, entry.why,
-                       entry.fingerprint.replace("slot_mapping", "slot_mappings"))
+    renamed = dataclasses.replace(entry, fingerprint=entry.fingerprint.replace("slot_mapping", "slot_mappings"))
     (problem,) = registration.check_attention_internals([renamed])
-    assert "CommonAttentionMetadata (has" in problem and "slot_mappings" in problem
+    assert "CommonAttentionMetadata (" in problem and ": fields expected" in problem and "slot_mappings" in problem
 
 
 def test_kvplug_classes_match_the_signatures_vllm_calls():

@@ -14,17 +14,15 @@ from ``INTERNALS`` (``internals_table_markdown``; a test keeps them equal).
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import hashlib
 import importlib
-import inspect
 import os
-import textwrap
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
+from kvplug import host_internals
+from kvplug.host_internals import (  # noqa: F401  (the checks, re-exported for the table below and tests)
+    ASSIGNED, FIELDS, INTERFACE, ORIGINAL_ATTRIBUTE, PARAMETERS, RETURNS, SOURCE, HostInternal, resolve,
+)
 from kvplug.interface import KVPlugError
 
 MIN_VERSION = (5, 17, 0)
@@ -33,13 +31,9 @@ SUPPORTED_RANGE = ">=5.17.0,<5.18"
 PINNED_VERSION = "5.17.0"  # the release whose source the fingerprints below were taken from
 SKIP_CHECK_ENV = "KVPLUG_TRANSFORMERS_SKIP_VERSION_CHECK"
 INSTALL_HINT = "pip install 'transformers>=5.17.0,<5.18'"
-ORIGINAL_ATTRIBUTE = "__kvplug_original__"  # set on each replacement: the gate fingerprints what it replaced
 
 PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED = "patched", "read", "called", "re-implemented", "implemented"
 KINDS = (PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED)
-# how a fingerprint is taken (``fingerprint``)
-PARAMETERS, SOURCE, RETURNS = "parameters", "source", "returns"
-ASSIGNED, FIELDS, INTERFACE = "assigned", "fields", "interface"
 
 _CB = "transformers.generation.continuous_batching"
 
@@ -49,34 +43,11 @@ class UnsupportedTransformersError(KVPlugError, ImportError):
 
 
 @dataclass(frozen=True)
-class Internal:
-    """One transformers internal the adapter touches.
-
-    Attributes:
-        owner: dotted path of the module or class holding it.
-        attribute: its name in ``owner``.
-        kind: ``patched`` (kvplug replaces it while installed), ``read``, ``called``,
-            ``re-implemented`` (kvplug runs its own copy of part of it) or ``implemented``
-            (kvplug's stand-in provides the same interface).
-        why: what kvplug needs it for, in a line.
-        check: how ``fingerprint`` reads it: ``parameters`` (parameter names), ``source`` (hash
-            of its source), ``returns`` (the expressions its ``return`` statements hand back: what
-            tuple position N holds), ``assigned`` (a method of ``owner`` sets ``self.<attribute>``),
-            ``fields`` (the dataclass fields read, all present) or ``interface`` (hash of every
-            method's name and parameters).
-        fingerprint: what ``fingerprint`` gives for ``PINNED_VERSION``.
-    """
-
-    owner: str
-    attribute: str
-    kind: str
-    why: str
-    check: str
-    fingerprint: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.owner}.{self.attribute}"
+class Internal(HostInternal):
+    """One transformers internal the adapter touches (``kvplug.host_internals.HostInternal``); ``kind``
+    is ``patched`` (kvplug replaces it while installed), ``read``, ``called``, ``re-implemented``
+    (kvplug runs its own copy of part of it) or ``implemented`` (kvplug's stand-in provides the same
+    interface)."""
 
     @property
     def short_name(self) -> str:
@@ -179,11 +150,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "output_ids", READ,
              "the same with async batching: a property giving the current pair's device output ids",
              SOURCE, "2705012ff1bb768e"),
-    Internal(f"{_CB}.requests.RequestState", "fields", READ,
+    Internal(f"{_CB}.requests", "RequestState", READ,
              "a new request's prompt and token limits (check_waiting_request caps them); at finish its prompt and "
              "generated ids tell kvplug which sampled ids to cache", FIELDS,
              "request_id, initial_tokens, generated_tokens, max_new_tokens, _new_tokens_limit"),
-    Internal("transformers.generation.configuration_utils.ContinuousBatchingConfig", "fields", READ,
+    Internal("transformers.generation.configuration_utils", "ContinuousBatchingConfig", READ,
              "pool sizing is read, and transformers' own graphs, compile, offloading and decode fast path are "
              "turned off, async batching set", FIELDS,
              "num_blocks, block_size, max_batch_tokens, max_memory_percent, use_cuda_graph, use_async_batching, "
@@ -247,137 +218,14 @@ def check_version(text: str, *, env: dict | None = None) -> None:
 
 
 # ---------------------------------------------------------------------- fingerprints
-_MISSING = "missing"
-
-
-def resolve(path: str) -> Any:
-    """The module or class at dotted ``path`` (the longest importable module prefix, then attributes)."""
-    parts = path.split(".")
-    for split in range(len(parts), 0, -1):
-        try:
-            target: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            target = getattr(target, name)
-        return target
-    raise ImportError(f"no module in {path!r} imports")
-
-
-def _original(value: Any) -> Any:
-    """What a kvplug replacement replaced (the gate checks transformers' code, installed or not)."""
-    while hasattr(value, ORIGINAL_ATTRIBUTE):
-        value = getattr(value, ORIGINAL_ATTRIBUTE)
-    return value
-
-
-def _function(owner: Any, attribute: str) -> Any:
-    """The plain function behind ``owner.attribute`` (a method, classmethod, property getter, or a
-    class's ``__init__``); ``None`` when absent."""
-    if isinstance(owner, type):
-        value = inspect.getattr_static(owner, attribute, None)
-    else:
-        value = getattr(owner, attribute, None)
-    value = _original(value)
-    if isinstance(value, (classmethod, staticmethod)):
-        value = value.__func__
-    elif isinstance(value, property):
-        value = value.fget
-    elif isinstance(value, type):
-        value = value.__init__
-    return inspect.unwrap(value) if callable(value) else None
-
-
-def _parameters(function: Any) -> str:
-    names = []
-    for parameter in inspect.signature(function).parameters.values():
-        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
-        names.append(prefix + parameter.name)
-    return ", ".join(names)
-
-
-def _source_hash(text: str) -> str:
-    return hashlib.sha256(textwrap.dedent(text).encode()).hexdigest()[:16]
-
-
-def _function_tree(function: Any) -> ast.AST:
-    return ast.parse(textwrap.dedent(inspect.getsource(function)))
-
-
-def _returns(function: Any) -> str:
-    tree = _function_tree(function)
-    values = [node.value for node in ast.walk(tree) if isinstance(node, ast.Return) and node.value is not None]
-    return " | ".join(_tuple_text(value) for value in values) or "no return value"
-
-
-def _tuple_text(node: ast.AST) -> str:
-    if isinstance(node, ast.Tuple):
-        return "(" + ", ".join(ast.unparse(element) for element in node.elts) + ")"
-    return ast.unparse(node)
-
-
-def _assigned(owner: Any, attribute: str) -> str:
-    if not isinstance(owner, type):
-        return f"{owner!r} is not a class"
-    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(owner)))):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        else:
-            targets = [node.target] if isinstance(node, ast.AnnAssign) else []
-        for target in targets:
-            if (isinstance(target, ast.Attribute) and target.attr == attribute
-                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
-                return f"self.{attribute} set by the class"
-    return f"self.{attribute} not set by the class"
-
-
-def _fields(owner: Any, wanted: str) -> str:
-    if not dataclasses.is_dataclass(owner):
-        return f"{getattr(owner, '__name__', owner)} is not a dataclass"
-    present = {field.name for field in dataclasses.fields(owner)}
-    names = [name.strip() for name in wanted.split(",")]
-    return ", ".join(name if name in present else f"{name} ({_MISSING})" for name in names)
-
-
-def _interface(cls: Any) -> str:
-    methods = []
-    for name, value in sorted(vars(cls).items()):
-        routine = callable(value) or isinstance(value, (classmethod, staticmethod, property))
-        function = _function(cls, name) if routine else None
-        if function is not None:
-            methods.append(f"{name}({_parameters(function)})")
-    return _source_hash("\n".join(methods))
-
-
 def fingerprint(entry: Internal) -> str:
     """``entry``'s fingerprint in the installed transformers (``"missing"`` when the name is gone)."""
-    try:
-        owner = resolve(entry.owner)
-    except (ImportError, AttributeError):
-        return _MISSING
-    if entry.check == ASSIGNED:
-        return _assigned(owner, entry.attribute)
-    if entry.check == FIELDS:
-        return _fields(owner, entry.fingerprint)
-    if entry.check == INTERFACE:
-        value = getattr(owner, entry.attribute, None)
-        return _interface(value) if isinstance(value, type) else _MISSING
-    function = _function(owner, entry.attribute)
-    if function is None:
-        return _MISSING
-    if entry.check == PARAMETERS:
-        return _parameters(function)
-    if entry.check == SOURCE:
-        return _source_hash(inspect.getsource(function))
-    if entry.check == RETURNS:
-        return _returns(function)
-    raise ValueError(f"unknown fingerprint check {entry.check!r} for {entry.name}")
+    return host_internals.fingerprint(entry)
 
 
 def drifted(entries: tuple[Internal, ...] = INTERNALS) -> list[tuple[Internal, str]]:
     """``(entry, found)`` for every entry whose fingerprint differs from the pinned release's."""
-    found = [(entry, fingerprint(entry)) for entry in entries]
-    return [(entry, now) for entry, now in found if now != entry.fingerprint]
+    return host_internals.drifted(entries)
 
 
 def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> None:
@@ -385,8 +233,7 @@ def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> 
     changes = drifted(entries)
     if not changes:
         return
-    lines = [f"- {entry.short_name} ({entry.kind}: {entry.why}): {entry.check} expected {entry.fingerprint!r}, "
-             f"found {now!r}" for entry, now in changes]
+    lines = host_internals.drift_lines(changes)
     raise UnsupportedTransformersError(
         f"transformers {version} changed {len(changes)} internal(s) kvplug-transformers relies on "
         f"({changes[0][0].short_name} first); the adapter was checked against transformers {PINNED_VERSION} "
@@ -418,9 +265,4 @@ def require_transformers() -> TransformersModules:
 
 def internals_table_markdown(entries: tuple[Internal, ...] = INTERNALS) -> str:
     """``INTERNALS`` as the Markdown table of the adapter README (a test keeps the two equal)."""
-    rows = ["| transformers internal | kind | why | fingerprint (transformers " + PINNED_VERSION + ") |",
-            "| --- | --- | --- | --- |"]
-    for entry in entries:
-        rows.append(f"| `{entry.short_name}` | {entry.kind} | {entry.why.replace('|', chr(92) + '|')} | "
-                    f"{entry.check}: `{entry.fingerprint}` |")
-    return "\n".join(rows)
+    return host_internals.internals_table_markdown(entries, "transformers internal", f"transformers {PINNED_VERSION}")

@@ -13,8 +13,8 @@ name; ``true`` means ``"auto"``), else ``KVPLUG_VLLM_ATTENTION`` when it names o
 vLLM builds the model before it builds the worker's connector, so the extra config cannot switch
 the CPU override on by itself; ``check_attention_selection`` makes that a startup error.
 
-``ATTENTION_INTERNALS`` lists every vLLM name the attention part reads, overrides or relies on,
-with a fingerprint of vLLM ``PINNED_VLLM_VERSION``; ``check_attention_internals`` recomputes them
+``compat.ATTENTION_INTERNALS`` lists every vLLM name the attention part reads, overrides or relies
+on, with a fingerprint of vLLM ``PINNED_VLLM_VERSION``; ``check_attention_internals`` recomputes them
 and names each one that drifted (``tests/test_vllm_attention_compat.py``). The metadata builder
 checks them when vLLM builds it, so a drifted vLLM fails at startup, whatever the version gate
 allowed (``KVPLUG_VLLM_ALLOW_UNTESTED`` skips only the version comparison, as in ``compat``).
@@ -22,17 +22,13 @@ allowed (``KVPLUG_VLLM_ALLOW_UNTESTED`` skips only the version comparison, as in
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import hashlib
-import importlib
-import inspect
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from kvplug import host_internals
 from kvplug.interface import InvalidArgumentError, KVPlugError
+from kvplug_vllm.compat import ATTENTION_INTERNALS, PINNED_VERSION as PINNED_VLLM_VERSION, Internal
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +37,6 @@ BACKEND_CLASS_PATH = "kvplug_vllm.attention_backend.KvplugAttentionBackend"
 ATTENTION_ENV = "KVPLUG_VLLM_ATTENTION"
 EXTRA_CONFIG_KEY = "attention"
 DEFAULT_KERNEL = "auto"
-PINNED_VLLM_VERSION = "0.32.0"
 
 _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
@@ -172,145 +167,18 @@ def check_attention_selection(vllm_config: Any, env: Mapping[str, str] | None = 
 
 
 # ---------------------------------------------------------------------------------- internals
-class Check(str, enum.Enum):
-    """How a fingerprint is taken."""
-
-    PARAMETERS = "parameters"  # the parameter names of a callable, in order
-    SOURCE = "source"  # the first 16 hex digits of the SHA-256 of its source
-    FIELDS = "fields"  # a dataclass's field names, in order
-    MEMBERS = "members"  # names of an enum's members, in order (those registered at run time excluded)
-    VALUE = "value"  # repr of a constant
-    HAS = "has"  # which of the fingerprint's comma-separated names are fields of a dataclass
-
-
-@dataclass(frozen=True)
-class Internal:
-    """One vLLM name the attention part relies on.
-
-    Attributes:
-        owner: the module that defines it.
-        attribute: dotted path inside the module.
-        check: how ``fingerprint`` reads it.
-        why: what kvplug relies on.
-        fingerprint: ``fingerprint(self)`` in vLLM ``PINNED_VLLM_VERSION``.
-    """
-
-    owner: str
-    attribute: str
-    check: Check
-    why: str
-    fingerprint: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.owner}.{self.attribute}"
-
-
-_B = "vllm.v1.attention.backend"
-_R = "vllm.v1.attention.backends.registry"
-ATTENTION_INTERNALS: tuple[Internal, ...] = (
-    Internal(_R, "register_backend", Check.PARAMETERS, "adds KVPLUG; overrides CPU_ATTN's class path",
-             "backend, class_path, is_mamba"),
-    Internal(_R, "AttentionBackendEnum.register", Check.SOURCE, "register_backend('KVPLUG', path) adds an enum member",
-             "c751d75289673feb"),
-    Internal(_R, "AttentionBackendEnum.get_path", Check.SOURCE, "class paths honour the overrides",
-             "3e38e272d6a798f4"),
-    Internal("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls", Check.SOURCE,
-             "the CPU platform returns CPU_ATTN's (overridable) path whatever is selected", "b6eba62a9afd4d18"),
-    Internal("vllm.model_executor.layers.attention.attention", "Attention.__init__", Check.SOURCE,
-             "the layer builds impl_cls(num_heads, head_size, scale, ...) and looks get_name() up in the enum",
-             "13fd4534c6a7cca4"),
-    Internal("vllm.model_executor.layers.attention.attention", "Attention.forward", Check.SOURCE,
-             "forward_includes_kv_cache_update=True: no separate KV update; q/k/v/output as [tokens, heads, dim]",
-             "6c39e4564720ca28"),
-    Internal("vllm.model_executor.layers.attention.attention", "unified_attention_with_output", Check.PARAMETERS,
-             "impl.forward(layer, q, k, v, kv_cache, metadata, output=...) per layer",
-             "query, key, value, output, layer_name, output_scale, output_block_scale, kv_cache_dummy_dep"),
-    Internal(_B, "AttentionBackend", Check.SOURCE, "the backend contract KVPLUG implements", "d9e69897934c8dc5"),
-    Internal(_B, "AttentionImpl.forward", Check.PARAMETERS, "KvplugAttentionImpl.forward's signature",
-             "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale"),
-    Internal(_B, "AttentionImpl.__init__", Check.PARAMETERS, "KvplugAttentionImpl.__init__'s signature",
-             "self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype, "
-             "logits_soft_cap, attn_type, kv_sharing_target_layer_name"),
-    Internal(_B, "AttentionMetadataBuilder.__init__", Check.PARAMETERS, "the builder's constructor",
-             "self, kv_cache_spec, layer_names, vllm_config, device"),
-    Internal(_B, "AttentionMetadataBuilder.build", Check.PARAMETERS, "build(common_prefix_len, metadata, fast_build)",
-             "self, common_prefix_len, common_attn_metadata, fast_build"),
-    Internal(_B, "AttentionMetadataBuilder.build_for_cudagraph_capture", Check.PARAMETERS,
-             "called once per captured decode size", "self, common_attn_metadata"),
-    Internal(_B, "AttentionMetadataBuilder.get_cudagraph_support", Check.SOURCE,
-             "returns the class's private _cudagraph_support", "11c4e0e7c94dbeba"),
-    Internal(_B, "AttentionCGSupport", Check.MEMBERS, "UNIFORM_SINGLE_TOKEN_DECODE is declared",
-             "ALWAYS, UNIFORM_BATCH, UNIFORM_SINGLE_TOKEN_DECODE, NEVER"),
-    Internal(_B, "CommonAttentionMetadata", Check.HAS, "the step's fields KVPLUG reads",
-             "query_start_loc_cpu, seq_lens, seq_lens_cpu_upper_bound, num_reqs, num_actual_tokens, "
-             "block_table_tensor, slot_mapping"),
-    Internal("vllm.v1.attention.backends.utils", "PAD_SLOT_ID", Check.VALUE, "padding tokens' slot, clamped to 0", "-1"),
-    Internal("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID", Check.VALUE,
-             "padding requests' block; kvplug's dummy request points at its slot 0", "0"),
-    Internal("vllm.v1.kv_cache_layout", "KVCacheLayout", Check.MEMBERS, "LBNHC is declared",
-             "LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC"),
-    Internal("vllm.v1.kv_cache_layout", "KVCacheLayout.LBNHC", Check.VALUE,
-             "[L, B, N, H, C]: token-major blocks, layers outermost", "<KVCacheLayout.LBNHC: (0, 1, 3, 2, 4)>"),
-    Internal("vllm.v1.kv_cache_interface", "create_kv_cache_views", Check.SOURCE,
-             "per-layer [B, H, N, C] views of one buffer, block stride = page", "3626347655c8c6f6"),
-    Internal("vllm.v1.kv_cache_interface", "AttentionSpec.state_content_size_bytes", Check.SOURCE,
-             "C is K then V: (head_size + head_size_v) elements", "c7df4c0d7eede003"),
-    Internal("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._build_attention_metadata", Check.SOURCE,
-             "padding: seq_lens 0, query length 0, null-block rows, num_actual_tokens padded only for FULL graphs",
-             "6015ffa2b3ec7cd3"),
-    Internal("vllm.config.compilation", "CompilationConfig", Check.HAS,
-             "static_forward_context (layers by name) and cudagraph_capture_sizes are read",
-             "static_forward_context, cudagraph_capture_sizes"),
-    Internal("vllm.config.scheduler", "SchedulerConfig", Check.HAS, "sizes the token table and batch buffers",
-             "max_num_seqs, max_num_batched_tokens"),
-)
-
-
-def resolve(entry: Internal) -> Any:
-    """The object ``entry`` names (raises ``ImportError`` / ``AttributeError`` when it is gone)."""
-    value: Any = importlib.import_module(entry.owner)
-    for part in entry.attribute.split("."):
-        value = inspect.getattr_static(value, part) if inspect.isclass(value) else getattr(value, part)
-        if isinstance(value, (staticmethod, classmethod)):
-            value = value.__func__
-        elif isinstance(value, property):
-            value = value.fget
-    return value
+# The entries are ``compat.ATTENTION_INTERNALS``: the adapter's one table of vLLM internals.
 
 
 def fingerprint(entry: Internal) -> str:
-    """What ``entry.check`` reads from the installed vLLM (see ``Check``)."""
-    value = resolve(entry)
-    if entry.check is Check.PARAMETERS:
-        return ", ".join(inspect.signature(value).parameters)
-    if entry.check is Check.SOURCE:
-        return hashlib.sha256(inspect.getsource(value).encode()).hexdigest()[:16]
-    if entry.check is Check.FIELDS:
-        return ", ".join(field.name for field in dataclasses.fields(value))
-    if entry.check is Check.HAS:
-        present = {field.name for field in dataclasses.fields(value)}
-        return ", ".join(name for name in entry.fingerprint.split(", ") if name in present)
-    if entry.check is Check.MEMBERS:
-        runtime = {BACKEND_NAME}
-        return ", ".join(name for name in value.__members__ if name not in runtime)
-    return repr(value)
+    """What ``entry.check`` reads from the installed vLLM (``kvplug.host_internals``); the
+    ``KVPLUG`` member this plugin adds to vLLM's enum is left out."""
+    return host_internals.fingerprint(entry, runtime_members=(BACKEND_NAME,))
 
 
 def check_attention_internals(entries: Sequence[Internal] = ATTENTION_INTERNALS) -> tuple[str, ...]:
     """One line per entry whose fingerprint differs from the pinned one (or that is gone)."""
-    problems = []
-    for entry in entries:
-        try:
-            found = fingerprint(entry)
-        except (ImportError, AttributeError, TypeError, OSError) as error:
-            problems.append(f"{entry.name} ({entry.check.value}; {entry.why}): missing ({type(error).__name__}: {error})")
-            continue
-        if found != entry.fingerprint:
-            problems.append(
-                f"{entry.name} ({entry.check.value}; {entry.why}): expected {entry.fingerprint!r}, found {found!r}"
-            )
-    return tuple(problems)
+    return tuple(host_internals.drift_lines(host_internals.drifted(entries, runtime_members=(BACKEND_NAME,))))
 
 
 def require_attention_internals(entries: Sequence[Internal] = ATTENTION_INTERNALS) -> None:
@@ -320,18 +188,15 @@ def require_attention_internals(entries: Sequence[Internal] = ATTENTION_INTERNAL
         raise UnsupportedVllmAttentionError(_drift_message(problems))
 
 
+def internals_table_markdown(entries: Sequence[Internal] = ATTENTION_INTERNALS) -> str:
+    """``ATTENTION_INTERNALS`` as the Markdown table of the adapter docs (a test keeps them equal)."""
+    return host_internals.internals_table_markdown(entries, "vLLM name", f"vLLM {PINNED_VLLM_VERSION}")
+
+
 def _drift_message(problems: Sequence[str]) -> str:
     import vllm
 
     return (
         f"KVPLUG attention was written against vLLM {PINNED_VLLM_VERSION}; vLLM {vllm.__version__} changed "
-        f"{len(problems)} internal(s) it relies on:\n"
-        + "\n".join(f"- {line}" for line in problems)
+        f"{len(problems)} internal(s) it relies on:\n" + "\n".join(problems)
     )
-
-
-def internals_table_markdown(entries: Sequence[Internal] = ATTENTION_INTERNALS) -> str:
-    """The table for the adapter README."""
-    lines = ["| vLLM name | check | why |", "|---|---|---|"]
-    lines += [f"| `{entry.name}` | {entry.check.value} | {entry.why} |" for entry in entries]
-    return "\n".join(lines)

