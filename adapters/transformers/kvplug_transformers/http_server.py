@@ -82,6 +82,24 @@ class HttpServer:
         )
         self.generation_state = generation_state
         self.stats_source = adapter  # what /kvplug/stats, /health, /metrics and the log read HostStats from
+        self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
+        handlers = {
+            "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
+            "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
+            "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
+        }
+        self._chat = handlers["chat"]
+        _, model, processor = handlers["chat"]._resolve_model({})
+        # the kvplug cache samples each request its own way; transformers' own applies one config to all.
+        # With --engine-process the settings registered here travel with each request to the engine's sampler
+        self.sampling = None
+        if opts.kv_backend == "kvplug":
+            self.sampling = RequestSampling(
+                model.generation_config, model.config.get_text_config().vocab_size,
+                decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
+            )
+            if not engine_process:
+                adapter.sample_per_request(self.sampling)
         if engine_process:
             from kvplug_transformers.engine_client import RemoteGenerateManager, RemoteStats
             from kvplug_transformers.engine_protocol import EngineSpec
@@ -92,29 +110,12 @@ class HttpServer:
                     trust_remote_code=opts.trust_remote_code, cb_kwargs=cb_kwargs, kvplug_settings=kvplug_settings,
                     generation_config=generation_config, seed=opts.seed, log_level=opts.log_level,
                     uvicorn_log_level=opts.uvicorn_log_level, log_requests=opts.log_requests,
+                    per_request_sampling=self.sampling is not None,
                 )
 
-            generation_state._cb_manager = RemoteGenerateManager(spec_for)
+            generation_state._cb_manager = RemoteGenerateManager(spec_for, self.sampling)
             generation_state._cb_model_id = served.name  # the id the guarded handlers resolve the model to
             self.stats_source = RemoteStats(generation_state, adapter)
-        self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
-        handlers = {
-            "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
-            "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
-            "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
-        }
-        self._chat = handlers["chat"]
-        _, model, processor = handlers["chat"]._resolve_model({})
-        # the kvplug cache samples each request its own way; transformers' own applies one config to all
-        self.sampling = None
-        # NOTE: with --engine-process the worker samples in the engine with the checkpoint's settings
-        # (other sampling is refused with a 400, as with the native cache): per-request sampling is in-process only
-        if opts.kv_backend == "kvplug" and not engine_process:
-            self.sampling = RequestSampling(
-                model.generation_config, model.config.get_text_config().vocab_size,
-                decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
-            )
-            adapter.sample_per_request(self.sampling)
         self.watch = WorkerWatch(generation_state, limits, inflight, self.sampling)
         self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)
         self.tokenizer = OffLoopTokenizer()
