@@ -18,7 +18,10 @@ import sys
 import threading
 from typing import Any
 
+from kvplug.interface import KVPlugError
+
 from kvplug_transformers import engine_protocol as protocol
+from kvplug_transformers.worker_warmup import request_warmup
 
 logger = logging.getLogger("kvplug.engine")
 READY_POLL_S = 0.02
@@ -85,15 +88,28 @@ def _build(spec: protocol.EngineSpec) -> tuple[Any, Any, Any]:
     manager = model.init_continuous_batching(generation_config=spec.generation_config,
                                              continuous_batching_config=config)
     manager.start()
+    # the pool is built: what cannot be built fails now
+    _wait_for(manager, lambda: getattr(manager, "batch_processor", None) is not None, "building the KV cache")
+    warmup = request_warmup(manager, model)  # decode CUDA graphs captured before READY (worker_warmup)
+    if warmup is not None:
+        _wait_for(manager, warmup.done, "capturing the decode CUDA graphs")
+    if warmup is not None and warmup.exception() is not None:
+        error = warmup.exception()
+        raise KVPlugError(f"capturing kvplug's decode CUDA graphs failed: {type(error).__name__}: {error} "
+                          "(--disable-cuda-graph serves without them)") from error
+    return host, manager, sampling
+
+
+def _wait_for(manager: Any, done: Any, doing: str) -> None:
+    """Until ``done()``; the worker's death (its error, or its thread gone) raises."""
     status = manager.background_thread_status
-    while getattr(manager, "batch_processor", None) is None:  # the pool is built: what cannot be built fails now
+    while not done():
         if status.fatal_error is not None:
             raise status.fatal_error
         thread = getattr(manager, "_generation_thread", None)
         if thread is not None and thread.ident is not None and not thread.is_alive():
-            raise RuntimeError("the batching worker exited while building the KV cache")
+            raise RuntimeError(f"the batching worker exited while {doing}")
         threading.Event().wait(READY_POLL_S)
-    return host, manager, sampling
 
 
 def _serve(conn: Any, manager: Any, host: Any, sampling: Any, send: Any, sender: _OutputSender) -> None:

@@ -29,6 +29,7 @@ from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
 from kvplug_transformers.token_routes import add_token_routes
 from kvplug_transformers.request_sampling import RequestSampling
+from kvplug_transformers.worker_warmup import request_warmup
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
@@ -158,11 +159,12 @@ class HttpServer:
 
     def start_worker(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
         """Start transformers' batching worker now, as the first request would, and wait until it
-        has built its batch processor (kvplug's KV pool, or transformers' own cache): a pool that
-        cannot be built fails the start, not the first request. Returns False when ``stop`` came first.
+        has built its batch processor (kvplug's KV pool, or transformers' own cache) and captured
+        kvplug's decode CUDA graphs when they are on (``worker_warmup``): a pool that cannot be
+        built fails the start, not the first request. Returns False when ``stop`` came first.
 
         Raises:
-            KVPlugError: the worker died while building (its error in the message).
+            KVPlugError: the worker died while building, or the capture failed (its error in the message).
         """
         model_id, model, processor = self._chat._resolve_model({})
         modality = self.model_manager.get_model_modality(model, processor=processor)
@@ -170,12 +172,21 @@ class HttpServer:
             raise KVPlugError(f"transformers will not run {model_id} with continuous batching; kvplug serve needs it")
         manager = self.generation_state.get_manager(model_id, use_cb=True)  # through WorkerWatch: RequestLimits apply
         manager.init_cb(model, model.generation_config)
+        requested, warmup = False, None  # the decode-graph capture on the batching thread, once the pool is built
         while not stop.is_set():
             error = self.watch.worker_error()
             if error is not None:
                 raise KVPlugError(f"the batching worker failed while building the KV cache: {error}")
             batching = getattr(getattr(self.generation_state, "_cb_manager", None), "_cb", None)
-            if batching is not None and getattr(batching, "batch_processor", None) is not None:
+            if not requested and batching is not None and getattr(batching, "batch_processor", None) is not None:
+                requested, warmup = True, request_warmup(batching, model)
+            if requested and (warmup is None or warmup.done()):
+                if warmup is not None and warmup.exception() is not None:
+                    error = warmup.exception()
+                    raise KVPlugError(
+                        f"capturing kvplug's decode CUDA graphs failed: {type(error).__name__}: {error} "
+                        "(--disable-cuda-graph serves without them)"
+                    ) from error
                 self.ready.set()
                 return True
             stop.wait(poll_s)
