@@ -12,6 +12,7 @@ ended with if it is still running then; ``serve`` disarms it on its way out.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -19,6 +20,13 @@ import time
 
 logger = logging.getLogger("kvplug.serve")
 EXIT_MARGIN_S = 0.25  # before the deadline: the process's own exit takes this much at most
+TEARDOWN_SHARE = 0.2  # of the timeout, at most TEARDOWN_MAX_S, kept for what follows the bounded stop
+TEARDOWN_MAX_S = 1.0
+
+
+def teardown_reserve(timeout: float) -> float:
+    """The part of ``--shutdown-timeout`` left after the bounded stop for the teardown."""
+    return min(TEARDOWN_MAX_S, timeout * TEARDOWN_SHARE)
 
 
 class ExitDeadline:
@@ -50,6 +58,8 @@ class ExitDeadline:
                          if t is not threading.current_thread() and t is not threading.main_thread() and t.is_alive())
         logger.warning("kvplug serve: still stopping at --shutdown-timeout; exiting now (%s still running)",
                        ", ".join(running) or "nothing else")
+        for child in multiprocessing.active_children():  # the engine process (--engine-process) goes too
+            child.kill()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -52,7 +52,7 @@ from kvplug.memory.model_shape import parse_dtype
 
 from kvplug_transformers.compat import require_transformers
 from kvplug_transformers.embedded_model import ensure_embedded_model
-from kvplug_transformers.exit_deadline import ExitDeadline
+from kvplug_transformers.exit_deadline import ExitDeadline, teardown_reserve
 from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.http_server import HttpServer
@@ -235,7 +235,7 @@ def _run_server(
             deadline = stop.deadline(opts.shutdown_timeout)
             if exit_deadline is not None:  # what follows is bounded by the timeout, teardown included
                 exit_deadline.arm(deadline, 0 if death is None and sys.exc_info()[1] is None else 2)
-            threads_left = _shutdown(server, watch, inflight, deadline)
+            threads_left = _shutdown(server, watch, inflight, deadline - teardown_reserve(opts.shutdown_timeout))
     if opts.kv_backend == "kvplug":
         logger.info("%s", server.stats_source.stats().describe())
     if death is None:
@@ -347,7 +347,8 @@ def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading
 
 
 def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests, deadline: float) -> list[str]:
-    """Stop by ``deadline`` (``time.monotonic()``; the stop signal plus ``--shutdown-timeout``):
+    """Stop by ``deadline`` (``time.monotonic()``; the stop signal plus ``--shutdown-timeout``, less
+    the teardown's reserve):
     refuse new requests and close the listener at once, let running requests finish until
     ``deadline - margin``, abort the rest, stop the worker and the HTTP thread. Returns the names
     of non-daemon threads still alive at the deadline."""
