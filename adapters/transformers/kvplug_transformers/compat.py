@@ -108,8 +108,8 @@ INTERNALS: tuple[Internal, ...] = (
              "and runs it again with those requests first",
              PARAMETERS, "self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting"),
     Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "prepare_next_batch", PATCHED,
-             "kvplug first runs what waits for the batching thread (a requested prefix-cache flush, the KV events "
-             "of the pass before), then the original",
+             "kvplug first runs what waits for the batching thread (kvplug serve's decode-graph warm-up, a "
+             "requested prefix-cache flush, the KV events of the pass before), then the original",
              PARAMETERS, "self"),
     Internal(f"{_CB}.scheduler.Scheduler", "_process_candidates", READ,
              "position 0 of its result is the list of scheduled requests (empty: nothing scheduled)",

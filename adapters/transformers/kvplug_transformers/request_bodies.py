@@ -75,7 +75,7 @@ def check_completion(body: dict, *, trust_request_chat_template: bool = False) -
     else:
         _check_one_prompt(prompt, "'prompt'")
     _expect(body, "suffix", lambda v: isinstance(v, str), "a string")
-    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per request")
+    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per prompt")
     _refuse_if(body, "best_of", lambda v: not (_is_int(v) and v == 1), "best_of must be 1: this server returns one choice per request")
     _refuse_if(body, "logprobs", lambda v: v not in (0, False), "logprobs are not supported by this server")
     _refuse_if(body, "echo", bool, "echo is not supported by this server")
