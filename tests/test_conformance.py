@@ -38,6 +38,34 @@ def test_check_prefix_cache_runs_the_whole_suite_in_one_call():
     kit.check_prefix_cache(naive_factory, page_sizes=(2,), keeps_entries=False)
 
 
+def test_a_passed_run_reports_what_it_checked():
+    """Issue 29: a pass printed nothing. The report names every check that ran (the same list as
+    ``prefix_cache_checks``), the page sizes, the runs, and what the options left out and why."""
+    report = kit.check_prefix_cache(radix_factory, page_sizes=(1, 4), lru=False)
+    ran = [check.name for check in kit.prefix_cache_checks(lru=False)]
+    assert report.checks == tuple(ran) and report.page_sizes == (1, 4) and report.runs == 2 * len(ran)
+    assert report.left_out == (("eviction_is_least_recently_used_first", "lru=False"),
+                               ("keeps_nothing", "applies to caches that keep nothing"))
+    text = str(report)
+    assert text.startswith(f"kvplug conformance kit (prefix cache): {report.cache} passed {len(ran)} checks at page "
+                           "sizes 1, 4") and "eviction_is_least_recently_used_first (lru=False)" in text
+    assert "radix_factory" in report.cache
+    naive = kit.check_prefix_cache(naive_factory, page_sizes=(2,), keeps_entries=False, randomised=False)
+    assert set(naive.checks) == {check.name for check in kit.prefix_cache_checks(keeps_entries=False)}
+    assert ("match_returns_inserted_values", "keeps_entries=False") in naive.left_out
+    assert ("randomised_differential", "keeps_entries=False") in naive.left_out
+
+
+def test_the_command_line_in_the_readme_prints_the_summary(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import kvplug; print(kvplug.testing.check_prefix_cache("
+            "lambda c: kvplug.create_prefix_cache('radix', page_size=c.page_size), page_sizes=(1,), randomised=False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith("kvplug conformance kit (prefix cache): ") and "randomised_differential (randomised=False)" in out
+
+
 @pytest.mark.slow
 def test_radix_long_randomised_run():
     kit.check_prefix_cache(radix_factory, page_sizes=(1, 4, 16), slow=True)

@@ -1,7 +1,8 @@
 """``kvplug serve`` honours each request's sampling (issue 29 item 2), whatever the checkpoint's
 ``generation_config.json`` says: one real server on a copy of the embedded model whose config
 *samples* (``do_sample`` true, temperature 0.9, top_k 50), driven by the real ``openai`` client
-with greedy, seeded and penalised requests sent concurrently. Greedy requests (``temperature: 0``)
+with greedy, seeded and penalised requests sent concurrently, in-process and with
+``--engine-process``. Greedy requests (``temperature: 0``)
 must be token-identical to ``model.generate(do_sample=False)``, seeded ones reproducible (alone and
 in a mixed batch), a request sent without sampling fields must sample (the checkpoint's default),
 ``stop`` strings cut the text (streaming or not) with ``finish_reason: "stop"``, and what the
@@ -41,14 +42,16 @@ def checkpoint(cache_dir, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, cache_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[(), ("--engine-process",)], ids=["in-process", "engine-process"])
+def server(request, checkpoint, cache_dir, tmp_path_factory):
+    """One server per mode: in-process, and ``--engine-process`` (the settings travel with each
+    request to the engine process's sampler)."""
     for module in ("fastapi", "uvicorn", "openai"):
         pytest.importorskip(module)
     port, log = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     process = start(
         ["-m", "kvplug", "serve", str(checkpoint), "--port", str(port), "--kv-memory", "4MiB", "--max-seq-len", "256",
-         "--log-level", "warning"],
+         "--log-level", "warning", *request.param],
         cache_dir, log,
     )
     wait_ready(process, port, log)

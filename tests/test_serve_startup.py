@@ -124,3 +124,30 @@ def test_health_says_starting_until_the_pool_is_built(embedded, cache_dir, tmp_p
     text = log.read_text()
     assert code == 0, text[-3000:]
     assert text.index("KV cache built, batching worker running") < text.index("listening on")
+
+
+def test_health_says_starting_until_the_worker_warm_up_returns(embedded, cache_dir, tmp_path):
+    """The decode CUDA graphs are captured on the batching thread before ``/health`` says ok (on
+    the CPU the warm-up captures nothing, but it is the same step: gated here until a file exists)."""
+    gate, record, port, log = tmp_path / "gate", tmp_path / "record", free_port(), tmp_path / "serve.log"
+    process = start([str(REPO_ROOT / "tests" / "serve_with_gated_capture.py"), str(gate), str(record), "serve",
+                     "--port", str(port), "--kv-memory", "4MiB", "--max-seq-len", "256"], cache_dir, log)
+    try:
+        deadline = time.monotonic() + 180
+        while not record.exists():  # the pool is built and the warm-up waits for the gate
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        status, health = get_json(port, "/health", timeout=5)
+        assert (status, health["status"]) == (503, "starting"), health
+        assert "KV cache built, batching worker running" not in log.read_text()
+        gate.touch()
+        while get_json(port, "/health", timeout=5)[0] != 200:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        status, reply = post(port, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 4}).encode())
+        assert status == 200, reply
+    finally:
+        code, _ = stop(process)
+    assert code == 0, log.read_text()[-3000:]
+    threads = record.read_text().splitlines()
+    assert len(threads) == 1 and threads[0] != "MainThread", threads  # once, on the batching thread

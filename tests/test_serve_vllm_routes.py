@@ -134,8 +134,9 @@ def test_completions_take_token_ids_and_a_list_of_one_prompt(server):
 
 
 @pytest.mark.parametrize(("prompt", "message"), [
-    (["a", "b"], "'prompt' holds 2 prompts: this server answers one prompt per request"),
-    ([[1, 2], [3]], "'prompt' holds 2 prompts"),
+    (["a", []], "'prompt[1]' must be a non-empty string"),
+    ([[1, 2], [10**9]], "token ids outside the vocabulary"),  # one prompt of several fails the request
+    (["a"] * 1025, "at most 1024 per request"),
     ([10**9], "token ids outside the vocabulary"),
     ([], "'prompt' must be a non-empty string, a non-empty list of token ids"),
     ([1, "a"], "'prompt' must be a non-empty string"),

@@ -231,8 +231,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cuda-graph-max-bs", type=int, metavar="N",
-        help="on CUDA, decode steps of up to N requests replay from kvplug's CUDA graphs, captured at the "
-        "first decode step at 1, 2, 4, 8, then steps of 8 up to N (SGLang's flag; default --max-running-reqs)",
+        help="on CUDA, decode steps of up to N requests replay from kvplug's CUDA graphs, captured before "
+        "/health says ready at 1, 2, 4, 8, then steps of 8 up to N (SGLang's flag; default --max-running-reqs)",
     )
     parser.add_argument(
         "--disable-cuda-graph", action="store_true", default=None,

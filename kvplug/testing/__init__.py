@@ -3,7 +3,10 @@
 A plugin author runs it against their own factory, in one call::
 
     from kvplug.testing import check_prefix_cache
-    check_prefix_cache(lambda config: MyCache(config), page_sizes=(1, 4, 16))
+    print(check_prefix_cache(lambda config: MyCache(config), page_sizes=(1, 4, 16)))
+
+which returns a ``KitReport`` once every check passed: the checks that ran, at which page sizes,
+and the ones the options left out (printed, one line).
 
 or as one pytest test per check and page size (failures then name the check in the test id)::
 
@@ -48,12 +51,14 @@ from kvplug.testing.prefix_cache import (
     parametrize_prefix_cache_checks,
     prefix_cache_checks,
 )
+from kvplug.testing.report import KitReport
 from kvplug.testing.tiered import TieredKit, check_tiered_prefix_cache
 
 __all__ = [
     "DEFAULT_PAGE_SIZES",
     "CheckContext",
     "KitDependencyError",
+    "KitReport",
     "PrefixCacheCheck",
     "PrefixCacheFactory",
     "ReferencePrefixCache",

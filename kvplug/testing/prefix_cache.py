@@ -9,6 +9,7 @@ import torch
 from kvplug.testing import checks_entries, checks_eviction, differential
 from kvplug.testing.context import CheckContext, PrefixCacheFactory
 from kvplug.testing.dependencies import KitDependencyError, require_hypothesis
+from kvplug.testing.report import KitReport, factory_name
 
 DEFAULT_PAGE_SIZES = (1, 4, 16)
 
@@ -77,6 +78,22 @@ class PrefixCacheCheck(NamedTuple):
         return f"PrefixCacheCheck({self.name!r})"
 
 
+def left_out_checks(*, keeps_entries: bool = True, lru: bool = True, randomised: bool = True) -> list[tuple[str, str]]:
+    """``(check, why)`` for the catalogue's checks these options leave out (``KitReport.left_out``)."""
+    left_out = []
+    for function, for_keeping, for_nothing, needs_lru in _CATALOGUE:
+        if not (for_keeping if keeps_entries else for_nothing):
+            why = "keeps_entries=False" if keeps_entries is False else "applies to caches that keep nothing"
+        elif needs_lru and not lru:
+            why = "lru=False"
+        elif function is differential.randomised_differential and not randomised:
+            why = "randomised=False"
+        else:
+            continue
+        left_out.append((function.__name__, why))
+    return left_out
+
+
 def prefix_cache_checks(*, keeps_entries: bool = True, lru: bool = True, randomised: bool = True) -> list[PrefixCacheCheck]:
     """The checks that apply to a cache.
 
@@ -115,8 +132,9 @@ def check_prefix_cache(
     slow: bool = False,
     shrink: bool = True,
     randomised: bool = True,
-) -> None:
+) -> KitReport:
     """Run every applicable check at every page size; the first failure raises ``AssertionError``.
+    Returns the ``KitReport`` of the passed run (``print`` it for the summary).
 
     A missing optional dependency (hypothesis, for the randomised check) raises
     ``KitDependencyError`` before any check runs; ``randomised=False`` runs the others without it.
@@ -132,9 +150,13 @@ def check_prefix_cache(
             minute; ``False`` reports the first failing list as found).
     """
     checks = prefix_cache_checks(keeps_entries=keeps_entries, lru=lru, randomised=randomised)
-    for page_size in page_sizes:
+    sizes = tuple(page_sizes)
+    for page_size in sizes:
         for check in checks:
             check.run(factory, page_size, device, slow=slow, shrink=shrink)
+    return KitReport("prefix cache", factory_name(factory), sizes, tuple(check.name for check in checks),
+                     tuple(left_out_checks(keeps_entries=keeps_entries, lru=lru, randomised=randomised)),
+                     len(checks) * len(sizes))
 
 
 def parametrize_prefix_cache_checks(

@@ -33,7 +33,8 @@ import torch
 
 from kvplug.interface import BaseTieredPrefixCache, HostLoad, KVPoolConfig, PrefixCacheConfig
 from kvplug.testing.context import PrefixCacheFactory
-from kvplug.testing.prefix_cache import DEFAULT_PAGE_SIZES, prefix_cache_checks
+from kvplug.testing.prefix_cache import DEFAULT_PAGE_SIZES, left_out_checks, prefix_cache_checks
+from kvplug.testing.report import KitReport, factory_name
 
 #: Device token locations the kit's pool holds (the version-1 checks use locations below this).
 KIT_POOL_TOKENS = 16384
@@ -286,9 +287,10 @@ def check_tiered_prefix_cache(
     seeds: int = 8,
     shrink: bool = True,
     lru: bool = True,
-) -> None:
+) -> KitReport:
     """Run the version-1 suite with a tier attached and the tier checks (module docstring) at each
-    page size; the first failure raises ``AssertionError`` naming the check.
+    page size; the first failure raises ``AssertionError`` naming the check. Returns the
+    ``KitReport`` of the passed run (``print`` it for the summary).
 
     Args:
         factory: ``factory(config) -> BaseTieredPrefixCache`` (``config.options["host_memory"]``
@@ -302,7 +304,11 @@ def check_tiered_prefix_cache(
             ``host_shortage_drops_least_recent`` are left out, as ``check_prefix_cache(lru=False)``
             does; everything else still runs.
     """
-    for page_size in page_sizes:
+    sizes = tuple(page_sizes)
+    names: list[str] = []
+    left_out = left_out_checks(lru=lru, randomised=randomised)
+    runs = 0
+    for page_size in sizes:
         def attached(config: PrefixCacheConfig, host_pages: int = 6) -> Any:
             return TieredKit(
                 lambda tiered_config: factory(dataclasses.replace(tiered_config, device=config.device)),
@@ -311,13 +317,21 @@ def check_tiered_prefix_cache(
 
         for check in prefix_cache_checks(lru=lru, randomised=randomised):
             check.run(attached, page_size, "cpu", shrink=shrink)
+            runs += 1
+            if check.name not in names:
+                names.append(check.name)
         for function, host_pages in _TIER_CHECKS:
-            runs = range(seeds) if function is randomised_tiered_run and randomised else [0]
+            seed_runs = range(seeds) if function is randomised_tiered_run and randomised else [0]
             if function is randomised_tiered_run and not randomised:
+                _note(left_out, function.__name__, "randomised=False")
                 continue
             if function is host_shortage_drops_least_recent and not lru:
+                _note(left_out, function.__name__, "lru=False")
                 continue
-            for seed in runs:
+            if function.__name__ not in names:
+                names.append(function.__name__)
+            runs += len(seed_runs)
+            for seed in seed_runs:
                 kit = TieredKit(factory, page_size, host_pages)
                 try:
                     if function is randomised_tiered_run:
@@ -330,6 +344,12 @@ def check_tiered_prefix_cache(
                         f"{f', seed={seed}' if function is randomised_tiered_run else ''}): "
                         f"{type(error).__name__}: {error}"
                     ) from error
+    return KitReport("tiered prefix cache", factory_name(factory), sizes, tuple(names), tuple(left_out), runs)
+
+
+def _note(left_out: list[tuple[str, str]], name: str, why: str) -> None:
+    if (name, why) not in left_out:
+        left_out.append((name, why))
 
 
 __all__ = ["TieredKit", "check_tiered_prefix_cache"]

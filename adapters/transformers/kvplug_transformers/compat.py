@@ -79,8 +79,8 @@ INTERNALS: tuple[Internal, ...] = (
              "and runs it again with those requests first",
              PARAMETERS, "self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting"),
     Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "prepare_next_batch", PATCHED,
-             "kvplug first runs what waits for the batching thread (a requested prefix-cache flush, the KV events "
-             "of the pass before), then the original",
+             "kvplug first runs what waits for the batching thread (kvplug serve's decode-graph warm-up, a "
+             "requested prefix-cache flush, the KV events of the pass before), then the original",
              PARAMETERS, "self"),
     Internal(f"{_CB}.scheduler.Scheduler", "_process_candidates", READ,
              "position 0 of its result is the list of scheduled requests (empty: nothing scheduled)",
@@ -133,6 +133,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "cache", READ,
              "finds the kvplug cache behind a scheduling pass (patched prepare_next_batch)", ASSIGNED,
              "self.cache set by the class"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "model_runner", READ,
+             "the runner whose compute stream a warm-up asked for between passes captures the decode graphs on",
+             ASSIGNED, "self.model_runner set by the class"),
     Internal(f"{_CB}.scheduler.Scheduler", "cache", READ,
              "finds the kvplug cache behind a scheduling pass", ASSIGNED, "self.cache set by the class"),
     Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "do_processing", READ,

@@ -13,8 +13,9 @@ runs eagerly after the replay, on the graph's logits output, exactly as after an
 Prefill and mixed steps, and decode steps larger than the largest captured size, return
 ``False`` and run eagerly as before.
 
-The graphs are captured in transformers' warm-up (before the manager takes requests) or else at
-the first decode-only step, at 1, 2, 4, 8, then steps of 8 up to ``cuda_graph_max_bs`` (or
+The graphs are captured in transformers' warm-up (before the manager takes requests), under
+``kvplug serve`` on the batching thread before ``/health`` says ready (``worker_warmup``), or else
+at the first decode-only step, at 1, 2, 4, 8, then steps of 8 up to ``cuda_graph_max_bs`` (or
 ``cuda_graph_batch_sizes``). The captured
 function is the model's forward over a ``DecodeStep``: ``input_ids`` and ``position_ids`` are the
 step's staged tensors, the attention mask mapping is given (so transformers builds none) and

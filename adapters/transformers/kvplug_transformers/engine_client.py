@@ -136,7 +136,8 @@ class _Request:
 class RemoteBatchingManager:
     """transformers' ``ContinuousBatchingManager`` surface, served by the engine process."""
 
-    def __init__(self, spec: protocol.EngineSpec) -> None:
+    def __init__(self, spec: protocol.EngineSpec, sampling: Any = None) -> None:
+        self._sampling = sampling  # the handlers' RequestSampling: each request's settings go with its ADD
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; nothing inherited by accident
         self._conn, child = context.Pipe(duplex=True)
         self._process = context.Process(target=run_engine, args=(child, spec), name="kvplug-engine", daemon=True)
@@ -162,7 +163,8 @@ class RemoteBatchingManager:
                     max_new_tokens: int | None = None, eos_token_id: Any = None, **_: Any) -> str:
         self._loop = asyncio.get_running_loop()
         self._requests.setdefault(request_id, _Request())
-        self._send((protocol.ADD, request_id, list(input_ids), max_new_tokens, eos_token_id, streaming))
+        params = self._sampling.take(request_id) if self._sampling is not None else None
+        self._send((protocol.ADD, request_id, list(input_ids), max_new_tokens, eos_token_id, streaming, params))
         return request_id
 
     def register_result_handler(self, request_id: str, callback: Callable[[RemoteOutput], None]) -> None:
@@ -174,6 +176,8 @@ class RemoteBatchingManager:
             callback(output)
 
     def cancel_request(self, request_id: str) -> None:
+        if self._sampling is not None:
+            self._sampling.discard(request_id)
         if self._requests.pop(request_id, None) is not None:
             self._send_quietly((protocol.CANCEL, request_id))
 
@@ -296,15 +300,17 @@ class RemoteBatchingManager:
 
 class RemoteGenerateManager(CBGenerateManager):
     """transformers' ``CBGenerateManager`` with the batching worker in the engine process;
-    ``spec_for(generation_config)`` says what the engine builds."""
+    ``spec_for(generation_config)`` says what the engine builds; ``sampling`` (a
+    ``RequestSampling``, or ``None``) is where each request's sampling is taken from when it is sent."""
 
-    def __init__(self, spec_for: Callable[[Any], protocol.EngineSpec]) -> None:
+    def __init__(self, spec_for: Callable[[Any], protocol.EngineSpec], sampling: Any = None) -> None:
         super().__init__(cb_config=None)
         self._spec_for = spec_for
+        self._sampling = sampling
 
     def init_cb(self, model: Any, gen_config: Any) -> None:
         if self._cb is None:
-            self._cb = RemoteBatchingManager(self._spec_for(gen_config))
+            self._cb = RemoteBatchingManager(self._spec_for(gen_config), self._sampling)
 
     @property
     def engine(self) -> RemoteBatchingManager | None:

@@ -18,7 +18,10 @@ import sys
 import threading
 from typing import Any
 
+from kvplug.interface import KVPlugError
+
 from kvplug_transformers import engine_protocol as protocol
+from kvplug_transformers.worker_warmup import request_warmup
 
 logger = logging.getLogger("kvplug.engine")
 READY_POLL_S = 0.02
@@ -39,7 +42,7 @@ def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
             conn.send(message)
 
     try:
-        host, manager = _build(spec)
+        host, manager, sampling = _build(spec)
     except Exception as error:  # whatever stops the build is the start's failure, told to the frontend
         send((protocol.FATAL, f"{type(error).__name__}: {error}"))
         sys.exit(1)  # the frontend reports it (no traceback in the server's log)
@@ -47,7 +50,7 @@ def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
     threading.Thread(target=sender.run, name="kvplug-engine-sender", daemon=True).start()
     send((protocol.READY, _pid()))
     try:
-        _serve(conn, manager, host, send, sender)
+        _serve(conn, manager, host, sampling, send, sender)
     finally:
         sender.stop()
         try:
@@ -56,7 +59,9 @@ def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
             pass
 
 
-def _build(spec: protocol.EngineSpec) -> tuple[Any, Any]:
+def _build(spec: protocol.EngineSpec) -> tuple[Any, Any, Any]:
+    """(the kvplug host or ``None``, the started batching manager, the ``RequestSampling`` of
+    ``spec.per_request_sampling`` or ``None``)."""
     import torch
     from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.model_manager import ModelManager
@@ -70,23 +75,44 @@ def _build(spec: protocol.EngineSpec) -> tuple[Any, Any]:
         host = TransformersHost(spec.kvplug_settings).install()
     models = ModelManager(device=spec.device, dtype=spec.dtype_name, force_model=spec.model_path,
                           trust_remote_code=spec.trust_remote_code)
-    model, _ = models.load_model_and_processor(models.process_model_name(spec.model_path))
+    model, processor = models.load_model_and_processor(models.process_model_name(spec.model_path))
+    sampling = None
+    if spec.per_request_sampling and host is not None:
+        from kvplug_transformers.request_sampling import RequestSampling
+
+        # what the in-process server builds: each request's SamplingParams come with its ADD
+        sampling = RequestSampling(model.generation_config, model.config.get_text_config().vocab_size,
+                                   decode=lambda ids: processor.decode(ids, skip_special_tokens=True))
+        host.sample_per_request(sampling)
     config = ContinuousBatchingConfig(**spec.cb_kwargs) if spec.cb_kwargs else None
     manager = model.init_continuous_batching(generation_config=spec.generation_config,
                                              continuous_batching_config=config)
     manager.start()
+    # the pool is built: what cannot be built fails now
+    _wait_for(manager, lambda: getattr(manager, "batch_processor", None) is not None, "building the KV cache")
+    warmup = request_warmup(manager, model)  # decode CUDA graphs captured before READY (worker_warmup)
+    if warmup is not None:
+        _wait_for(manager, warmup.done, "capturing the decode CUDA graphs")
+    if warmup is not None and warmup.exception() is not None:
+        error = warmup.exception()
+        raise KVPlugError(f"capturing kvplug's decode CUDA graphs failed: {type(error).__name__}: {error} "
+                          "(--disable-cuda-graph serves without them)") from error
+    return host, manager, sampling
+
+
+def _wait_for(manager: Any, done: Any, doing: str) -> None:
+    """Until ``done()``; the worker's death (its error, or its thread gone) raises."""
     status = manager.background_thread_status
-    while getattr(manager, "batch_processor", None) is None:  # the pool is built: what cannot be built fails now
+    while not done():
         if status.fatal_error is not None:
             raise status.fatal_error
         thread = getattr(manager, "_generation_thread", None)
         if thread is not None and thread.ident is not None and not thread.is_alive():
-            raise RuntimeError("the batching worker exited while building the KV cache")
+            raise RuntimeError(f"the batching worker exited while {doing}")
         threading.Event().wait(READY_POLL_S)
-    return host, manager
 
 
-def _serve(conn: Any, manager: Any, host: Any, send: Any, sender: _OutputSender) -> None:
+def _serve(conn: Any, manager: Any, host: Any, sampling: Any, send: Any, sender: _OutputSender) -> None:
     while True:
         try:
             message = conn.recv()
@@ -96,11 +122,19 @@ def _serve(conn: Any, manager: Any, host: Any, send: Any, sender: _OutputSender)
             return
         kind = message[0]
         if kind == protocol.ADD:
-            _, request_id, input_ids, max_new_tokens, eos_token_id, streaming = message
+            _, request_id, input_ids, max_new_tokens, eos_token_id, streaming, params = message
+            if params is not None:
+                if sampling is None:  # the frontend sends none without per_request_sampling
+                    send((protocol.STEP, [protocol.StepOutput(
+                        request_id, [], True, "this engine samples with the checkpoint's settings only")]))
+                    continue
+                sampling.register(request_id, params)
             manager.add_request(input_ids, request_id=request_id, streaming=streaming,
                                 max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         elif kind == protocol.CANCEL:
             sender.forget(message[1])
+            if sampling is not None:
+                sampling.discard(message[1])
             manager.cancel_request(message[1])
         elif kind == protocol.STATS:
             send((protocol.STATS_REPLY, message[1], host.stats() if host is not None else _native_stats(manager)))

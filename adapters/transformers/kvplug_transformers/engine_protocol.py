@@ -1,7 +1,7 @@
 """The messages between ``kvplug serve``'s HTTP process and its engine process (``--engine-process``).
 
 One pipe (``multiprocessing`` connection, pickled tuples) each way. The frontend sends requests
-to add or cancel, statistics queries and the stop; the engine answers with one ``STEP`` message
+to add (with their ``SamplingParams``: the engine's sampler applies them) or cancel, statistics queries and the stop; the engine answers with one ``STEP`` message
 per batch of outputs carrying every request's *new* token ids (the frontend detokenises), as
 vLLM v1's engine core does. Plain tuples: one message per step is the hot path.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 # frontend -> engine
-ADD = "add"  # (ADD, request_id, input_ids, max_new_tokens, eos_token_id, streaming)
+ADD = "add"  # (ADD, request_id, input_ids, max_new_tokens, eos_token_id, streaming, SamplingParams | None)
 CANCEL = "cancel"  # (CANCEL, request_id)
 STATS = "stats"  # (STATS, query_id)
 STOP = "stop"  # (STOP, seconds the worker may take to stop)
@@ -42,7 +42,10 @@ class EngineSpec:
         device, dtype_name, trust_remote_code: transformers' ``ModelManager`` arguments.
         cb_kwargs: ``ContinuousBatchingConfig`` fields (native backend sizing), may be empty.
         kvplug_settings: the ``KVPlugSettings`` to install, ``None`` for ``--kv-backend native``.
-        generation_config: the server's one sampling setting (``ServerSampling``).
+        generation_config: the worker's generation config (``ServerSampling``'s, or with
+            ``per_request_sampling`` ``RequestSampling.config``'s: greedy, no logits processor).
+        per_request_sampling: the engine's kvplug cache samples each request with the
+            ``SamplingParams`` its ``ADD`` carries, as the in-process server does.
         seed: ``--seed``.
         log_level, uvicorn_log_level, log_requests: the server's logging options.
     """
@@ -58,3 +61,4 @@ class EngineSpec:
     log_level: str
     uvicorn_log_level: str | None
     log_requests: bool
+    per_request_sampling: bool = False

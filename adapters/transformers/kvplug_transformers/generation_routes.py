@@ -15,13 +15,16 @@ from typing import Any, Callable
 
 from kvplug_transformers.handler_guards import GuardedHandler
 from kvplug_transformers.http_guards import CANCEL_KEY
+from kvplug_transformers.multi_prompt import answer_all, split_bodies
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
+from kvplug_transformers.request_bodies import multiple_prompts
 from kvplug_transformers.request_json import parse_body
 from kvplug_transformers.serve_metrics import ServeMetrics
 
 logger = logging.getLogger("kvplug.serve")
 X_REQUEST_ID = "x-request-id"
 MAX_ECHOED_ID = 200  # characters of a client's X-Request-ID echoed back; a longer one is not echoed
+COMPLETIONS = "/v1/completions"  # the route whose body may hold several prompts
 TRANSFORMERS_MIDDLEWARE = "request_id_middleware"  # transformers' middleware that reads X-Request-ID
 
 
@@ -47,7 +50,7 @@ def add_generation_routes(
         if getattr(middleware.kwargs.get("dispatch"), "__name__", None) != TRANSFORMERS_MIDDLEWARE
     ]
 
-    def route_for(handler: GuardedHandler) -> Any:
+    def route_for(path: str, handler: GuardedHandler) -> Any:
         def prepare(raw: bytes) -> tuple[dict, dict]:
             body = parse_body(raw)
             handler.check(body)
@@ -61,9 +64,21 @@ def add_generation_routes(
                 logger.debug("request %s: the client calls it %r", request_id, client_id[:MAX_ECHOED_ID])
             first, second = await pool.call(prepare, await request.body())
             cancels = request.scope.get(CANCEL_KEY)
-            if cancels is not None:
-                cancels.append(lambda: cancel(request_id))
-            response = await handler.handle(first, second, request_id)
+            prompts = multiple_prompts(first) if path == COMPLETIONS else None
+            if prompts is not None:  # one request of the batch per prompt, answered as one (multi_prompt)
+                bodies = split_bodies(first, prompts)
+
+                async def answer(index: int) -> Any:
+                    one_id = f"{request_id}-{index}"
+                    if cancels is not None:
+                        cancels.append(lambda: cancel(one_id))
+                    return await handler.handle(bodies[index], copy.deepcopy(bodies[index]), one_id)
+
+                response = await answer_all(prompts, answer, request_id)
+            else:
+                if cancels is not None:
+                    cancels.append(lambda: cancel(request_id))
+                response = await handler.handle(first, second, request_id)
             echoed = client_id if client_id is not None and len(client_id) <= MAX_ECHOED_ID else request_id
             response.headers[X_REQUEST_ID] = echoed
             if metrics is not None:
@@ -73,7 +88,7 @@ def add_generation_routes(
         return generate
 
     for path, handler in guarded.items():
-        app.add_api_route(path, route_for(handler), methods=["POST"], response_model=None)
+        app.add_api_route(path, route_for(path, handler), methods=["POST"], response_model=None)
 
 
 def _record_latencies(response: Any, metrics: ServeMetrics, started: float) -> None:

@@ -29,6 +29,7 @@ from kvplug_transformers.serve_options import ACCEPT_BACKLOG
 from kvplug_transformers.stats_routes import ServedModel, add_kvplug_routes
 from kvplug_transformers.token_routes import add_token_routes
 from kvplug_transformers.request_sampling import RequestSampling
+from kvplug_transformers.worker_warmup import request_warmup
 from kvplug_transformers.worker_watch import WorkerWatch
 
 logger = logging.getLogger("kvplug.serve")
@@ -82,6 +83,24 @@ class HttpServer:
         )
         self.generation_state = generation_state
         self.stats_source = adapter  # what /kvplug/stats, /health, /metrics and the log read HostStats from
+        self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
+        handlers = {
+            "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
+            "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
+            "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
+        }
+        self._chat = handlers["chat"]
+        _, model, processor = handlers["chat"]._resolve_model({})
+        # the kvplug cache samples each request its own way; transformers' own applies one config to all.
+        # With --engine-process the settings registered here travel with each request to the engine's sampler
+        self.sampling = None
+        if opts.kv_backend == "kvplug":
+            self.sampling = RequestSampling(
+                model.generation_config, model.config.get_text_config().vocab_size,
+                decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
+            )
+            if not engine_process:
+                adapter.sample_per_request(self.sampling)
         if engine_process:
             from kvplug_transformers.engine_client import RemoteGenerateManager, RemoteStats
             from kvplug_transformers.engine_protocol import EngineSpec
@@ -92,29 +111,12 @@ class HttpServer:
                     trust_remote_code=opts.trust_remote_code, cb_kwargs=cb_kwargs, kvplug_settings=kvplug_settings,
                     generation_config=generation_config, seed=opts.seed, log_level=opts.log_level,
                     uvicorn_log_level=opts.uvicorn_log_level, log_requests=opts.log_requests,
+                    per_request_sampling=self.sampling is not None,
                 )
 
-            generation_state._cb_manager = RemoteGenerateManager(spec_for)
+            generation_state._cb_manager = RemoteGenerateManager(spec_for, self.sampling)
             generation_state._cb_model_id = served.name  # the id the guarded handlers resolve the model to
             self.stats_source = RemoteStats(generation_state, adapter)
-        self.ready = threading.Event()  # set once the pool is built and the worker runs: /health says ok
-        handlers = {
-            "chat": ChatCompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
-            "completion": CompletionHandler(model_manager=self.model_manager, generation_state=generation_state),
-            "response": ResponseHandler(model_manager=self.model_manager, generation_state=generation_state),
-        }
-        self._chat = handlers["chat"]
-        _, model, processor = handlers["chat"]._resolve_model({})
-        # the kvplug cache samples each request its own way; transformers' own applies one config to all
-        self.sampling = None
-        # NOTE: with --engine-process the worker samples in the engine with the checkpoint's settings
-        # (other sampling is refused with a 400, as with the native cache): per-request sampling is in-process only
-        if opts.kv_backend == "kvplug" and not engine_process:
-            self.sampling = RequestSampling(
-                model.generation_config, model.config.get_text_config().vocab_size,
-                decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
-            )
-            adapter.sample_per_request(self.sampling)
         self.watch = WorkerWatch(generation_state, limits, inflight, self.sampling)
         self.bytes_per_token = tokenizer_bytes_per_token(processor, served.path)
         self.tokenizer = OffLoopTokenizer()
@@ -157,11 +159,12 @@ class HttpServer:
 
     def start_worker(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
         """Start transformers' batching worker now, as the first request would, and wait until it
-        has built its batch processor (kvplug's KV pool, or transformers' own cache): a pool that
-        cannot be built fails the start, not the first request. Returns False when ``stop`` came first.
+        has built its batch processor (kvplug's KV pool, or transformers' own cache) and captured
+        kvplug's decode CUDA graphs when they are on (``worker_warmup``): a pool that cannot be
+        built fails the start, not the first request. Returns False when ``stop`` came first.
 
         Raises:
-            KVPlugError: the worker died while building (its error in the message).
+            KVPlugError: the worker died while building, or the capture failed (its error in the message).
         """
         model_id, model, processor = self._chat._resolve_model({})
         modality = self.model_manager.get_model_modality(model, processor=processor)
@@ -169,12 +172,21 @@ class HttpServer:
             raise KVPlugError(f"transformers will not run {model_id} with continuous batching; kvplug serve needs it")
         manager = self.generation_state.get_manager(model_id, use_cb=True)  # through WorkerWatch: RequestLimits apply
         manager.init_cb(model, model.generation_config)
+        requested, warmup = False, None  # the decode-graph capture on the batching thread, once the pool is built
         while not stop.is_set():
             error = self.watch.worker_error()
             if error is not None:
                 raise KVPlugError(f"the batching worker failed while building the KV cache: {error}")
             batching = getattr(getattr(self.generation_state, "_cb_manager", None), "_cb", None)
-            if batching is not None and getattr(batching, "batch_processor", None) is not None:
+            if not requested and batching is not None and getattr(batching, "batch_processor", None) is not None:
+                requested, warmup = True, request_warmup(batching, model)
+            if requested and (warmup is None or warmup.done()):
+                if warmup is not None and warmup.exception() is not None:
+                    error = warmup.exception()
+                    raise KVPlugError(
+                        f"capturing kvplug's decode CUDA graphs failed: {type(error).__name__}: {error} "
+                        "(--disable-cuda-graph serves without them)"
+                    ) from error
                 self.ready.set()
                 return True
             stop.wait(poll_s)

@@ -134,7 +134,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
         def kvplug_prepare_next_batch(processor: Any) -> bool:
             between_steps = getattr(processor.cache, "between_steps", None)
             if between_steps is not None:
-                between_steps()
+                between_steps(processor.model_runner)
             return original_prepare(processor)
 
         def kvplug_warmup(runner: Any, model: Any) -> None:

@@ -135,6 +135,7 @@ class KVPlugPagedCache:
         if kv_events is not None:
             kv_events.attach(self.backend.prefix_cache)
         self._flushes: queue.SimpleQueue = queue.SimpleQueue()
+        self._warmups: queue.SimpleQueue = queue.SimpleQueue()  # (future, model) of request_warmup
 
     # ------------------------------------------------------------------ construction helpers
     def _disable_unsupported_features(self, cb: Any) -> None:
@@ -245,10 +246,32 @@ class KVPlugPagedCache:
         self._flushes.put(future)
         return future
 
-    def between_steps(self) -> None:
+    def request_warmup(self, model: Any) -> concurrent.futures.Future:
+        """Capture the decode graphs (when on) for ``model`` at the batching thread's next
+        scheduling pass, before it schedules anything (any thread may ask): ``kvplug serve``
+        waits for the future before ``/health`` says ready. Its result: whether graphs are on."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._warmups.put((future, model))
+        return future
+
+    def between_steps(self, runner: Any = None) -> None:
         """Before every scheduling pass of the batching thread (the patched
-        ``ContinuousBatchProcessor.prepare_next_batch``, about every 0.1 s when idle): run the
-        flushes asked for, then publish the KV events of the pass before as one batch."""
+        ``ContinuousBatchProcessor.prepare_next_batch``, about every 0.1 s when idle; ``runner``
+        its ``ModelRunner``): run the warm-ups asked for (``request_warmup``) and the flushes, then
+        publish the KV events of the pass before as one batch."""
+        while not self._warmups.empty():
+            future, model = self._warmups.get_nowait()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if runner is not None:
+                    self.attach_runner(runner)  # captured on the stream the steps replay on
+                with self._ordered():
+                    self.capture_decode_graphs(model)
+            except Exception as error:  # the server's start fails with it
+                future.set_exception(error)
+            else:
+                future.set_result(self.decode_graphs is not None)
         while not self._flushes.empty():
             future = self._flushes.get_nowait()
             if not future.set_running_or_notify_cancel():

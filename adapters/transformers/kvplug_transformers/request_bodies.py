@@ -56,33 +56,50 @@ def check_chat_completion(body: dict, *, trust_request_chat_template: bool = Fal
         body["logit_bias"] = {key: float(bias) for key, bias in body["logit_bias"].items()}  # transformers wants floats
 
 
+MAX_PROMPTS = 1024  # prompts one /v1/completions request may hold (each is a request of the batch)
+
+
 def check_completion(body: dict, *, trust_request_chat_template: bool = False) -> None:
     """``POST /v1/completions`` (a raw text prompt, no chat template: the flag plays no part)."""
     _check_common(body, "max_tokens")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = body["prompt"] = prompt[0]  # a list of one prompt (text or token ids), as batch clients send
-    if isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt) or (
-            isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str) for t in prompt)):
-        raise RequestRefused(
-            f"'prompt' holds {len(prompt)} prompts: this server answers one prompt per request (one choice); "
-            "send one request each",
-            param="prompt",
-        )
-    is_ids = isinstance(prompt, list) and bool(prompt) and all(_is_int(t) for t in prompt)
-    if not is_ids and (not isinstance(prompt, str) or not prompt):
-        raise RequestRefused(
-            f"'prompt' must be a non-empty string, a non-empty list of token ids, or a list of one of them, "
-            f"got {_describe(prompt)}",
-            param="prompt",
-        )
+    prompts = multiple_prompts(body)
+    if prompts is not None:  # several prompts: one choice each (multi_prompt answers them)
+        if len(prompts) > MAX_PROMPTS:
+            raise RequestRefused(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request",
+                                 param="prompt")
+        for index, one in enumerate(prompts):
+            _check_one_prompt(one, f"'prompt[{index}]'")
+    else:
+        _check_one_prompt(prompt, "'prompt'")
     _expect(body, "suffix", lambda v: isinstance(v, str), "a string")
-    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per request")
+    _refuse_if(body, "n", lambda v: not (_is_int(v) and v == 1), "n must be 1: this server returns one choice per prompt")
     _refuse_if(body, "best_of", lambda v: not (_is_int(v) and v == 1), "best_of must be 1: this server returns one choice per request")
     _refuse_if(body, "logprobs", lambda v: v not in (0, False), "logprobs are not supported by this server")
     _refuse_if(body, "echo", bool, "echo is not supported by this server")
     _expect_number(body, "presence_penalty", -2.0, 2.0)
     _expect_number(body, "frequency_penalty", -2.0, 2.0)
+
+
+def multiple_prompts(body: dict) -> list | None:
+    """The prompts of a checked ``/v1/completions`` body holding several (a list of strings, or a
+    list of token-id lists), else ``None`` (one prompt: text, or one list of token ids)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(one, (str, list)) for one in prompt):
+        return prompt
+    return None
+
+
+def _check_one_prompt(prompt: Any, name: str) -> None:
+    is_ids = isinstance(prompt, list) and bool(prompt) and all(_is_int(t) for t in prompt)
+    if not is_ids and (not isinstance(prompt, str) or not prompt):
+        raise RequestRefused(
+            f"{name} must be a non-empty string, a non-empty list of token ids, or a list of them, "
+            f"got {_describe(prompt)}",
+            param="prompt",
+        )
 
 
 def check_response(body: dict, *, trust_request_chat_template: bool = False) -> None:

@@ -52,6 +52,7 @@ from kvplug.memory.model_shape import parse_dtype
 
 from kvplug_transformers.compat import require_transformers
 from kvplug_transformers.embedded_model import ensure_embedded_model
+from kvplug_transformers.exit_deadline import ExitDeadline, teardown_reserve
 from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.http_protocol import ConnectionLimits
 from kvplug_transformers.http_server import HttpServer
@@ -131,16 +132,25 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("native transformers paged cache: %s", cb_options or "transformers defaults")
     served = served_model(opts.model_name(model_path), model_path)
     publisher = None
+    exit_deadline = ExitDeadline()  # armed when the stop begins: the process is gone by --shutdown-timeout
     try:
-        publisher = _start_kv_events(adapter, opts)  # binds now: an address in use fails the start
-        death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits,
-                                          engine_settings)
+        try:
+            publisher = _start_kv_events(adapter, opts)  # binds now: an address in use fails the start
+            death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits,
+                                              engine_settings, exit_deadline)
+        finally:
+            if opts.kv_backend == "kvplug":
+                adapter.uninstall()
+            if publisher is not None:
+                adapter.publish_kv_events(None)
+                publisher.close()
+        return _finish(death, threads_left)
     finally:
-        if opts.kv_backend == "kvplug":
-            adapter.uninstall()
-        if publisher is not None:
-            adapter.publish_kv_events(None)
-            publisher.close()
+        exit_deadline.disarm()
+
+
+def _finish(death: str | None, threads_left: list[str]) -> int:
+    """The exit code once stopped (or ``os._exit`` when threads would hold the process)."""
     failure = None if death is None else KVPlugError(f"the batching worker died ({death}); the server stopped")
     if threads_left:
         # a non-daemon thread would hold the process: anyio's idle thread-pool workers, or a
@@ -180,11 +190,11 @@ def _limit_source(opts: ServeOptions, context_len: int) -> str:
 
 def _run_server(
     adapter: Any, opts: ServeOptions, served: ServedModel, device: torch.device, dtype_name: str, cb_options: dict,
-    limits: RequestLimits, engine_settings: Any = None,
+    limits: RequestLimits, engine_settings: Any = None, exit_deadline: ExitDeadline | None = None,
 ) -> tuple[str | None, list[str]]:
     """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
-    non-daemon threads still alive)."""
-    stop = threading.Event()
+    non-daemon threads still alive). ``exit_deadline`` is armed at the stop's start."""
+    stop = StopRequest()
     inflight = InFlightRequests(stall_timeout=opts.stream_stall_timeout)
     connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body)
     with _stop_on_signals(stop):
@@ -222,7 +232,10 @@ def _run_server(
                 )
                 death = _watch(server, server.stats_source, opts, stop, watch)
         finally:
-            threads_left = _shutdown(server, watch, inflight, opts.shutdown_timeout)
+            deadline = stop.deadline(opts.shutdown_timeout)
+            if exit_deadline is not None:  # what follows is bounded by the timeout, teardown included
+                exit_deadline.arm(deadline, 0 if death is None and sys.exc_info()[1] is None else 2)
+            threads_left = _shutdown(server, watch, inflight, deadline - teardown_reserve(opts.shutdown_timeout))
     if opts.kv_backend == "kvplug":
         logger.info("%s", server.stats_source.stats().describe())
     if death is None:
@@ -333,12 +346,14 @@ def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading
     return None
 
 
-def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests, timeout: float) -> list[str]:
-    """Stop within ``timeout`` s: refuse new requests and close the listener at once, let running
-    requests finish until ``timeout - margin``, abort the rest, stop the worker and the HTTP
-    thread. Returns the names of non-daemon threads still alive at the deadline."""
+def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests, deadline: float) -> list[str]:
+    """Stop by ``deadline`` (``time.monotonic()``; the stop signal plus ``--shutdown-timeout``, less
+    the teardown's reserve):
+    refuse new requests and close the listener at once, let running requests finish until
+    ``deadline - margin``, abort the rest, stop the worker and the HTTP thread. Returns the names
+    of non-daemon threads still alive at the deadline."""
     start = time.monotonic()
-    deadline = start + timeout
+    timeout = max(deadline - start, 0.0)
     margin = min(2.0, timeout / 2)
     inflight.close("the server is shutting down")
     uvicorn_server = server.uvicorn
@@ -375,14 +390,31 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
     ]
 
 
+class StopRequest(threading.Event):
+    """The server's stop: set by SIGINT / SIGTERM (or the worker's death), with when it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked_at: float | None = None
+
+    def request(self) -> None:
+        if self.asked_at is None:
+            self.asked_at = time.monotonic()
+        self.set()
+
+    def deadline(self, timeout: float) -> float:
+        """When the process must be gone: ``timeout`` s after the stop was asked for (or from now)."""
+        return (self.asked_at if self.asked_at is not None else time.monotonic()) + timeout
+
+
 @contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+def _stop_on_signals(stop: StopRequest) -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         if stop.is_set():
             logger.info("kvplug serve: received %s again; already stopping", signal.Signals(signum).name)
             return
+        stop.request()  # the time first: the log line may wait for the log's lock
         logger.info("kvplug serve: received %s", signal.Signals(signum).name)
-        stop.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
