@@ -86,7 +86,7 @@ def test_the_faulty_tiered_plugin_is_quarantined_and_every_request_served(runs):
     log = server.log.read_text(errors="replace")
     assert "kvplug-sglang: host-memory tier of 16,777,216 bytes" in log, server.log_tail()  # the plugin's tier
     assert "kvplug prefix cache 'faulty-tiered' failed in SGLang's init_load_back" in log, server.log_tail()
-    assert "start_host_load returned a handle that does not keep" in log and "prefix cache 'naive' takes over" in log
+    assert "load_host_prefix returned a handle that does not keep" in log and "prefix cache 'naive' takes over" in log
     assert len(answers) == len(PROMPTS) * 2 + len(RETURNING) and all(len(ids) == MAX_NEW_TOKENS for ids in answers)
     assert status == 0 and "Traceback" not in log, server.log_tail()
 
