@@ -316,7 +316,10 @@ class KvplugPrefixCache(BasePrefixCache):
             try:
                 cache.load_host_prefix(whole.handle, host_locations)
             except (TierCopyError, PrefixCacheFault) as error:
-                self.token_to_kv_pool_allocator.free(locations)
+                # a fault after the checked wrapper took the loaded pages (a check that follows it): they
+                # are the cache's now and go over to the quarantine's layer; otherwise they are free again
+                if not getattr(whole.handle, "loaded", False):
+                    self.token_to_kv_pool_allocator.free(locations)
                 if isinstance(error, PrefixCacheFault):
                     raise
                 logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens", error, host_len)
