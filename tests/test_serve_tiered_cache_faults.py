@@ -167,10 +167,9 @@ def check_faulty_run(cache_dir: Path, plugin_site: Path, log: Path, workload: Wo
         guard = stats["cache_guard"]
         assert guard["cache_failures"] >= 1 and guard["prefix_cache"] == "naive" and not guard["stopped"], guard
         assert f"prefix cache 'faulty-tiered': {method}" in guard["last_cache_fault"], guard
-        if method == "match_tiered":  # the plugin lies only about a host hit: the tier matched one
-            assert "host_len" in guard["last_cache_fault"] or "raised" in guard["last_cache_fault"], guard
-        else:  # the tier served hits before the fault
+        if method == "start_host_load" and after:  # ``after`` loads behaved: the tier served hits first
             assert stats["host_hit_tokens"] > 0, stats
+        # (loads_in_flight and tier_stats are asked on every match / eviction: they may fault before any hit)
         assert stats["worker"]["alive"] and process.poll() is None, stats
         assert stats["running_requests"] == 0 and stats["in_flight"] == 0, stats
         assert stats["used_pages"] == stats["cached_pages"], stats  # no page leaked
