@@ -33,7 +33,7 @@ def test_host_memory_flag_is_validated_and_reaches_the_settings():
     assert validate(parse(), manager)["host_memory"] is None
     with pytest.raises(InvalidArgumentError, match="--host-memory must be a size"):
         validate(parse("--host-memory", "plenty"), manager)
-    with pytest.raises(InvalidArgumentError, match="tier of the radix prefix cache"):
+    with pytest.raises(InvalidArgumentError, match="--host-memory: prefix cache 'naive' takes no host_memory option"):
         validate(parse("--host-memory", "1GiB", "--prefix-cache", "naive"), manager)
     # with the native backend it is accepted, dropped and named (one command line for both sides of an A/B)
     native = validate(parse("--host-memory", "1GiB", "--kv-backend", "native"), manager)

@@ -62,7 +62,9 @@ class TierWorld(World):
         return self.allocator.available_size() + self.cache.evictable_size() + self.cache.protected_size()
 
 
-def tier_world(page_size: int, *, size: int = 64, host_memory: int = HOST_MEMORY, events: bool = False) -> TierWorld:
+def tier_world(page_size: int, *, size: int = 64, host_memory: int = HOST_MEMORY, events: bool = False,
+               name: str = "radix", manager=None) -> TierWorld:
+    """``manager``: builds the cache ``name`` (default: kvplug's default manager)."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
     kv = KvplugMHATokenToKVPool(
@@ -75,7 +77,8 @@ def tier_world(page_size: int, *, size: int = 64, host_memory: int = HOST_MEMORY
     else:
         allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.float32, "cpu", kv, need_sort=True)
     params = cache_params(table, allocator, page_size, enable_kv_cache_events=events)
-    cache = build_prefix_cache(build_context(params), name="radix", host_memory=host_memory)
+    cache = build_prefix_cache(build_context(params), name=name, host_memory=host_memory,
+                               manager=None if manager is None else lambda: manager)
     world = TierWorld(cache, allocator, table, page_size)
     world.kv = kv
     return world

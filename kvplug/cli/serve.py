@@ -172,7 +172,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-memory", metavar="SIZE",
-        help="a host-memory tier under the radix prefix cache: pinned host memory ('32GiB', '512MiB') that keeps "
+        help="a host-memory tier under the prefix cache (radix, or a plugin's tiered cache): pinned host memory ('32GiB', '512MiB') that keeps "
         "prefixes evicted from the KV pool and loads them back on a hit (default: none)",
     )
     parser.add_argument(  # issue 32
@@ -437,10 +437,6 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
     host_memory = None
     if args.host_memory is not None:
         host_memory = parse_size("--host-memory", args.host_memory)
-        if args.prefix_cache != "radix":
-            raise InvalidArgumentError(
-                f"--host-memory is a tier of the radix prefix cache; --prefix-cache is {args.prefix_cache!r}"
-            )
     kv_events = None
     if args.kv_events_config is not None:  # issue 27
         from kvplug.events.config import parse_kv_events_config
@@ -448,6 +444,8 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         kv_events = parse_kv_events_config(args.kv_events_config)
     if args.kv_backend == "kvplug":
         _check_names(manager, "prefix_cache", [args.prefix_cache], "--prefix-cache")
+        if host_memory is not None:
+            _check_host_tier(manager, args.prefix_cache, host_memory)
         if args.attention != "auto":
             _check_names(manager, "attention", [part.strip() for part in args.attention.split(",")], "--attention")
     return {
@@ -541,6 +539,28 @@ def _check_names(manager: PluginManager, kind: str, names: list[str], flag: str)
             providers = manager.providers(kind)
             listing = ", ".join(f"{known!r} (from {providers[known]})" for known in available) or "none"
             raise UnknownComponentError(f"{flag}: unknown {kind} {name!r}; available: {listing}")
+
+
+def _check_host_tier(manager: PluginManager, prefix_cache: str, host_memory: int) -> None:
+    """``--host-memory`` needs a prefix cache with a host tier: ``radix``, or a plugin whose cache
+    built with the option ``host_memory`` is a ``BaseTieredPrefixCache`` (it is asked, as SGLang's
+    ``--kvplug-host-memory`` asks it: a cache allocates its host memory only once attached to a pool)."""
+    if prefix_cache == "radix":
+        return
+    from kvplug.interface import BaseTieredPrefixCache
+
+    try:
+        cache = manager.create_prefix_cache(prefix_cache, device="cpu", page_size=1, host_memory=host_memory)
+    except KVPlugError as error:
+        raise InvalidArgumentError(
+            f"--host-memory: prefix cache {prefix_cache!r} takes no host_memory option ({error})"
+        ) from error
+    if not isinstance(cache, BaseTieredPrefixCache):
+        raise InvalidArgumentError(
+            f"--host-memory is a host-memory tier under the prefix cache; prefix cache {prefix_cache!r} has none "
+            f"(it builds a {type(cache).__name__}, not a BaseTieredPrefixCache): use the tier of the radix prefix "
+            "cache (--prefix-cache radix) or a plugin's tiered cache"
+        )
 
 
 def find_host(manager: PluginManager) -> Any:

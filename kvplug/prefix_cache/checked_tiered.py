@@ -99,7 +99,13 @@ class CheckedTieredPrefixCache(CheckedPrefixCache, BaseTieredPrefixCache):
 
     def evict(self, size: int) -> torch.Tensor:
         evicted = super().evict(size)
-        self.tier_stats()  # an eviction writes back to host memory
+        try:
+            self.tier_stats()  # an eviction writes back to host memory
+        except PrefixCacheFault:  # nothing was handed back: the pages stay the cache's, as CheckedPrefixCache.evict does
+            pages = self._pages("evict", evicted.numpy(), "the evicted locations")
+            self._held[pages] = True
+            self._held_pages += int(pages.size)
+            raise
         return evicted
 
     # ------------------------------------------------------------------ matches

@@ -39,11 +39,13 @@ asked about device-resident nodes. Loading at admission rather than in ``match_p
 SGLang matches every waiting request on each scheduling pass, and loading for requests it then
 does not admit would churn the pool.
 
-Faults (issue 32). Untrusted caches (``trusted`` False) come in a ``CheckedPrefixCache``
-(``radix_backends``); a ``PrefixCacheFault`` from any call this class makes into a cache (match,
-insert, lock, unlock, evict, sizes, reset, a namespace's creation) quarantines the plugin and the
-call runs again on the ``naive`` fallback, or, with ``--kvplug-on-cache-failure fail``, stops the
-scheduler with the fault (``quarantine``). Each cache call is guarded on its own, so a call that
+Faults (issue 32). Untrusted caches (``trusted`` False) come in a ``CheckedPrefixCache``, a
+``CheckedTieredPrefixCache`` with a host tier (``radix_backends``); a ``PrefixCacheFault`` from any
+call this class makes into a cache (match, insert, lock, unlock, evict, sizes, reset, a namespace's
+creation) quarantines the plugin and the call runs again on the ``naive`` fallback, or, with
+``--kvplug-on-cache-failure fail``, stops the scheduler with the fault (``quarantine``). A fault in
+``init_load_back`` (the tier's lock, eviction or load) frees the locations taken for the load and
+admits the request with its device head, as a failed copy does: SGLang recomputes the tail. Each cache call is guarded on its own, so a call that
 met the fault halfway (a checkpoint's second insert, one namespace of an eviction) neither repeats
 what succeeded nor loses it; sizes for SGLang's lock deltas come from the wrappers' own
 bookkeeping (``tracked_size_info``), so a lock is never taken twice.
@@ -288,22 +290,43 @@ class KvplugPrefixCache(BasePrefixCache):
                 f"kvplug prefix cache {self.name!r}: asked to load {host_len} host tokens of a {whole.cached_len}-token "
                 f"match after a device head of {device_node.cached_len} tokens"
             )
-        cache.lock_handle(whole.handle)  # evicting to make room must neither drop nor move this path
+        locked = [False]
+        try:
+            return self._load_back(cache, whole, device_node, host_len, locked)
+        except PrefixCacheFault as fault:  # the plugin's tier faulted before its answer was used
+            self._quarantine(fault, "init_load_back")
+            if locked[0]:  # the unlock itself faulted: the lock went over to the layer, release it there
+                self._lock(whole, unlock=True)
+            return 0, device_node  # the request recomputes the host tail
+
+    def _load_back(self, cache: BaseTieredPrefixCache, whole: CacheNode, device_node: CacheNode, host_len: int,
+                   locked: list) -> tuple[int, CacheNode]:
+        """``init_load_back`` on ``cache``; ``locked[0]`` says whether ``whole`` is still locked here."""
+        self._lock(whole, unlock=False)  # evicting to make room must neither drop nor move this path
+        locked[0] = True
         try:
             locations = self._take_locations(host_len)
-            if locations is None:
+            if locations is None or whole.space.cache is not cache:  # no room, or an eviction quarantined it
+                if locations is not None:
+                    self.token_to_kv_pool_allocator.free(locations)
                 logger.debug("kvplug host tier: no room to load %d tokens; the request recomputes them", host_len)
                 return 0, device_node
             host_locations = locations.to("cpu", torch.int32)  # before the fence: this copy waits for its stream
             self._fence()
             try:
                 cache.load_host_prefix(whole.handle, host_locations)
-            except TierCopyError as error:
+            except (TierCopyError, PrefixCacheFault) as error:
+                # a fault after the checked wrapper took the loaded pages (a check that follows it): they
+                # are the cache's now and go over to the quarantine's layer; otherwise they are free again
+                if not getattr(whole.handle, "loaded", False):
+                    self.token_to_kv_pool_allocator.free(locations)
+                if isinstance(error, PrefixCacheFault):
+                    raise
                 logger.warning("kvplug host tier: a load failed (%s); the request computes those %d tokens", error, host_len)
-                self.token_to_kv_pool_allocator.free(locations)
                 return 0, device_node
         finally:
-            cache.lock_handle(whole.handle, unlock=True)
+            self._lock(whole, unlock=True)  # through the layer if an eviction quarantined the plugin meanwhile
+            locked[0] = False
         return host_len, whole
 
     def _take_locations(self, count: int) -> Optional[torch.Tensor]:
@@ -325,7 +348,11 @@ class KvplugPrefixCache(BasePrefixCache):
     def tier_stats(self) -> TierStats:
         """The host tier's counters and sizes, summed over the namespaces that have one (all zero
         without a tier)."""
-        tiers = [space.cache.tier_stats() for space in self._spaces if isinstance(space.cache, BaseTieredPrefixCache)]
+        tiers = [  # a checked plugin's counters as last asked on the scheduler's thread: the plugin is not called here
+            getattr(space.cache, "tracked_tier_stats", None) or space.cache.tier_stats()
+            for space in self._spaces
+            if isinstance(space.cache, BaseTieredPrefixCache)
+        ]
         if not tiers:
             return TierStats()
         totals = {

@@ -16,8 +16,8 @@ salts) get device-only caches, so the tier's host memory is allocated once, at s
 
 A cache whose class is not ``trusted`` (a third-party plugin) is built inside a
 ``CheckedPrefixCache`` over the pool SGLang's allocator hands out (``allocator.size // page_size``
-pages plus page 0, SGLang's padding page), so its faults are quarantined (``quarantine``; a tiered
-cache is not checked, as in ``KVBackend``). ``on_cache_failure`` (``--kvplug-on-cache-failure``,
+pages plus page 0, SGLang's padding page), a ``CheckedTieredPrefixCache`` for one with a host tier,
+so its faults are quarantined (``quarantine``) as in ``KVBackend``. ``on_cache_failure`` (``--kvplug-on-cache-failure``,
 spelled ``+on_cache_failure=fail`` in the backend name) picks the policy.
 """
 
@@ -89,6 +89,7 @@ def build_prefix_cache(
                 f"--kvplug-host-memory: kvplug prefix cache {name!r} has no host-memory tier "
                 f"(it built a {type(cache).__name__}); use --prefix-cache radix"
             )
+        cache = checked(cache, name, num_pages, params.page_size)  # a CheckedTieredPrefixCache when untrusted
         cache.attach_kv_pool(kv_pool)
         _log_tier(cache, host_memory)
         return cache

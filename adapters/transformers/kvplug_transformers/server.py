@@ -114,8 +114,8 @@ def serve(adapter: Any, **options: Any) -> int:
         logger.info("kvplug KV pool: %s", describe_pool(plan))
         if opts.host_memory:
             logger.info(
-                "kvplug host-memory tier: %s bytes (%.1f MiB) under the radix cache, about %s tokens",
-                f"{opts.host_memory:,}", opts.host_memory / (1 << 20), f"{opts.host_memory // shape.kv_bytes_per_token():,}",
+                "kvplug host-memory tier: %s bytes (%.1f MiB) under the %s cache, about %s tokens",
+                f"{opts.host_memory:,}", opts.host_memory / (1 << 20), settings.prefix_cache, f"{opts.host_memory // shape.kv_bytes_per_token():,}",
             )
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
         _check_components(settings, shape, device)
@@ -293,14 +293,18 @@ def _check_components(settings: Any, shape: Any, device: torch.device) -> None:
     Its own log lines (a 2-page pool) would only confuse: they are held back."""
     from kvplug.backend import create_backend
 
+    options = dict(settings.backend_options)
+    if settings.host_memory is not None:  # a tier of one page: the cache is built as served, its tier attached
+        cache_options = dict(options.get("prefix_cache_options") or {})
+        cache_options["host_memory"] = settings.page_size * shape.kv_bytes_per_token()
+        options["prefix_cache_options"] = cache_options
     quiet = logging.getLogger("kvplug.backend")
     level = quiet.level
     quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
     try:
         create_backend(
             shape, page_size=settings.page_size, num_pages=2, max_running_reqs=1, max_seq_len=settings.page_size,
-            prefix_cache=settings.prefix_cache, attention=settings.attention, device=device,
-            **dict(settings.backend_options),
+            prefix_cache=settings.prefix_cache, attention=settings.attention, device=device, **options,
         )
     except KVPlugError:
         raise
