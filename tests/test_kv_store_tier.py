@@ -77,7 +77,9 @@ def test_the_second_server_loads_the_first_ones_prefix_from_the_store(dtype):
         assert matched == 6 * PAGE, "the second server recomputed a prefix the store holds"
         stats = second.cache.remote_kv.stats
         assert stats.loaded_pages == 6 and stats.corrupt_pages == 0
-        assert second.cache.tier_stats().loads == 1  # loaded through its own host tier
+        tier = second.cache.tier_stats()
+        assert tier.loads == 1 and tier.remote_hit_tokens == 6 * PAGE  # loaded through its own host tier
+        assert first.cache.tier_stats().remote_written_pages == 6
         # a longer prompt sharing the prefix: the store's part, then the first server's own
         longer = PROMPT[:-1] + [99] * (2 * PAGE)
         assert Server(url, dtype=dtype).serve(longer) == 6 * PAGE

@@ -84,7 +84,9 @@ def test_a_second_server_loads_the_first_ones_prefix_from_the_store(server_deps,
                 reply = client.chat.completions.create(
                     model=stats["model"], messages=[{"role": "user", "content": prompt}], max_tokens=4)
                 answers[prompt] = reply.choices[0].message.content
-            assert _stats(first_port)["host_write_backs"] > 0
+            first_stats = _stats(first_port)
+            assert first_stats["host_write_backs"] > 0 and first_stats["remote_written_pages"] > 0, first_stats
+            assert first_stats["remote_errors"] == 0 and first_stats["remote_hit_tokens"] == 0
         finally:
             output = _stop(first, first_log)
         assert f"redis://***@127.0.0.1:{redis_port}/0" in output
@@ -100,5 +102,6 @@ def test_a_second_server_loads_the_first_ones_prefix_from_the_store(server_deps,
             assert reply.choices[0].message.content == answers[prompts[0]]  # greedy: same answer from stored KV
             # the second server never evicted anything: a host hit here came from the store
             assert after["host_write_backs"] == 0 and after["host_hit_tokens"] >= 64, after
+            assert after["remote_hit_tokens"] >= 64 and after["remote_errors"] == after["remote_corrupt_pages"] == 0
         finally:
             _stop(second, second_log)

@@ -120,6 +120,7 @@ class HostTier(TierPolicy):
             load_seconds=pool.read_seconds if pool else 0.0,
             write_seconds=pool.write_seconds if pool else 0.0,
             **self._counters,
+            **(self.remote.counters() if self.remote is not None else {}),
         )
 
     # ------------------------------------------------------------------ TierPolicy

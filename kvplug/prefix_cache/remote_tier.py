@@ -33,6 +33,15 @@ class RemoteTierLink:
         self.remote = remote
         self.fetched_tokens = 0  # tokens hung into the tree from the store
 
+    def counters(self) -> dict[str, int]:
+        """The ``remote_*`` fields of ``TierStats``."""
+        stats = self.remote.stats
+        errors = (stats.errors_unavailable + stats.errors_timeout + stats.errors_full + stats.errors_auth
+                  + stats.errors_protocol + stats.errors_other)
+        return dict(remote_hit_tokens=self.fetched_tokens, remote_written_pages=stats.written_pages,
+                    remote_dropped_pages=stats.dropped_pages, remote_corrupt_pages=stats.corrupt_pages,
+                    remote_errors=errors)
+
     def write_back(self, written: list[tuple[RadixNode, np.ndarray]]) -> None:
         """``written``: nodes just copied to host memory, with their host pages: store them."""
         tree = self.host_tier.tree
