@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         BaseCacheHandle,
         BaseKVPool,
         BasePrefixCache,
+        BaseKVStore,
         BaseTieredPrefixCache,
         CacheOwnedError,
         ConcurrentUseError,
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
         InvalidArgumentError,
         KVPlugError,
         KVPoolConfig,
+        KVStoreConfig,
+        KVStoreError,
         MatchResult,
         OutOfMemoryError,
         PluginLoadError,
@@ -76,6 +79,9 @@ _LAZY_NAMES: dict[str, str] = {
     "ConcurrentUseError": "kvplug.interface",  # issue 32
     "PrefixCacheFault": "kvplug.interface",  # issue 32
     "TierStats": "kvplug.interface",
+    "BaseKVStore": "kvplug.interface",  # issue 30
+    "KVStoreConfig": "kvplug.interface",  # issue 30
+    "KVStoreError": "kvplug.interface",  # issue 30
     "TieredMatchResult": "kvplug.interface",
     "DuplicateComponentError": "kvplug.interface",
     "ForwardPhase": "kvplug.interface",
@@ -100,7 +106,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=True)
 
 
 def available(kind: str, *, manager: PluginManager | None = None) -> list[str]:
-    """Names registered for ``kind``: ``"prefix_cache"``, ``"kv_pool"``, ``"attention"`` or ``"host"``."""
+    """Names registered for ``kind``: ``"prefix_cache"``, ``"kv_pool"``, ``"attention"``, ``"host"`` or ``"kv_store"``."""
     from kvplug.plugins import default_manager
 
     return (manager or default_manager()).available(kind)
@@ -146,6 +152,7 @@ __all__ = [
     "BaseCacheHandle",
     "BaseKVPool",
     "BasePrefixCache",
+    "BaseKVStore",
     "BaseTieredPrefixCache",
     "TierCopyError",
     "CacheOwnedError",
@@ -159,6 +166,8 @@ __all__ = [
     "InvalidArgumentError",
     "KVPlugError",
     "KVPoolConfig",
+    "KVStoreConfig",
+    "KVStoreError",
     "MatchResult",
     "OutOfMemoryError",
     "PluginLoadError",

@@ -43,3 +43,10 @@ def kvplug_register_hosts(register: Register) -> None:
     """Register host adapters: ``register(name, factory)`` with ``factory(**options)`` returning
     the adapter object a host engine installs (see ``adapters/``). An adapter object that also has
     ``e2e_bench()`` (returning a ``kvplug.bench.e2e_host.E2EHost``) can run ``kvplug bench e2e``."""
+
+
+@hookspec
+def kvplug_register_kv_stores(register: Register) -> None:
+    """Register shared KV stores (issue 30, additive): ``register(name, factory)`` with
+    ``factory(config: kvplug.KVStoreConfig) -> kvplug.BaseKVStore``; ``name`` is the URL scheme
+    that selects it (``redis`` for ``redis://...``)."""

@@ -32,6 +32,7 @@ def test_pluggy_project_and_entry_point_group():
     assert specs == {
         "kvplug_register_prefix_caches", "kvplug_register_kv_pools",
         "kvplug_register_attention_backends", "kvplug_register_hosts",
+        "kvplug_register_kv_stores",  # issue 30, additive to version 1
     }
 
 

@@ -27,6 +27,11 @@ def create_radix(config: PrefixCacheConfig) -> BasePrefixCache:
 
     from kvplug.prefix_cache.radix import RadixPrefixCache
 
+    if config.options.get("remote_kv") is not None:
+        from kvplug.interface import InvalidArgumentError
+
+        raise InvalidArgumentError("remote_kv (a shared KV store, issue 30) sits under the host tier: give host_memory too")
+
     if "host_memory" in config.options:  # host_memory=None: no tier (lets hosts pass it through)
         options = {key: value for key, value in config.options.items() if key != "host_memory"}
         config = dataclasses.replace(config, options=options)

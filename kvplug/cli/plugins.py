@@ -8,7 +8,7 @@ JSON output (stable, versioned by ``schema``)::
      "load_failures": [{"entry_point": str, "distribution": str, "version": str, "error": str}],
      "filtered_out": [{"entry_point": str, "distribution": str, "version": str, "why": str}]}
 
-``kind`` is one of ``prefix_cache``, ``kv_pool``, ``attention``, ``host``. ``load_failures`` are
+``kind`` is one of ``prefix_cache``, ``kv_pool``, ``attention``, ``host``, ``kv_store`` (issue 30). ``load_failures`` are
 plugins that were skipped (failed to import, a hook raised or exited, a name collided with a
 built-in or an earlier plugin); ``error`` is the reason in one line. ``filtered_out`` are installed
 entry points that ``KVPLUG_LOAD_PLUGINS`` / ``KVPLUG_DISABLE_PLUGINS`` kept from loading (added

@@ -51,7 +51,7 @@ DEFAULTS = {
 # flags that only configure kvplug: an error with --kv-backend native, which would ignore them
 KVPLUG_ONLY_FLAGS = ("prefix_cache", "attention", "max_running_reqs", "stats_interval", "cuda_graph_max_bs",
                      "disable_cuda_graph", "disable_overlap_schedule", "enable_torch_compile", "host_memory",
-                     "on_cache_failure", "kv_events_config")
+                     "on_cache_failure", "kv_events_config", "remote_kv")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # vLLM / SGLang spellings of kvplug serve's own flags: (alias, the flag it stands for, whose flag)
@@ -174,6 +174,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory", metavar="SIZE",
         help="a host-memory tier under the prefix cache (radix, or a plugin's tiered cache): pinned host memory ('32GiB', '512MiB') that keeps "
         "prefixes evicted from the KV pool and loads them back on a hit (default: none)",
+    )
+    parser.add_argument(  # issue 30
+        "--remote-kv", metavar="URL",
+        help="a KV store shared by servers, under the host-memory tier (needs --host-memory; CPU only for now): "
+        "'redis://[:PASSWORD@]HOST:PORT/DB'; prefixes this server evicts are written there, and prompts whose "
+        "prefix neither tier holds are looked up there",
     )
     parser.add_argument(  # issue 32
         "--on-cache-failure", choices=("fallback", "fail"),
@@ -437,6 +443,16 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
     host_memory = None
     if args.host_memory is not None:
         host_memory = parse_size("--host-memory", args.host_memory)
+    remote_kv = getattr(args, "remote_kv", None)
+    if remote_kv is not None:  # issue 30: checked here, connected at the first lookup
+        from kvplug.interface import KVStoreConfig
+
+        store = KVStoreConfig(remote_kv)  # a URL without '://' is refused, without its password
+        if host_memory is None:
+            raise InvalidArgumentError(
+                f"--remote-kv sits under the host-memory tier: give --host-memory too (got --remote-kv {store.redacted_url})"
+            )
+        _check_names(manager, "kv_store", [store.scheme], "--remote-kv (its URL scheme)")
     kv_events = None
     if args.kv_events_config is not None:  # issue 27
         from kvplug.events.config import parse_kv_events_config
@@ -473,6 +489,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "overlap_schedule": False if args.disable_overlap_schedule else None,
         "torch_compile": bool(args.enable_torch_compile),
         "host_memory": host_memory,
+        "remote_kv": remote_kv,
         "trust_request_chat_template": bool(args.trust_request_chat_template),
         "limit_concurrency": args.limit_concurrency,
         "timeout_keep_alive": args.timeout_keep_alive,

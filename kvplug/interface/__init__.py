@@ -11,6 +11,7 @@ from kvplug.interface.errors import (
     DuplicateComponentError,
     InvalidArgumentError,
     KVPlugError,
+    KVStoreError,
     OutOfMemoryError,
     PluginLoadError,
     PluginRegistrationError,
@@ -28,13 +29,14 @@ _LAZY_NAMES = {
     **dict.fromkeys(("KV_MEDIUM_DEVICE", "AllCleared", "BaseCacheHandle", "BasePrefixCache", "BlockRemoved",
                      "BlockStored", "InsertResult", "KVCacheEvent", "KVEventListener", "MatchResult",
                      "PrefixCacheConfig", "SizeInfo"), "kvplug.interface.prefix_cache"),
+    **dict.fromkeys(("BaseKVStore", "KVStoreConfig"), "kvplug.interface.kv_store"),  # issue 30
     **dict.fromkeys(("KV_MEDIUM_HOST", "BaseTieredPrefixCache", "CopyDone", "HostLoad", "TieredMatchResult",
                      "TierStats"),
                     "kvplug.interface.tiered_cache"),
 }
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=("attention", "kv_pool", "prefix_cache", "tiered_cache"))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_NAMES, submodules=("attention", "kv_pool", "kv_store", "prefix_cache", "tiered_cache"))
 
 
 INTERFACE_VERSION = 1
@@ -62,6 +64,9 @@ __all__ = [
     "BaseAttentionBackend",
     "BaseCacheHandle",
     "BaseKVPool",
+    "BaseKVStore",
+    "KVStoreConfig",
+    "KVStoreError",
     "BasePrefixCache",
     "DuplicateComponentError",
     "ForwardPhase",

@@ -80,3 +80,23 @@ class CacheOwnedError(KVPlugError, RuntimeError):
     """``reset`` or ``evict`` was called directly on a prefix cache a ``KVBackend`` owns: the
     backend's page accounting would break (evicted locations never reach its free list, a reset
     drops pages live requests lock). Use ``KVBackend.reset_prefix_cache`` / ``evict_prefix_cache``."""
+
+
+class KVStoreError(KVPlugError, RuntimeError):
+    """A shared KV store (``kvplug.BaseKVStore``) could not answer: down, too slow, full, refused
+    the credentials, or spoke a protocol kvplug does not understand.
+
+    Stores raise it; ``kvplug.kv_store.RemoteKV`` turns it into a miss or a dropped write, counted by
+    ``reason``, so it never reaches the serving path. Its message never holds a credential.
+
+    Attributes:
+        reason: one of ``REASONS``.
+    """
+
+    REASONS = ("unavailable", "timeout", "full", "auth", "protocol")
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        if reason not in self.REASONS:
+            raise ValueError(f"KVStoreError reason must be one of {self.REASONS}, got {reason!r}")
+        super().__init__(message)
+        self.reason = reason

@@ -124,6 +124,10 @@ class TierStats:
         copy_failures: copies that raised (``TierCopyError``); nothing was lost, see there.
         load_seconds, write_seconds: host time spent issuing the copies (on CUDA the copies
             themselves are asynchronous; on the CPU this is the copy time).
+        remote_hit_tokens, remote_written_pages, remote_dropped_pages, remote_corrupt_pages,
+            remote_errors: a shared KV store under the tier (issue 30; 0 without one): tokens it
+            brought into the tier, pages written to it and dropped by it (full or down), values
+            that failed their checksum, and store faults (``kvplug.kv_store.RemoteKVStats``).
     """
 
     host_pages: int = 0
@@ -143,6 +147,11 @@ class TierStats:
     copy_failures: int = 0
     load_seconds: float = 0.0
     write_seconds: float = 0.0
+    remote_hit_tokens: int = 0
+    remote_written_pages: int = 0
+    remote_dropped_pages: int = 0
+    remote_corrupt_pages: int = 0
+    remote_errors: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -37,6 +37,7 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
         ComponentKind("kv_pool", "kvplug_register_kv_pools", "kvplug.interface:BaseKVPool"),
         ComponentKind("attention", "kvplug_register_attention_backends", "kvplug.interface:BaseAttentionBackend"),
         ComponentKind("host", "kvplug_register_hosts", None),
+        ComponentKind("kv_store", "kvplug_register_kv_stores", "kvplug.interface:BaseKVStore"),  # issue 30
     )
 }
 

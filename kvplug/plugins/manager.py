@@ -28,6 +28,7 @@ BUILTIN_PLUGINS = (
     "kvplug.builtin.prefix_caches",
     "kvplug.builtin.kv_pools",
     "kvplug.builtin.attention",
+    "kvplug.builtin.kv_stores",
 )
 
 
@@ -175,7 +176,7 @@ class PluginManager:
         return self._registry
 
     def available(self, kind: str) -> list[str]:
-        """Registered names for ``kind`` (``prefix_cache``, ``kv_pool``, ``attention``, ``host``)."""
+        """Registered names for ``kind`` (``prefix_cache``, ``kv_pool``, ``attention``, ``host``, ``kv_store``)."""
         return self.registry.names(get_kind(kind).name)
 
     def providers(self, kind: str) -> dict[str, str]:
@@ -231,6 +232,14 @@ class PluginManager:
                 self.create("attention", prefill_name, config), self.create("attention", decode_name, config)
             )
         return self.create("attention", name, config)
+
+    def create_kv_store(self, url: str, **options: Any) -> Any:
+        """Build the shared KV store that ``url``'s scheme names (``redis://...`` → ``redis``);
+        ``options`` reach the factory as ``config.options``. Nothing is connected yet."""
+        from kvplug.interface import KVStoreConfig
+
+        config = KVStoreConfig(url=url, options=options)
+        return self.create("kv_store", config.scheme, config)
 
     def plugins(self) -> list[PluginInfo]:
         """Every registered plugin, built-ins first, with what it provides by kind."""

@@ -79,6 +79,7 @@ class HostTier(TierPolicy):
         self._copies: dict[RadixNode, None] = {}  # device-resident nodes with a host copy (an ordered set)
         self._in_flight: dict[RadixNode, HostLoad] = {}  # nodes a started load may still be writing
         self._host_copy_tokens = 0  # their tokens: tier_stats() runs every step, so no walk over them
+        self.remote = None  # a RemoteTierLink to a shared KV store (issue 30), set by the cache
         self._counters = dict(loads=0, loaded_tokens=0, loaded_bytes=0, write_backs=0, written_tokens=0,
                               written_bytes=0, host_dropped_tokens=0, reused_copy_tokens=0, copy_failures=0)
 
@@ -119,6 +120,7 @@ class HostTier(TierPolicy):
             load_seconds=pool.read_seconds if pool else 0.0,
             write_seconds=pool.write_seconds if pool else 0.0,
             **self._counters,
+            **(self.remote.counters() if self.remote is not None else {}),
         )
 
     # ------------------------------------------------------------------ TierPolicy
@@ -128,7 +130,7 @@ class HostTier(TierPolicy):
         if leaf.host_copy is not None:
             self._move_to_host_copy(leaf)
             return True
-        host_pages = self._reserve_host_pages(len(leaf.value) // (self.tree.page_size * BYTES_PER_TOKEN))
+        host_pages = self.reserve_host_pages(len(leaf.value) // (self.tree.page_size * BYTES_PER_TOKEN))
         if host_pages is None:
             return False
         self._move_to_host(leaf, host_pages)
@@ -141,6 +143,7 @@ class HostTier(TierPolicy):
             return
         tree = self.tree
         nodes = list(pending)
+        written = [(node, pages) for node, (_, pages) in pending.items()] if self.remote is not None else None
         device_locations = as_int32(b"".join(value for value, _ in pending.values()))  # host: whole pages
         host_pages = np.concatenate([pages for _, pages in pending.values()])
         pending.clear()
@@ -157,6 +160,8 @@ class HostTier(TierPolicy):
         counters["write_backs"] += len(nodes)
         counters["written_tokens"] += int(host_pages.size) * tree.page_size
         counters["written_bytes"] += int(host_pages.size) * self.pool.bytes_per_page
+        if written is not None:
+            self.remote.write_back(written)  # issue 30: through to the shared store
 
     def on_split(self, upper: RadixNode, lower: RadixNode, at_bytes: int) -> None:
         if lower.host_copy is not None:  # pages split at the same place: host copies are whole pages too
@@ -303,7 +308,7 @@ class HostTier(TierPolicy):
         self.pool.release(self._host_pages(node.host_copy))
         node.host_copy = None
 
-    def _reserve_host_pages(self, count: int) -> np.ndarray | None:
+    def reserve_host_pages(self, count: int) -> np.ndarray | None:
         """``count`` host pages, dropping least recently used host leaves as needed; ``None`` when
         even that cannot free them (everything left is locked, or the tier is smaller)."""
         pool = self.pool

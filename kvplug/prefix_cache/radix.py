@@ -577,6 +577,21 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         if self.__dict__.get("_kv_event_listeners"):
             self.report_stored(node)
 
+    def add_host_leaf(self, node: RadixNode, key: bytes, host_value: bytes, cached_len: int) -> RadixNode:
+        """Hang a new host-resident leaf below ``node`` (no child of ``node`` starts with ``key``'s
+        first page) at host locations ``host_value``, and touch its path: pages the host tier got
+        from elsewhere (a shared KV store) than an eviction."""
+        leaf = RadixNode(self._generation, node, key, host_value, cached_len)
+        leaf.on_host = True
+        node.children[key[: self._page_bytes]] = leaf
+        node.host_children += 1
+        self._host_evictable += len(host_value) // BYTES_PER_TOKEN
+        self.refresh(node)  # a host leaf no more, or a device node with one more host child
+        self._touch_path(leaf)
+        if self.__dict__.get("_kv_event_listeners"):
+            self.report_stored(leaf)
+        return leaf
+
     def pop_host_candidate(self) -> RadixNode | None:
         """The least recently used unlocked host-resident leaf, out of the candidates; None if none."""
         return self._host_candidates.pop_least_recent() if len(self._host_candidates) else None

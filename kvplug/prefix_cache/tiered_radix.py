@@ -16,7 +16,9 @@ tokens, ``evict`` frees device tokens, so the version-1 conformance kit runs unc
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvplug.interface import (
@@ -38,8 +40,10 @@ from kvplug.prefix_cache.radix import RadixPrefixCache
 class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
     """The radix tree with a host-memory tier (see the module docstring and ``host_tier``).
 
-    Options: ``host_memory`` (bytes, or a string like ``"32GiB"``; required), and the ``radix``
-    options (``split_refreshes_tail``).
+    Options: ``host_memory`` (bytes, or a string like ``"32GiB"``; required); ``remote_kv`` (a
+    shared KV store's URL, e.g. ``"redis://127.0.0.1:6379/0"``, or a ``kvplug.BaseKVStore``) with
+    ``remote_kv_model`` (the model's identity in the store's keys; required with it), issue 30;
+    and the ``radix`` options (``split_refreshes_tail``).
     """
 
     publishes_kv_events = True
@@ -49,6 +53,8 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         if "host_memory" not in options:
             raise InvalidArgumentError(f"the tiered radix cache needs the option host_memory, got {dict(config.options)}")
         self.host_memory = parse_memory_size(options.pop("host_memory"))
+        self._remote_store, self._remote_model = _remote_options(options.pop("remote_kv", None),
+                                                                 options.pop("remote_kv_model", None))
         self._host_tier = HostTier(self, self.host_memory)
         super().__init__(dataclasses.replace(config, options=options), tier=self._host_tier)
 
@@ -58,7 +64,28 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         return self._host_tier.pool
 
     def attach_kv_pool(self, pool) -> None:
+        kv_buffer = getattr(pool, "kv_buffer", None)
+        if self._remote_store is not None and isinstance(kv_buffer, torch.Tensor) and kv_buffer.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"remote_kv needs a KV pool on the CPU for now (issue 30), got one on {kv_buffer.device}"
+            )
         self._host_tier.attach_kv_pool(pool)
+        if self._remote_store is not None:
+            from kvplug.kv_store.host_pages import namespace_for_pool
+            from kvplug.kv_store.remote import RemoteKV
+            from kvplug.prefix_cache.remote_tier import RemoteTierLink
+
+            config = getattr(pool, "config", None)
+            namespace = namespace_for_pool(self._remote_model, kv_buffer, tp_rank=getattr(config, "tp_rank", 0),
+                                           tp_size=getattr(config, "tp_size", 1))
+            self._host_tier.remote = RemoteTierLink(self._host_tier, RemoteKV(self._remote_store, namespace))
+
+    @property
+    def remote_kv(self):
+        """The ``kvplug.kv_store.RemoteKV`` under the host tier (``stats`` counts its hits and
+        faults), or ``None``: no ``remote_kv`` option, or no KV pool attached yet."""
+        link = self._host_tier.remote
+        return link.remote if link is not None else None
 
     @property
     def host_size_info(self) -> SizeInfo:
@@ -69,6 +96,9 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     def match_tiered(self, input_ids: torch.Tensor) -> TieredMatchResult:
         node = self._match(input_ids)
+        link = self._host_tier.remote
+        if link is not None:  # issue 30: what neither tier holds may be in the shared store
+            node = link.fetch(node, np.asarray(torch.as_tensor(input_ids).cpu(), dtype=np.int32))
         head = self.device_head(node)
         return TieredMatchResult(head, node, node.cached_len - head.cached_len)
 
@@ -83,3 +113,24 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     def loads_in_flight(self, handle: BaseCacheHandle) -> tuple[HostLoad, ...]:
         return self._host_tier.loads_in_flight(handle)
+
+
+def _remote_options(store: Any, model: Any) -> tuple[Any, Any]:
+    """The store (built from its URL now, connected at first use) and the model id, validated."""
+    if store is None:
+        if model is not None:
+            raise InvalidArgumentError("remote_kv_model is given without remote_kv")
+        return None, None
+    if not isinstance(model, str) or not model:
+        raise InvalidArgumentError(
+            f"remote_kv needs remote_kv_model, the model's identity in the store's keys (a non-empty str), got {model!r}"
+        )
+    from kvplug.interface import BaseKVStore
+
+    if isinstance(store, str):
+        from kvplug.plugins import default_manager
+
+        store = default_manager().create_kv_store(store)
+    if not isinstance(store, BaseKVStore):
+        raise InvalidArgumentError(f"remote_kv must be a store URL or a kvplug.BaseKVStore, got {type(store).__name__}")
+    return store, model

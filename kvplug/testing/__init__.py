@@ -39,6 +39,8 @@ Tiered caches (a host-memory tier, ``kvplug.BaseTieredPrefixCache``): ``check_ti
 runs the same suite with a small pool attached (evictions then move prefixes to host memory) plus
 the tier's own checks (``kvplug.testing.tiered``): bit-identical round trips, LRU drops when host
 memory is full, locked host prefixes kept, and a randomised run checking K/V content on every hit.
+
+Shared KV stores (``kvplug.BaseKVStore``, issue 30): ``check_kv_store(factory)`` (``kvplug.testing.kv_store``).
 """
 
 from kvplug.testing.context import CheckContext, PrefixCacheFactory
@@ -52,19 +54,24 @@ from kvplug.testing.prefix_cache import (
     prefix_cache_checks,
 )
 from kvplug.testing.report import KitReport
+from kvplug.testing.kv_store import KVStoreCheck, check_kv_store, kv_store_checks, parametrize_kv_store_checks
 from kvplug.testing.tiered import TieredKit, check_tiered_prefix_cache
 
 __all__ = [
     "DEFAULT_PAGE_SIZES",
     "CheckContext",
+    "KVStoreCheck",
     "KitDependencyError",
     "KitReport",
     "PrefixCacheCheck",
     "PrefixCacheFactory",
     "ReferencePrefixCache",
     "TieredKit",
+    "check_kv_store",
     "check_prefix_cache",
     "check_tiered_prefix_cache",
+    "kv_store_checks",
+    "parametrize_kv_store_checks",
     "parametrize_prefix_cache_checks",
     "prefix_cache_checks",
 ]

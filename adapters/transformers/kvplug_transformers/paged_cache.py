@@ -435,5 +435,8 @@ def _with_host_memory(settings: KVPlugSettings) -> dict[str, Any]:
     if settings.host_memory is not None:
         cache_options = dict(options.get("prefix_cache_options") or {})
         cache_options["host_memory"] = settings.host_memory
+        if settings.remote_kv is not None:  # issue 30
+            cache_options["remote_kv"] = settings.remote_kv
+            cache_options["remote_kv_model"] = settings.remote_kv_model
         options["prefix_cache_options"] = cache_options
     return options

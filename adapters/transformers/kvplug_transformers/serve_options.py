@@ -4,7 +4,7 @@ translation for the native (transformers-only) comparison run."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ class ServeOptions:
     overlap_schedule: bool | None = None
     torch_compile: bool = False
     host_memory: int | None = None
+    remote_kv: str | None = field(default=None, repr=False)  # issue 30; may hold a password
     trust_request_chat_template: bool = False
     limit_concurrency: int | None = None
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
@@ -160,6 +161,8 @@ class ServeOptions:
             "overlap_schedule": self.overlap_schedule,
             "torch_compile": self.torch_compile,
             "host_memory": self.host_memory,
+            "remote_kv": self.remote_kv,  # issue 30: keys namespaced by the served model's id
+            "remote_kv_model": self.model_name(self.model or "") if self.remote_kv else None,
             "backend_options": {"on_cache_failure": self.on_cache_failure},  # issue 32
         }
 

@@ -117,6 +117,10 @@ def serve(adapter: Any, **options: Any) -> int:
                 "kvplug host-memory tier: %s bytes (%.1f MiB) under the %s cache, about %s tokens",
                 f"{opts.host_memory:,}", opts.host_memory / (1 << 20), settings.prefix_cache, f"{opts.host_memory // shape.kv_bytes_per_token():,}",
             )
+        if opts.remote_kv:  # issue 30; never the password
+            from kvplug.interface.kv_store import redact_url
+
+            logger.info("kvplug remote KV store under the host tier: %s", redact_url(opts.remote_kv))
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
         _check_components(settings, shape, device)
         limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))

@@ -48,6 +48,8 @@ class KVPlugSettings:
         host_memory: a host-memory tier under the ``radix`` prefix cache: bytes or a size string
             (``"32GiB"``) of pinned host memory that keeps evicted prefixes and loads them back on
             a hit (``None``: no tier). Passed to the prefix cache as its ``host_memory`` option.
+        remote_kv, remote_kv_model: a shared KV store's URL under the host tier and the model's
+            identity in its keys (issue 30; the prefix cache's options of the same names).
         defer_host_loads: keep a request whose prefix is being copied back from the host tier
             out of the steps until the copy is done, so the requests already running do not
             wait for it. Off by default: the request joins at once and its first step waits for
@@ -72,6 +74,8 @@ class KVPlugSettings:
     torch_compile: bool = False
     host_memory: int | str | None = None
     defer_host_loads: bool = False
+    remote_kv: str | None = field(default=None, repr=False)  # issue 30; may hold a password
+    remote_kv_model: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache", "attention"):

@@ -1,0 +1,107 @@
+"""``kvplug serve --remote-kv`` (issue 30): two real server processes and a real client on one
+``redis-server`` (with a password); the second server's first request for the first one's prefix
+loads it from the store, and answers as the first did."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from tests.redis_server import REDIS_SERVER, SKIP_REASON, redis_server
+from tests.test_serve import (  # noqa: F401  (fixtures)
+    _free_port,
+    _run_kvplug,
+    _stats,
+    _wait_ready,
+    cache_dir,
+    embedded,
+    server_deps,
+)
+from kvplug.cli import build_parser
+from kvplug.cli.serve import validate
+from kvplug.interface import InvalidArgumentError, UnknownComponentError
+from kvplug.plugins import PluginManager
+
+PASSWORD = "s3cret-pw"
+
+
+def test_remote_kv_flag_is_validated_and_reaches_the_settings():
+    manager = PluginManager(entry_points=False)
+
+    def parse(*flags):
+        return validate(build_parser().parse_args(["serve", *flags]), manager)
+
+    url = f"redis://:{PASSWORD}@127.0.0.1:6379/0"
+    options = parse("--host-memory", "1GiB", "--remote-kv", url)
+    from kvplug_transformers.serve_options import ServeOptions
+
+    serve_options = ServeOptions(**options)
+    settings = serve_options.kvplug_settings()
+    assert settings["remote_kv"] == url and settings["remote_kv_model"] == "kvplug-default"
+    assert PASSWORD not in repr(serve_options)
+    with pytest.raises(InvalidArgumentError, match="give --host-memory") as error:
+        parse("--remote-kv", url)
+    assert PASSWORD not in str(error.value)
+    with pytest.raises(UnknownComponentError, match="kv_store .nosuchstore"):
+        parse("--host-memory", "1GiB", "--remote-kv", "nosuchstore://x")
+
+
+def _serve(port, url, cache_dir, log):  # noqa: F811
+    args = ["serve", "--port", str(port), "--kv-memory", "1536KiB", "--max-seq-len", "256", "--page-size", "16",
+            "--max-running-reqs", "2", "--host-memory", "16MiB", "--remote-kv", url, "--stats-interval", "1"]
+    return _run_kvplug(args, cache_dir, log)
+
+
+def _stop(process, log):
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "Traceback" not in output and PASSWORD not in output
+    return output
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+def test_a_second_server_loads_the_first_ones_prefix_from_the_store(server_deps, cache_dir, tmp_path):  # noqa: F811
+    openai = server_deps
+    topics = ["paged attention", "radix trees", "CUDA graphs", "pinned memory", "prefix caching"]
+    prompts = [f"Question {number} about {topic}: " + f"explain {topic}. " * 5 for number, topic in enumerate(topics)]
+    with redis_server("--requirepass", PASSWORD) as (redis_port, _):
+        url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
+        first_port, first_log = _free_port(), tmp_path / "first.log"
+        first = _serve(first_port, url, cache_dir, first_log)
+        try:
+            stats = _wait_ready(first, first_port, first_log)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{first_port}/v1", api_key="unused", timeout=120)
+            answers = {}
+            for prompt in prompts:  # each pushes earlier ones out of the small pool, to host memory and the store
+                reply = client.chat.completions.create(
+                    model=stats["model"], messages=[{"role": "user", "content": prompt}], max_tokens=4)
+                answers[prompt] = reply.choices[0].message.content
+            first_stats = _stats(first_port)
+            assert first_stats["host_write_backs"] > 0 and first_stats["remote_written_pages"] > 0, first_stats
+            assert first_stats["remote_errors"] == 0 and first_stats["remote_hit_tokens"] == 0
+        finally:
+            output = _stop(first, first_log)
+        assert f"redis://***@127.0.0.1:{redis_port}/0" in output
+
+        second_port, second_log = _free_port(), tmp_path / "second.log"
+        second = _serve(second_port, url, cache_dir, second_log)
+        try:
+            stats = _wait_ready(second, second_port, second_log)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{second_port}/v1", api_key="unused", timeout=120)
+            reply = client.chat.completions.create(
+                model=stats["model"], messages=[{"role": "user", "content": prompts[0]}], max_tokens=4)
+            after = _stats(second_port)
+            assert reply.choices[0].message.content == answers[prompts[0]]  # greedy: same answer from stored KV
+            # the second server never evicted anything: a host hit here came from the store
+            assert after["host_write_backs"] == 0 and after["host_hit_tokens"] >= 64, after
+            assert after["remote_hit_tokens"] >= 64 and after["remote_errors"] == after["remote_corrupt_pages"] == 0
+        finally:
+            _stop(second, second_log)
