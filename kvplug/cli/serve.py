@@ -452,6 +452,10 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
             raise InvalidArgumentError(
                 f"--remote-kv sits under the host-memory tier: give --host-memory too (got --remote-kv {store.redacted_url})"
             )
+        if args.prefix_cache != "radix":
+            raise InvalidArgumentError(
+                f"--remote-kv is read and written by the radix cache's host tier; --prefix-cache is {args.prefix_cache!r}"
+            )
         _check_names(manager, "kv_store", [store.scheme], "--remote-kv (its URL scheme)")
     kv_events = None
     if args.kv_events_config is not None:  # issue 27
