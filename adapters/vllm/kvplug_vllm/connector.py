@@ -120,7 +120,7 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         num_blocks = kv_cache_manager.block_pool.num_gpu_blocks
         self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)
-        self._prefixes = install(kv_cache_manager, self._factory)
+        self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache)
         logger.info("kvplug prefix cache %r is vLLM's prefix cache (%d blocks of %d tokens)",
                     self.settings.prefix_cache, num_blocks, self.block_size)
 
@@ -152,7 +152,8 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         pool = self._kv_cache_manager.block_pool if self._kv_cache_manager is not None else None
         stats = cache.stats
         return {
-            "prefix_cache": self.settings.prefix_cache,
+            "prefix_cache": cache.name,
+            **cache.quarantine.as_dict(),
             "block_size": cache.block_size,
             "num_blocks": pool.num_gpu_blocks if pool is not None else 0,
             "free_blocks": pool.free_block_queue.num_free_blocks if pool is not None else 0,
