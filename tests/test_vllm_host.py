@@ -41,7 +41,9 @@ def run_engine(model_dir: Path, workload: str, cache: str, tmp_path: Path, extra
     key = (workload, cache, json.dumps(extra or {}, sort_keys=True))
     if key not in _runs:
         out = tmp_path / f"{workload}-{cache}-{len(_runs)}.json"
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
+        # this checkout's kvplug and adapter first (an installed editable copy may be another checkout)
+        path = os.pathsep.join([str(ROOT), str(ROOT / "adapters" / "vllm"), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path)
         config = json.dumps({"workload": workload, "cache": cache, "extra": extra or {}})
         done = subprocess.run([sys.executable, str(RUNNER), str(model_dir), config, str(out)], env=env,
                               capture_output=True, text=True, timeout=540)
