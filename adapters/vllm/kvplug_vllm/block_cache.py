@@ -28,6 +28,7 @@ import torch
 
 from kvplug.cache_guard import LAST_RESORT
 from kvplug.interface import BaseCacheHandle, BasePrefixCache, InvalidArgumentError, PrefixCacheFault
+from kvplug.interface.prefix_cache import AllCleared
 from kvplug.prefix_cache.checked import CheckedPrefixCache
 
 from kvplug_vllm.quarantine import BlockQuarantine
@@ -91,11 +92,13 @@ class BlockPrefixCache:
         drop_refs: removes that reference (kvplug evicted it).
         name: the prefix cache's registered name (messages, stats).
         fallback: builds the replacement of a faulty cache (empty, trusted); default: ``naive``.
+        listener: a kvplug KV event listener every namespace's cache gets (``kv_events``), or ``None``.
     """
 
     def __init__(self, factory: Callable[[], BasePrefixCache], block_size: int, take_refs: BlockRefs,
                  drop_refs: BlockRefs, name: str = "prefix cache",
-                 fallback: Optional[Callable[[], BasePrefixCache]] = None) -> None:
+                 fallback: Optional[Callable[[], BasePrefixCache]] = None,
+                 listener: Optional[Callable[[Any], None]] = None) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be positive, got {block_size}")
         if fallback is None:
@@ -105,6 +108,7 @@ class BlockPrefixCache:
                 return default_manager().create_prefix_cache(LAST_RESORT, device="cpu", page_size=block_size)
 
         self._factory = factory
+        self._listener = listener
         self.quarantine = BlockQuarantine(name, fallback)
         self.block_size = block_size
         self._take_refs = take_refs
@@ -139,6 +143,10 @@ class BlockPrefixCache:
             freed, held = self.quarantine.hand_over(space.cache, self._drop_refs)
             dropped, kept = dropped + freed, kept + held
             space.cache = self.quarantine.fallback()
+            if self._listener is not None:
+                space.cache.add_kv_event_listener(self._listener)
+        if self._listener is not None:  # what the plugin published is gone for event consumers
+            self._listener(AllCleared())
         self.epoch += 1  # every lookup the faulty cache answered is stale
         self.quarantine.replaced(fault, during, dropped, kept)
 
@@ -153,7 +161,10 @@ class BlockPrefixCache:
         return space
 
     def _new_cache(self) -> BasePrefixCache:
-        return self.quarantine.fallback() if self.quarantine.tripped else self._factory()
+        cache = self.quarantine.fallback() if self.quarantine.tripped else self._factory()
+        if self._listener is not None:
+            cache.add_kv_event_listener(self._listener)
+        return cache
 
     @property
     def namespaces(self) -> int:
@@ -294,7 +305,7 @@ class BlockPrefixCache:
             locations = space.cache.evict(space.cache.size_info.evictable_size)
             self._drop_refs((locations[:: self.block_size] // self.block_size).tolist())
             space.cache.reset()
-        self._spaces.clear()
+        self._spaces.clear()  # vLLM's BlockPool.reset_prefix_cache reports AllBlocksCleared itself
         self.stats.resets += 1
         self.epoch += 1
         return True

@@ -108,6 +108,7 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         self._factory()  # a wrong name or option fails here, at startup, naming what exists
         self._prefixes: Optional["RequestPrefixes"] = None
         self._reported: Optional[dict[str, Any]] = None
+        self._events: Any = None  # kv_events.VLLMEventRecorder when --kv-events-config enables events
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -120,7 +121,12 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         num_blocks = kv_cache_manager.block_pool.num_gpu_blocks
         self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)
-        self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache)
+        events = self._vllm_config.kv_events_config
+        if events is not None and events.enable_kv_cache_events:  # vLLM publishes what take_events returns
+            from kvplug_vllm.kv_events import VLLMEventRecorder
+
+            self._events = VLLMEventRecorder()
+        self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache, self._events)
         logger.info("kvplug prefix cache %r is vLLM's prefix cache (%d blocks of %d tokens)",
                     self.settings.prefix_cache, num_blocks, self.block_size)
 
@@ -139,6 +145,10 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         return False, None
+
+    def take_events(self) -> list:
+        """kvplug's KV events since the last step, as vLLM's (``kv_events``); vLLM publishes them."""
+        return self._events.take() if self._events is not None else []
 
     def reset_cache(self) -> Optional[bool]:
         # the scheduler resets its KVCacheManager (kvplug's cache with it) before asking the connector

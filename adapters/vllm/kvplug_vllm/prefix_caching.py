@@ -216,11 +216,13 @@ class KvplugKVCacheManager(KVCacheManager):
         cache.check_integrity()
 
 
-def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cache") -> RequestPrefixes:
+def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cache",
+            listener: Any = None) -> RequestPrefixes:
     """Make ``manager`` (a plain ``KVCacheManager``) and its pool use kvplug's prefix cache.
 
     ``cache_factory()`` builds one empty kvplug prefix cache with the manager's block size as its
-    page size; ``name`` is its registered name (a faulty one is quarantined: ``quarantine``). Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid models,
+    page size; ``name`` is its registered name (a faulty one is quarantined: ``quarantine``);
+    ``listener`` gets every cache's kvplug KV events (``kv_events``; ``None``: events off). Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid models,
     another manager or pool class) before changing anything.
     """
     if type(manager) is not KVCacheManager or type(manager.block_pool) is not BlockPool:
@@ -243,6 +245,7 @@ def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cac
         take_refs=lambda ids: pool.touch([pool.blocks[block_id] for block_id in ids]),
         drop_refs=lambda ids: pool.free_blocks([pool.blocks[block_id] for block_id in ids]),
         name=name,
+        listener=listener,
     )
     prefixes = RequestPrefixes(cache)
     pool.__class__ = KvplugBlockPool
