@@ -278,12 +278,7 @@ class CheckedPrefixCache(BasePrefixCache):
                                                "of a prefix that was locked)")
         self._held[new_pages] = True
         self._held_pages += int(new_pages.size)
-        try:
-            self._check_size("insert_prefix")
-        except PrefixCacheFault:  # nothing was handed over: the caller keeps the pages (as in ``evict``)
-            self._held[new_pages] = False
-            self._held_pages -= int(new_pages.size)
-            raise
+        self._check_size("insert_prefix")
         return InsertResult(cached_len, CheckedHandle(self, handle, n, self._as_tensor(located), pages))
 
     def evict(self, size: int) -> torch.Tensor:

@@ -39,14 +39,16 @@ _NO_TOKENS = torch.empty(0, dtype=torch.int32)
 
 
 class CacheSpace:
-    """One namespace: its kvplug cache and its recency (the cross-namespace LRU order)."""
+    """One namespace: its kvplug cache, its recency (the cross-namespace LRU order) and the blocks
+    kvplug holds a reference on for it (what a quarantine hands back, whatever the plugin says)."""
 
-    __slots__ = ("namespace", "cache", "last_used")
+    __slots__ = ("namespace", "cache", "last_used", "blocks")
 
     def __init__(self, namespace: Namespace, cache: BasePrefixCache) -> None:
         self.namespace = namespace
         self.cache = cache
         self.last_used = 0
+        self.blocks: set[int] = set()
 
 
 class BlockMatch(NamedTuple):
@@ -140,8 +142,9 @@ class BlockPrefixCache:
         for space in self._spaces.values():
             if not isinstance(space.cache, CheckedPrefixCache):
                 continue  # trusted (built-in) caches do not fault
-            freed, held = self.quarantine.hand_over(space.cache, self._drop_refs)
+            freed, held = self.quarantine.hand_over(space.cache, space.blocks, self._drop_refs)
             dropped, kept = dropped + freed, kept + held
+            space.blocks = set()
             space.cache = self.quarantine.fallback()
             if self._listener is not None:
                 space.cache.add_kv_event_listener(self._listener)
@@ -246,6 +249,7 @@ class BlockPrefixCache:
         fresh = list(block_ids[result.cached_len // self.block_size:kept])
         if fresh:
             self._take_refs(fresh)
+            space.blocks.update(fresh)
             self.stats.inserted_tokens += len(fresh) * self.block_size
             self.epoch += 1
         return BlockMatch(space, result.handle, kept * self.block_size, tuple(block_ids[:kept]), cache)
@@ -292,6 +296,7 @@ class BlockPrefixCache:
         locations = space.cache.evict(wanted)
         blocks = (locations[:: self.block_size] // self.block_size).tolist()
         self._drop_refs(blocks)
+        space.blocks.difference_update(blocks)
         return len(blocks)
 
     def reset(self) -> bool:

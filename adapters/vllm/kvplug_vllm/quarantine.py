@@ -8,7 +8,9 @@ checked cache over (``BlockQuarantine.hand_over``), builds the fallback (``naive
 cannot fault) for every namespace from then on, and runs the call again on it.
 
 The hand-over asks the faulty cache nothing: the checked wrapper knows every block the plugin
-holds and how many locks each has (``CheckedPrefixCache.held_pages``). Unlike the SGLang host
+locks (``CheckedPrefixCache.held_pages``), and ``BlockPrefixCache`` knows the blocks it took a
+reference on for it (``CacheSpace.blocks``: a fault after the plugin took an insert, in its size
+check, leaves pages the plugin holds that kvplug never referenced). Unlike the SGLang host
 (where the cache's lock is the only thing keeping a page), vLLM counts references per block, and
 each block a request uses carries that request's reference. So kvplug's own reference is simply
 dropped (``drop_refs``) on every unlocked block: a block no request uses reaches vLLM's free queue,
@@ -23,7 +25,7 @@ outputs stay vLLM's, only the hits are lost.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvplug.cache_guard import LAST_RESORT
 from kvplug.interface import BasePrefixCache, PrefixCacheFault
@@ -66,18 +68,22 @@ class BlockQuarantine:
         self.failures += 1
         self.last_fault = str(fault)
 
-    def hand_over(self, old: CheckedPrefixCache, drop_refs: BlockRefs) -> tuple[int, int]:
-        """Take the blocks ``old`` holds back from it (see the module docstring). Returns
-        ``(blocks whose kvplug reference was dropped, blocks kept for locks of old matches)``."""
+    def hand_over(self, old: CheckedPrefixCache, blocks: Iterable[int], drop_refs: BlockRefs) -> tuple[int, int]:
+        """Take ``blocks`` (those kvplug references for ``old``) back from ``old`` (see the module
+        docstring). Returns ``(blocks whose kvplug reference was dropped, blocks kept for locks of
+        old matches)``."""
         pages, locks = old.held_pages()
-        unlocked = pages[locks == 0].tolist()
-        if unlocked:
-            drop_refs(unlocked)
-        kept = 0
-        for block, count in zip(pages.tolist(), locks.tolist()):
+        counts = dict(zip(pages.tolist(), locks.tolist()))
+        unlocked, kept = [], 0
+        for block in sorted(blocks):
+            count = counts.get(block, 0)
             if count:
                 self._locked[block] = count
                 kept += 1
+            else:
+                unlocked.append(block)
+        if unlocked:
+            drop_refs(unlocked)
         return len(unlocked), kept
 
     def replaced(self, fault: PrefixCacheFault, during: str, dropped: int, kept: int) -> None:
