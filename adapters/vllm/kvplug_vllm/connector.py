@@ -11,7 +11,9 @@ Selected with::
   scheduler's ``KVCacheManager`` (``prefix_caching``). Hits are then *local* hits of vLLM's own
   manager (blocks already in the KV pool), so the connector reports no external tokens and builds
   empty metadata; ``get_kv_connector_stats`` carries kvplug's counters into vLLM's stats pipeline
-  (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``).
+  (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``), with the quarantine of a
+  faulty plugin (``quarantine``); ``take_events`` hands kvplug's KV events to vLLM's publisher
+  when ``--kv-events-config`` enables them (``kv_events``).
 - worker: nothing to load or save (no host tier yet: ``host_memory`` is refused at startup).
 
 Configuration errors (unknown prefix-cache name or option, ``host_memory``, an unsupported vLLM)
