@@ -308,7 +308,9 @@ class BlockPrefixCache:
     def _reset(self) -> bool:
         for space in self._spaces.values():
             locations = space.cache.evict(space.cache.size_info.evictable_size)
-            self._drop_refs((locations[:: self.block_size] // self.block_size).tolist())
+            blocks = (locations[:: self.block_size] // self.block_size).tolist()
+            self._drop_refs(blocks)
+            space.blocks.difference_update(blocks)  # a fault in a later namespace hands over only the rest
             space.cache.reset()
         self._spaces.clear()  # vLLM's BlockPool.reset_prefix_cache reports AllBlocksCleared itself
         self.stats.resets += 1
