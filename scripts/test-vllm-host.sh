@@ -16,7 +16,8 @@
 # must work (the vllm console script itself fails on this build: it asks for the version of a
 # distribution named "vllm"), and pytest runs tests/test_vllm_compat.py (version gate, drift check,
 # settings, block-cache properties), tests/test_vllm_host.py (LLM engines vs native vLLM, about
-# five minutes) and tests/test_vllm_server.py (real `vllm serve` processes, about two minutes).
+# five minutes), tests/test_vllm_server.py (real `vllm serve` processes, about two minutes),
+# tests/test_vllm_cache_faults.py (faulty plugins quarantined) and tests/test_vllm_kv_events.py.
 #   usage: bash scripts/test-vllm-host.sh [VENV_DIR]   (default: $TMPDIR/kvplug-vllm-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,4 +53,5 @@ print("test-vllm-host: vLLM resolves", KVConnectorFactory.get_connector_class_by
 PY
 
 phase "environment ready; tests"
-exec "$py" -m pytest -q -p no:cacheprovider tests/test_vllm_compat.py tests/test_vllm_host.py tests/test_vllm_server.py
+exec "$py" -m pytest -q -p no:cacheprovider tests/test_vllm_compat.py tests/test_vllm_host.py tests/test_vllm_server.py \
+    tests/test_vllm_cache_faults.py tests/test_vllm_kv_events.py

@@ -32,16 +32,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
 
 
-_runs: dict[tuple[str, str], dict] = {}
+_runs: dict[tuple[str, str, str], dict] = {}
 
 
-def run_engine(model_dir: Path, workload: str, cache: str, tmp_path: Path) -> dict:
-    """The runner's JSON result for one engine (kept per workload and cache for the module)."""
-    key = (workload, cache)
+def run_engine(model_dir: Path, workload: str, cache: str, tmp_path: Path, extra: dict | None = None) -> dict:
+    """The runner's JSON result for one engine (kept per workload, cache and ``extra`` (more
+    ``kv_connector_extra_config``) for the session)."""
+    key = (workload, cache, json.dumps(extra or {}, sort_keys=True))
     if key not in _runs:
-        out = tmp_path / f"{workload}-{cache}.json"
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
-        config = json.dumps({"workload": workload, "cache": cache})
+        out = tmp_path / f"{workload}-{cache}-{len(_runs)}.json"
+        # this checkout's kvplug and adapter first (an installed editable copy may be another checkout)
+        path = os.pathsep.join([str(ROOT), str(ROOT / "adapters" / "vllm"), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path)
+        config = json.dumps({"workload": workload, "cache": cache, "extra": extra or {}})
         done = subprocess.run([sys.executable, str(RUNNER), str(model_dir), config, str(out)], env=env,
                               capture_output=True, text=True, timeout=540)
         assert done.returncode == 0, f"engine {key} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

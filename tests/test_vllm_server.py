@@ -42,12 +42,13 @@ def connector_config(**extra) -> str:
     return json.dumps({"kv_connector": "KvplugConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
 
 
-def start(model: Path, port: int, kv_transfer_config: str, log: Path) -> subprocess.Popen:
+def start(model: Path, port: int, kv_transfer_config: str, log: Path, *, max_model_len: int = 2048,
+          kv_cache_bytes: int = 32 << 20, extra_args: tuple[str, ...] = (), **env_vars: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "kvplug_vllm.launch", "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "8", "--enable-prompt-tokens-details",
-            "--served-model-name", "tiny", "--kv-transfer-config", kv_transfer_config]
-    env = dict(os.environ, VLLM_PLUGINS="kvplug", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+            "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager",
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "8", "--enable-prompt-tokens-details",
+            "--served-model-name", "tiny", "--kv-transfer-config", kv_transfer_config, *extra_args]
+    env = dict(os.environ, VLLM_PLUGINS="kvplug", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", **env_vars)
     with log.open("w") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -3,7 +3,8 @@
 Run by tests/test_vllm_host.py as ``python tests/vllm_llm_run.py MODEL_DIR CONFIG_JSON OUT_JSON``:
 vLLM keeps process-wide state, so each engine gets a fresh interpreter. ``CONFIG_JSON`` names the
 prefix cache (``"native"``: vLLM's own prefix caching, else a kvplug prefix-cache name through
-``KvplugConnector``) and the workload:
+``KvplugConnector``; ``"faulty"``: ``tests.faulty_cache``, its fault in ``extra.prefix_cache_options``)
+and the workload:
 
 - ``identity``: prompts of several hundred tokens sharing a 300-token prefix, submitted together
   and then again; the same token ids under another ``cache_salt``.
@@ -49,6 +50,11 @@ def main() -> None:
     else:  # ~40 blocks of 128 tokens (1 KiB of KV per token), chunked prefill of 256 tokens
         kwargs.update(max_num_seqs=16, kv_cache_memory_bytes=40 * 128 * 1024, max_num_batched_tokens=256,
                       enable_chunked_prefill=True)
+    if config["cache"] == "faulty":  # tests/faulty_cache.py, as an installed plugin would register it
+        from kvplug.plugins import default_manager
+        from tests.faulty_cache import FaultyCachePlugin
+
+        default_manager().register(FaultyCachePlugin(), "faulty-cache-vllm-tests")
     if config["cache"] != "native":
         extra = {"prefix_cache": config["cache"], **config.get("extra", {})}
         kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="KvplugConnector", kv_role="kv_both",

@@ -172,6 +172,22 @@ INTERNALS: tuple[Internal, ...] = (
              "KvplugStatsEndpoint adds GET /kvplug/stats", INTERFACE, "82686de715c61cb3"),
     Internal("vllm.entrypoints.cli.main", "main", CALLED, "python -m kvplug_vllm.launch runs vLLM's CLI",
              PARAMETERS, ""),
+    # ---- KV events (--kv-events-config): kvplug's cache changes through vLLM's publisher
+    Internal(f"{_CONNECTOR}.v1.base.KVConnectorBase_V1", "take_events", OVERRIDDEN,
+             "hands kvplug's KV events to the scheduler once per step", PARAMETERS, "self"),
+    Internal("vllm.v1.core.sched.scheduler.Scheduler", "update_from_output", READ,
+             "publishes the connector's take_events with the manager's events, each step", SOURCE,
+             "3c9751a0424f8f2f"),
+    Internal(_POOL, "reset_prefix_cache", READ, "reports AllBlocksCleared itself when events are on", SOURCE,
+             "352262f98d0c7660"),
+    Internal("vllm.distributed.kv_events", "BlockStored", CALLED, "kvplug's stored pages as vLLM's event",
+             FIELDS, "block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name"),
+    Internal("vllm.distributed.kv_events", "BlockRemoved", CALLED, "kvplug's evicted pages as vLLM's event",
+             FIELDS, "block_hashes, medium"),
+    Internal("vllm.distributed.kv_events", "AllBlocksCleared", CALLED, "a quarantine clears what kvplug published",
+             INTERFACE, "e3b0c44298fc1c14"),
+    Internal("vllm.config", "VllmConfig", READ, "whether KV events are on", FIELDS, "kv_events_config"),
+    Internal("vllm.config", "KVEventsConfig", READ, "whether KV events are on", FIELDS, "enable_kv_cache_events"),
 )
 
 

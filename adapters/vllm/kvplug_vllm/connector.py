@@ -11,7 +11,9 @@ Selected with::
   scheduler's ``KVCacheManager`` (``prefix_caching``). Hits are then *local* hits of vLLM's own
   manager (blocks already in the KV pool), so the connector reports no external tokens and builds
   empty metadata; ``get_kv_connector_stats`` carries kvplug's counters into vLLM's stats pipeline
-  (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``).
+  (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``), with the quarantine of a
+  faulty plugin (``quarantine``); ``take_events`` hands kvplug's KV events to vLLM's publisher
+  when ``--kv-events-config`` enables them (``kv_events``).
 - worker: nothing to load or save (no host tier yet: ``host_memory`` is refused at startup).
 
 Configuration errors (unknown prefix-cache name or option, ``host_memory``, an unsupported vLLM)
@@ -108,6 +110,7 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         self._factory()  # a wrong name or option fails here, at startup, naming what exists
         self._prefixes: Optional["RequestPrefixes"] = None
         self._reported: Optional[dict[str, Any]] = None
+        self._events: Any = None  # kv_events.VLLMEventRecorder when --kv-events-config enables events
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -120,7 +123,12 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         num_blocks = kv_cache_manager.block_pool.num_gpu_blocks
         self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)
-        self._prefixes = install(kv_cache_manager, self._factory)
+        events = self._vllm_config.kv_events_config
+        if events is not None and events.enable_kv_cache_events:  # vLLM publishes what take_events returns
+            from kvplug_vllm.kv_events import VLLMEventRecorder
+
+            self._events = VLLMEventRecorder()
+        self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache, self._events)
         logger.info("kvplug prefix cache %r is vLLM's prefix cache (%d blocks of %d tokens)",
                     self.settings.prefix_cache, num_blocks, self.block_size)
 
@@ -140,6 +148,10 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         return False, None
 
+    def take_events(self) -> list:
+        """kvplug's KV events since the last step, as vLLM's (``kv_events``); vLLM publishes them."""
+        return self._events.take() if self._events is not None else []
+
     def reset_cache(self) -> Optional[bool]:
         # the scheduler resets its KVCacheManager (kvplug's cache with it) before asking the connector
         return self._prefixes is None or self._prefixes.cache.cached_tokens == 0
@@ -152,7 +164,8 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         pool = self._kv_cache_manager.block_pool if self._kv_cache_manager is not None else None
         stats = cache.stats
         return {
-            "prefix_cache": self.settings.prefix_cache,
+            "prefix_cache": cache.name,
+            **cache.quarantine.as_dict(),
             "block_size": cache.block_size,
             "num_blocks": pool.num_gpu_blocks if pool is not None else 0,
             "free_blocks": pool.free_block_queue.num_free_blocks if pool is not None else 0,

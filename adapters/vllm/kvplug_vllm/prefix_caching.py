@@ -23,6 +23,8 @@ counts, the free queue, the block table, preemption) and move the prefix index t
   free queue is short; ``cache_full_blocks`` / ``cache_partial_block`` do nothing, so vLLM's hash
   index stays empty.
 - ``reset_prefix_cache`` empties kvplug's cache (refused, as vLLM's own, while a request runs).
+- a plugin that faults is quarantined at its first fault (``quarantine``): the call runs again on
+  ``naive``, no request fails.
 
 Conservation (checked by ``check_conservation``): every block is free, held by kvplug alone
 (evictable), or referenced by requests (kvplug's locked entries among them).
@@ -85,8 +87,7 @@ class RequestPrefixes:
                 f"vLLM admitted request {request.request_id!r} with {num_new_computed_tokens} cached tokens that "
                 f"kvplug's prefix cache did not report ({known.match.num_tokens if known else 0} matched)"
             )
-        self.cache.lock(known.match)
-        self._held[request.request_id] = known.match
+        self._held[request.request_id] = self.cache.lock(known.match)
         return known.match
 
     def admitted(self, request: Any, match: BlockMatch, allocated: bool) -> None:
@@ -95,8 +96,7 @@ class RequestPrefixes:
             self.cache.count_hit(match.num_tokens)
             self._lookups.pop(request.request_id, None)
         else:
-            del self._held[request.request_id]
-            self.cache.unlock(match)
+            self.cache.unlock(self._held.pop(request.request_id))
 
     def checkpoint(self, request: Any, blocks: list) -> None:
         """Cache ``request``'s computed whole blocks not cached by it yet, moving its lock onto them:
@@ -116,11 +116,11 @@ class RequestPrefixes:
             return
         self._offered[rid] = len(block_ids)
         inserted = self.cache.insert(namespace_of(request), request.all_token_ids, block_ids)
-        self.cache.lock(inserted)
+        locked = self.cache.lock(inserted)
         held = self._held.pop(rid, None)
         if held is not None:
             self.cache.unlock(held)
-        self._held[rid] = inserted
+        self._held[rid] = locked
 
     def release(self, request: Any, blocks: list) -> None:
         """Before vLLM frees ``request``: cache its computed whole blocks, then drop its lock."""
@@ -142,7 +142,8 @@ class KvplugBlockPool(BlockPool):
     _kvplug: BlockPrefixCache
 
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks + self._kvplug.evictable_blocks
+        evictable = self._kvplug.evictable_blocks  # first: a quarantine here moves blocks to the free queue
+        return self.free_block_queue.num_free_blocks + evictable
 
     def get_new_blocks(self, num_blocks: int) -> list:
         shortage = num_blocks - self.free_block_queue.num_free_blocks
@@ -215,11 +216,13 @@ class KvplugKVCacheManager(KVCacheManager):
         cache.check_integrity()
 
 
-def install(manager: KVCacheManager, cache_factory: Any) -> RequestPrefixes:
+def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cache",
+            listener: Any = None) -> RequestPrefixes:
     """Make ``manager`` (a plain ``KVCacheManager``) and its pool use kvplug's prefix cache.
 
     ``cache_factory()`` builds one empty kvplug prefix cache with the manager's block size as its
-    page size. Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid models,
+    page size; ``name`` is its registered name (a faulty one is quarantined: ``quarantine``);
+    ``listener`` gets every cache's kvplug KV events (``kv_events``; ``None``: events off). Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid models,
     another manager or pool class) before changing anything.
     """
     if type(manager) is not KVCacheManager or type(manager.block_pool) is not BlockPool:
@@ -241,6 +244,8 @@ def install(manager: KVCacheManager, cache_factory: Any) -> RequestPrefixes:
         block_size,
         take_refs=lambda ids: pool.touch([pool.blocks[block_id] for block_id in ids]),
         drop_refs=lambda ids: pool.free_blocks([pool.blocks[block_id] for block_id in ids]),
+        name=name,
+        listener=listener,
     )
     prefixes = RequestPrefixes(cache)
     pool.__class__ = KvplugBlockPool
