@@ -60,6 +60,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
     def attach_kv_pool(self, pool) -> None:
         self._host_tier.attach_kv_pool(pool)
 
+    def attach_host_pool(self, pool) -> None:
+        """A host page pool built by the host instead of ``attach_kv_pool`` (see ``HostTier.attach_host_pool``)."""
+        self._host_tier.attach_host_pool(pool)
+
     @property
     def host_size_info(self) -> SizeInfo:
         return SizeInfo(evictable_size=self._host_evictable, protected_size=self._host_protected)
