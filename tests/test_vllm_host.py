@@ -131,3 +131,16 @@ def test_a_bad_host_memory_is_one_startup_error(model_dir: Path, tmp_path: Path,
     done = start_engine(model_dir, "host", "radix", tmp_path / "never.json", {"host_memory": host_memory})
     assert done.returncode != 0 and not (tmp_path / "never.json").exists()
     assert message in done.stderr, done.stderr[-3000:]
+
+
+def test_host_tier_under_preemption_and_chunked_prefill(model_dir: Path, tmp_path: Path) -> None:
+    """The pressure workload with a host tier of 16 pages (it fills up and drops its oldest pages):
+    host hits are loaded into preempted and chunked requests' blocks; tokens identical to native."""
+    native = run_engine(model_dir, "pressure", "native", tmp_path)
+    ours = run_engine(model_dir, "pressure", "radix", tmp_path, {"host_memory": "2MiB"})
+    for round_ours, round_native in zip(ours["rounds"], native["rounds"]):
+        assert round_ours["tokens"] == round_native["tokens"]
+    assert ours["checks"]["preemptions"] > 0 and ours["checks"]["steps"] > 100
+    stats = ours["kvplug"]
+    assert stats["host_pages"] == 16 and stats["host_hits"] > 0 and stats["host_write_backs"] > stats["host_hits"]
+    assert stats["protected_tokens"] == 0 and stats["running_with_hits"] == 0 and stats["host_protected_tokens"] == 0
