@@ -24,8 +24,9 @@ host pages live in the worker). The host tier's page count comes from ``host_mem
 cache's page size, the same in both processes; too small (no page) or beyond free host memory is a
 startup error.
 
-Configuration errors (unknown prefix-cache name or option, ``host_memory``, an unsupported vLLM)
-are raised from the constructor, which vLLM calls while starting the engine: one startup error.
+Configuration errors (unknown prefix-cache name or option, a ``host_memory`` that is unreadable,
+below one page or beyond free host memory, an unsupported vLLM) are raised from the constructor,
+which vLLM calls while starting the engine: one startup error.
 """
 
 from __future__ import annotations
