@@ -147,3 +147,15 @@ def test_recorded_copies_bring_back_the_evicted_tokens(seed: int) -> None:
     held = sum(space.cache.host_size_info.evictable_size + space.cache.tier_stats().host_copy_tokens
                for space in cache.spaces()) // BLOCK
     assert held + pool.num_free_pages == num_pages
+
+
+def test_a_host_pool_is_attached_once_and_of_the_cache_page_size() -> None:
+    settings = parse_settings({"prefix_cache": "radix", "host_memory": 1 << 20})
+    cache = prefix_cache_factory(settings, BLOCK, 8)()
+    with pytest.raises(InvalidArgumentError, match="page_size=4"):
+        cache.attach_host_pool(RecordedHostPool(4, BLOCK * 2, 64).share())
+    cache.attach_host_pool(RecordedHostPool(4, BLOCK, 64).share())
+    with pytest.raises(InvalidArgumentError, match="already has a host pool"):
+        cache.attach_host_pool(RecordedHostPool(4, BLOCK, 64).share())
+    with pytest.raises(InvalidArgumentError, match=r"takes no options, got \[.host_memory.\]"):
+        prefix_cache_factory(parse_settings({"prefix_cache": "naive", "host_memory": 1 << 20}), BLOCK, 8)()
