@@ -67,7 +67,8 @@ def test_general_plugin_registration_is_idempotent() -> None:
 @pytest.mark.parametrize(
     ("extra", "pattern"),
     [
-        ({"prefix_cache": "radix", "host_memory": "4GiB"}, "host_memory='4GiB' asks for kvplug's host-memory tier"),
+        ({"prefix_cache": "radix", "host_memory": "lots"}, "host_memory must be bytes or a size like"),
+        ({"host_memory": "1GiB", "prefix_cache_options": {"host_memory": "1GiB"}}, "give host_memory once"),
         ({"prefix_cach": "radix"}, r"unknown kv_connector_extra_config key\(s\) \['prefix_cach'\]"),
         ({"prefix_cache": ""}, "prefix_cache must be a kvplug prefix-cache name"),
         ({"prefix_cache_options": ["x"]}, "prefix_cache_options must be a JSON object"),

@@ -142,6 +142,34 @@ def test_vllm_serve_on_kvplug_radix(model_dir: Path, tmp_path: Path) -> None:
     assert "kvplug-vllm supports vLLM" not in log.read_text(errors="replace")  # the gate passed in every process
 
 
+def test_vllm_serve_with_kvplug_host_memory(model_dir: Path, tmp_path: Path) -> None:
+    """A pool of 20 blocks: ten prompts of 3 whole blocks evict the first one, which then comes back from kvplug's
+    host tier (scheduler and worker in their own processes: the copies cross in vLLM's metadata)."""
+    port, log = free_port(), tmp_path / "serve-host.log"
+    process = start(model_dir, port, connector_config(prefix_cache="radix", host_memory="4MiB"), log,
+                    kv_cache_bytes=20 * 128 * 1024)
+    try:
+        wait_ready(process, port, log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        rng = random.Random(5)
+        prompts = [[rng.randrange(256) for _ in range(400)] for _ in range(10)]
+        first = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0) for p in prompts]
+        again = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0)
+        assert again.choices[0].text == first[0].choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens == 384  # 3 whole blocks, loaded from host memory
+        deadline, engine = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            engine = get_json(port, "/kvplug/stats")["engines"].get("0", {})
+            if engine.get("host_hits", 0) >= 1:
+                break
+            time.sleep(0.5)
+        assert engine["host_hits"] >= 1 and engine["host_hit_tokens"] >= 384, engine
+        assert engine["host_write_backs"] > 0 and engine["host_pages"] == 32
+    finally:
+        status = stop(process, log) if process.poll() is None else process.returncode
+    assert status == 0, f"vllm serve exited with {status} after SIGTERM:\n{tail(log)}"
+
+
 def test_vllm_serve_refuses_an_unknown_prefix_cache(model_dir: Path, tmp_path: Path) -> None:
     port, log = free_port(), tmp_path / "serve-bad.log"
     process = start(model_dir, port, connector_config(prefix_cache="no-such-cache"), log)

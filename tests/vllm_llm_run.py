@@ -11,6 +11,9 @@ and the workload:
 - ``pressure``: many long prompts sharing prefixes through a pool of a few dozen blocks, chunked
   prefill with a small token budget: vLLM preempts and kvplug evicts. With kvplug, block
   conservation is checked after every scheduling step.
+- ``host``: 16 prompts with their own 3-block heads through a pool of 40 blocks, then again: with
+  ``host_memory`` (``CONFIG_JSON``'s ``extra``) the first round's prefixes, evicted from the pool,
+  come back from kvplug's host tier in the second.
 
 Greedy sampling in float32 on the CPU, so token ids are exact and comparable across runs.
 """
@@ -31,6 +34,9 @@ def prompts(workload: str) -> list[dict]:
         shared = [rng.randrange(256) for _ in range(300)]
         return [{"prompt_token_ids": shared + [rng.randrange(256) for _ in range(rng.randrange(40, 260))]}
                 for _ in range(6)]
+    if workload == "host":
+        return [{"prompt_token_ids": [rng.randrange(256) for _ in range(384 + rng.randrange(1, 60))]}
+                for _ in range(16)]
     heads = [[rng.randrange(256) for _ in range(rng.choice((130, 260)))] for _ in range(3)]
     return [{"prompt_token_ids": rng.choice(heads) + [rng.randrange(256) for _ in range(rng.randrange(10, 140))]}
             for _ in range(16)]
@@ -47,6 +53,8 @@ def main() -> None:
                   enable_prefix_caching=True, seed=0, enforce_eager=True)
     if workload == "identity":
         kwargs.update(max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+    elif workload == "host":  # 40 blocks of 128 tokens (1 KiB of KV per token)
+        kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=40 * 128 * 1024)
     else:  # ~40 blocks of 128 tokens (1 KiB of KV per token), chunked prefill of 256 tokens
         kwargs.update(max_num_seqs=16, kv_cache_memory_bytes=40 * 128 * 1024, max_num_batched_tokens=256,
                       enable_chunked_prefill=True)
@@ -81,7 +89,7 @@ def main() -> None:
             return output
 
         scheduler.schedule = checked_schedule
-    params = SamplingParams(temperature=0, max_tokens=12 if workload == "identity" else 240, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens={"identity": 12, "host": 8}.get(workload, 240), ignore_eos=True)
     batch = prompts(workload)
     rounds = []
     for _ in range(2):

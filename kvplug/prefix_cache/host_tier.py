@@ -108,6 +108,19 @@ class HostTier(TierPolicy):
             )
         self.pool = HostKVPool(kv_buffer, int(num_pages))
 
+    def attach_host_pool(self, pool) -> None:
+        """Use ``pool``, built by the host, as the host page pool: a host whose KV bytes live in
+        another process (vLLM's workers) passes one that records the copies it is asked for."""
+        if self.pool is not None:
+            raise InvalidArgumentError("this tiered cache already has a host pool attached")
+        if getattr(pool, "page_size", None) != self.tree.page_size or getattr(pool, "num_pages", 0) < 1:
+            raise InvalidArgumentError(
+                f"expected a host pool of page_size={self.tree.page_size} with at least one page, got "
+                f"{type(pool).__name__} of page_size={getattr(pool, 'page_size', None)}, "
+                f"num_pages={getattr(pool, 'num_pages', None)}"
+            )
+        self.pool = pool
+
     def stats(self, host_sizes: SizeInfo) -> TierStats:
         pool = self.pool
         return TierStats(

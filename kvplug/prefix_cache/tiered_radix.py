@@ -87,6 +87,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         link = self._host_tier.remote
         return link.remote if link is not None else None
 
+    def attach_host_pool(self, pool) -> None:
+        """A host page pool built by the host instead of ``attach_kv_pool`` (see ``HostTier.attach_host_pool``)."""
+        self._host_tier.attach_host_pool(pool)
+
     @property
     def host_size_info(self) -> SizeInfo:
         return SizeInfo(evictable_size=self._host_evictable, protected_size=self._host_protected)

@@ -254,6 +254,12 @@ class BlockPrefixCache:
             self.epoch += 1
         return BlockMatch(space, result.handle, kept * self.block_size, tuple(block_ids[:kept]), cache)
 
+    def adopt_loaded(self, block_ids: Sequence[int]) -> None:
+        """A host load made ``block_ids`` cached blocks of kvplug's (the tiered tree holds them now)."""
+        if block_ids:
+            self._take_refs(block_ids)
+            self.epoch += 1
+
     # ------------------------------------------------------------------ eviction and sizes
     def _sizes(self, field: str) -> int:
         return sum(getattr(space.cache.size_info, field) for space in self._spaces.values())

@@ -14,10 +14,21 @@ Selected with::
   (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``), with the quarantine of a
   faulty plugin (``quarantine``); ``take_events`` hands kvplug's KV events to vLLM's publisher
   when ``--kv-events-config`` enables them (``kv_events``).
-- worker: nothing to load or save (no host tier yet: ``host_memory`` is refused at startup).
+- worker: nothing to load or save without a host tier.
 
-Configuration errors (unknown prefix-cache name or option, ``host_memory``, an unsupported vLLM)
-are raised from the constructor, which vLLM calls while starting the engine: one startup error.
+With ``host_memory`` (kvplug's host-memory tier, ``radix`` only): the tiered radix tree runs in
+the scheduler and records the copies it decides (``host_copies``): write-backs of blocks kvplug
+evicts, loads of host hits. A host hit is vLLM's *external* hit: ``get_num_new_matched_tokens``
+reports it, ``update_state_after_alloc`` loads it into the blocks vLLM allocated
+(``host_prefixes``), ``build_connector_meta`` ships the step's copies and marks the step as having
+sync loads, so the worker makes them in ``start_load_kv`` before the forward (``host_tier``: the
+host pages live in the worker). The host tier's page count comes from ``host_memory`` and the KV
+cache's page size, the same in both processes; too small (no page) or beyond free host memory is a
+startup error.
+
+Configuration errors (unknown prefix-cache name or option, a ``host_memory`` that is unreadable,
+below one page or beyond free host memory, an unsupported vLLM) are raised from the constructor,
+which vLLM calls while starting the engine: one startup error.
 """
 
 from __future__ import annotations
@@ -34,11 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvplug.interface import BasePrefixCache
+from kvplug.interface import BasePrefixCache, BaseTieredPrefixCache, InvalidArgumentError
+from kvplug.memory.host_tier_size import host_tier_pages
 from kvplug.plugins import default_manager
 from kvplug.prefix_cache.checked import CheckedPrefixCache
 
 from kvplug_vllm.compat import require_supported_vllm
+from kvplug_vllm.host_copies import HostCopy, RecordedHostPool
 from kvplug_vllm.attention_registration import check_attention_selection
 from kvplug_vllm.settings import KvplugSettings, parse_settings
 
@@ -49,6 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvplug_vllm.host_prefixes import HostPrefixes
+    from kvplug_vllm.host_tier import WorkerHostTier
     from kvplug_vllm.prefix_caching import RequestPrefixes
 
 logger = logging.getLogger(__name__)
@@ -58,8 +73,12 @@ CONNECTOR_NAME = "KvplugConnector"
 STATS_KEY = "kvplug"
 
 
+@dataclass
 class KvplugConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker metadata: empty (kvplug's hits are blocks already in vLLM's pool)."""
+    """Scheduler -> worker metadata: the host tier's copies of this step, in order (empty without
+    a host tier: kvplug's device hits are blocks already in vLLM's pool)."""
+
+    host_copies: tuple[HostCopy, ...] = ()
 
 
 @dataclass
@@ -80,14 +99,25 @@ class KvplugConnectorStats(KVConnectorStats):
         return not self.data
 
 
-def prefix_cache_factory(settings: KvplugSettings, block_size: int, num_blocks: int) -> Callable[[], BasePrefixCache]:
+def prefix_cache_factory(settings: KvplugSettings, block_size: int, num_blocks: int,
+                         host_pool: Optional[RecordedHostPool] = None) -> Callable[[], BasePrefixCache]:
     """A factory of empty kvplug prefix caches for vLLM blocks of ``block_size`` tokens; a cache that
-    does not declare itself ``trusted`` is wrapped in kvplug's ``CheckedPrefixCache``."""
+    does not declare itself ``trusted`` is wrapped in kvplug's ``CheckedPrefixCache``. With
+    ``settings.host_memory`` each cache is a tiered one, on a share of ``host_pool`` when given."""
     manager = default_manager()
+    options = dict(settings.prefix_cache_options)
+    if settings.host_memory is not None:
+        options["host_memory"] = settings.host_memory
 
     def factory() -> BasePrefixCache:
-        cache = manager.create_prefix_cache(settings.prefix_cache, device="cpu", page_size=block_size,
-                                            **settings.prefix_cache_options)
+        cache = manager.create_prefix_cache(settings.prefix_cache, device="cpu", page_size=block_size, **options)
+        if settings.host_memory is not None:
+            if not isinstance(cache, BaseTieredPrefixCache) or not hasattr(cache, "attach_host_pool"):
+                raise InvalidArgumentError(
+                    f"KvplugConnector: host_memory needs a tiered prefix cache (radix); prefix_cache="
+                    f"{settings.prefix_cache!r} built {type(cache).__name__}")
+            if host_pool is not None:
+                cache.attach_host_pool(host_pool.share())
         if getattr(cache, "trusted", False):
             return cache
         return CheckedPrefixCache(cache, num_pages=num_blocks, page_size=block_size, name=settings.prefix_cache)
@@ -111,6 +141,16 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         self._prefixes: Optional["RequestPrefixes"] = None
         self._reported: Optional[dict[str, Any]] = None
         self._events: Any = None  # kv_events.VLLMEventRecorder when --kv-events-config enables events
+        self._host: Optional["HostPrefixes"] = None  # scheduler side of the host tier
+        self._worker_tier: Optional["WorkerHostTier"] = None  # worker side
+        self._host_page_bytes = self._host_pages = 0
+        if self.settings.host_memory is not None:
+            self._host_page_bytes, self._host_pages = host_tier_size(self.settings.host_memory, kv_cache_config)
+
+    @property
+    def host_tier(self) -> Optional["WorkerHostTier"]:
+        """The worker's host pages (``None`` in the scheduler, or without ``host_memory``)."""
+        return self._worker_tier
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -122,31 +162,52 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
 
         super().bind_kv_cache_manager(kv_cache_manager)
         num_blocks = kv_cache_manager.block_pool.num_gpu_blocks
-        self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks)
+        pool = None
+        if self.settings.host_memory is not None:
+            pool = RecordedHostPool(self._host_pages, self.block_size, self._host_page_bytes)
+        self._factory = prefix_cache_factory(self.settings, self.block_size, num_blocks, pool)
         events = self._vllm_config.kv_events_config
         if events is not None and events.enable_kv_cache_events:  # vLLM publishes what take_events returns
             from kvplug_vllm.kv_events import VLLMEventRecorder
 
             self._events = VLLMEventRecorder()
         self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache, self._events)
+        if pool is not None:
+            from kvplug_vllm.host_prefixes import HostPrefixes
+
+            self._host = HostPrefixes(self._prefixes.cache, self._prefixes, pool)
+            logger.info("kvplug host tier: %d pages of %d bytes (host_memory=%d)", self._host_pages,
+                        self._host_page_bytes, self.settings.host_memory)
         logger.info("kvplug prefix cache %r is vLLM's prefix cache (%d blocks of %d tokens)",
                     self.settings.prefix_cache, num_blocks, self.block_size)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False  # kvplug's hits are local: get_computed_blocks already counted them
+        # device hits are local (get_computed_blocks counted them); host hits are external, loaded in sync
+        if self._host is None:
+            return 0, False
+        return self._host.match(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        return None
+        if self._host is not None:
+            self._host.load(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return KvplugConnectorMetadata()
+        if self._host is None:
+            return KvplugConnectorMetadata()
+        copies = self._host.pool.take_copies()
+        if copies:
+            # write-backs must read reused blocks, and loads land, before this step's forward
+            scheduler_output.has_sync_kv_loads = True
+        return KvplugConnectorMetadata(host_copies=copies)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        if self._host is not None:
+            self._host.forget(request.request_id)
         return False, None
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
-        return False, None
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> list:
         """kvplug's KV events since the last step, as vLLM's (``kv_events``); vLLM publishes them."""
@@ -154,6 +215,8 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> Optional[bool]:
         # the scheduler resets its KVCacheManager (kvplug's cache with it) before asking the connector
+        if self._host is not None and self._prefixes is not None and self._prefixes.cache.cached_tokens == 0:
+            self._host.reset()
         return self._prefixes is None or self._prefixes.cache.cached_tokens == 0
 
     def snapshot(self) -> dict[str, Any]:
@@ -182,7 +245,21 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
             "evicted_tokens": stats.evicted_tokens,
             "evictions": stats.evictions,
             "resets": stats.resets,
+            **(self._host_snapshot() if self._host is not None else {}),
         }
+
+    def _host_snapshot(self) -> dict[str, Any]:
+        """The host tier's counters over every namespace's tree (pages, hits, write-backs, loads)."""
+        snapshot: dict[str, Any] = {"host_memory": self.settings.host_memory, **self._host.snapshot()}
+        totals: dict[str, int] = {}
+        for space in self._prefixes.cache.spaces():
+            tier = space.cache.tier_stats()
+            for key in ("write_backs", "written_tokens", "loads", "loaded_tokens", "host_dropped_tokens",
+                        "host_evictable_tokens", "host_protected_tokens", "reused_copy_tokens"):
+                totals[key] = totals.get(key, 0) + int(getattr(tier, key))
+        snapshot.update({f"host_{key}" if not key.startswith("host_") else key: value
+                         for key, value in totals.items()})
+        return snapshot
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._prefixes is None:
@@ -197,9 +274,20 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
         return KvplugConnectorStats(data=dict(data or {}))
 
-    # ------------------------------------------------------------------ worker side: nothing to move
+    # ------------------------------------------------------------------ worker side: the host tier's copies
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.settings.host_memory is None:
+            return
+        from kvplug_vllm.host_tier import WorkerHostTier
+
+        self._worker_tier = WorkerHostTier(kv_caches, self._kv_cache_config.num_blocks, self._host_pages)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
+        if self._worker_tier is None or not self.has_connector_metadata():
+            return None
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, KvplugConnectorMetadata) and metadata.host_copies:
+            self._worker_tier.apply(metadata.host_copies)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -209,3 +297,14 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def host_tier_size(host_memory: int, kv_cache_config: Optional["KVCacheConfig"]) -> tuple[int, int]:
+    """``(bytes per host page, host pages)`` for vLLM's KV cache: a page is one block of every
+    layer's K and V; ``host_tier_pages`` refuses no page or more than free host memory."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        raise InvalidArgumentError(
+            f"KvplugConnector: host_memory needs one KV cache group (all layers full attention), got {len(groups)}")
+    page_bytes = groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names)
+    return page_bytes, host_tier_pages(host_memory, page_bytes)

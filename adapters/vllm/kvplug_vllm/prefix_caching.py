@@ -98,6 +98,13 @@ class RequestPrefixes:
         else:
             self.cache.unlock(self._held.pop(request.request_id))
 
+    def hold(self, request: Any, match: BlockMatch) -> None:
+        """``match`` (locked by the caller) is ``request``'s prefix now: a host load extended it."""
+        held = self._held.pop(request.request_id, None)
+        if held is not None:
+            self.cache.unlock(held)
+        self._held[request.request_id] = match
+
     def checkpoint(self, request: Any, blocks: list) -> None:
         """Cache ``request``'s computed whole blocks not cached by it yet, moving its lock onto them:
         a request sharing the prefix can hit it while this one still runs (vLLM caches at this

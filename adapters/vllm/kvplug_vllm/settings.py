@@ -9,7 +9,9 @@ The user's spelling::
 third-party plugin's), ``prefix_cache_options`` are the keyword options its factory takes. Every
 problem is one ``InvalidArgumentError`` that names what is accepted; building one cache of the
 named kind at startup also proves the name and options (``kvplug.UnknownComponentError`` lists
-the names that exist and their plugins).
+the names that exist and their plugins). ``host_memory`` (bytes or ``"4GiB"``) adds kvplug's
+host-memory tier under a tiered cache (``radix``); whether it holds at least one page and fits in
+free host memory is checked once the KV cache's page size is known (the connector).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from kvplug.interface import InvalidArgumentError
+from kvplug.memory.capacity import parse_memory_size
 
 KNOWN_KEYS = ("prefix_cache", "prefix_cache_options", "host_memory", "attention")
 DEFAULT_PREFIX_CACHE = "radix"
@@ -31,16 +34,19 @@ class KvplugSettings:
     Attributes:
         prefix_cache: the kvplug prefix-cache name.
         prefix_cache_options: keyword options for its factory.
+        host_memory: bytes of kvplug's host-memory tier (``None``: no tier).
     """
 
     prefix_cache: str = DEFAULT_PREFIX_CACHE
     prefix_cache_options: Mapping[str, Any] = field(default_factory=dict)
+    host_memory: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_cache_options", MappingProxyType(dict(self.prefix_cache_options)))
 
     def to_json(self) -> dict[str, Any]:
-        return {"prefix_cache": self.prefix_cache, "prefix_cache_options": dict(self.prefix_cache_options)}
+        return {"prefix_cache": self.prefix_cache, "prefix_cache_options": dict(self.prefix_cache_options),
+                "host_memory": self.host_memory}
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> KvplugSettings:
@@ -51,13 +57,16 @@ def parse_settings(extra: Mapping[str, Any] | None) -> KvplugSettings:
         raise InvalidArgumentError(
             f"KvplugConnector: unknown kv_connector_extra_config key(s) {unknown}; accepted: {list(KNOWN_KEYS)}"
         )
-    if extra.get("host_memory") not in (None, "", 0, "0"):
-        # refused rather than ignored: a user asking for a host tier must not silently run without one
-        raise InvalidArgumentError(
-            f"KvplugConnector: host_memory={extra['host_memory']!r} asks for kvplug's host-memory tier, which "
-            "kvplug-vllm does not provide yet (its scheduler-side index and worker-side copies are not built); "
-            "remove host_memory to run kvplug's prefix cache on vLLM's KV blocks only"
-        )
+    host_memory = extra.get("host_memory")
+    if host_memory in (None, "", 0, "0"):
+        host_memory = None
+    else:
+        try:
+            host_memory = parse_memory_size(host_memory)
+        except (InvalidArgumentError, TypeError, ValueError) as error:
+            raise InvalidArgumentError(
+                f"KvplugConnector: host_memory must be bytes or a size like \"4GiB\", got {extra['host_memory']!r}: "
+                f"{error}") from error
     name = extra.get("prefix_cache", DEFAULT_PREFIX_CACHE)
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError(
@@ -68,4 +77,6 @@ def parse_settings(extra: Mapping[str, Any] | None) -> KvplugSettings:
         raise InvalidArgumentError(
             f"KvplugConnector: prefix_cache_options must be a JSON object of keyword options, got {options!r}"
         )
-    return KvplugSettings(prefix_cache=name, prefix_cache_options=options)
+    if host_memory is not None and "host_memory" in options:
+        raise InvalidArgumentError("KvplugConnector: give host_memory once, not also in prefix_cache_options")
+    return KvplugSettings(prefix_cache=name, prefix_cache_options=options, host_memory=host_memory)
