@@ -94,7 +94,7 @@ class HostPrefixes:
         space.cache.lock_handle(handle)
         space.cache.lock_handle(pending.host_handle, unlock=True)
         total = pending.device_tokens + pending.host_tokens
-        self.prefixes.hold(request, BlockMatch(space, handle, total, tuple(block_ids[: total // block_size])))
+        self.prefixes.hold(request, BlockMatch(space, handle, total, tuple(block_ids[: total // block_size]), space.cache))
         self.host_hits += 1
         self.host_hit_tokens += pending.host_tokens
 
