@@ -54,4 +54,4 @@ PY
 
 phase "environment ready; tests"
 exec "$py" -m pytest -q -p no:cacheprovider tests/test_vllm_compat.py tests/test_vllm_host.py tests/test_vllm_server.py \
-    tests/test_vllm_cache_faults.py tests/test_vllm_kv_events.py
+    tests/test_vllm_cache_faults.py tests/test_vllm_kv_events.py tests/test_vllm_readme.py

@@ -20,7 +20,9 @@ from tests.serve_process import free_port, kvplug_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = ["README.md", "adapters/transformers/README.md", "adapters/sglang/README.md",
-             "examples/third_party_plugin/README.md"]
+             "examples/third_party_plugin/README.md", "docs/design.md", "docs/remote-kv.md"]
+# snippets that need vLLM run with vLLM's interpreter: tests/test_vllm_readme.py
+VLLM_DOCUMENTS = ["adapters/vllm/README.md"]
 EXAMPLES = sorted(path.name for path in (REPO / "examples").glob("*.py"))
 SKIP_MARKER = re.compile(r"^<!--\s*snippet:\s*skip:\s*(?P<reason>\S.*?)\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
@@ -71,10 +73,16 @@ def test_the_markdown_has_the_snippets_this_test_expects():
     # without a reason (or one not right before a fence) does not count as a skip
     assert len(SNIPPETS) >= 5, SNIPPETS
     assert any(s.skip_reason is None for s in SNIPPETS) and any(s.skip_reason for s in SNIPPETS)
-    for document in DOCUMENTS:
+    for document in DOCUMENTS + VLLM_DOCUMENTS:
         text = (REPO / document).read_text()
         markers = text.count("<!-- snippet: skip")
-        assert markers == sum(1 for s in SNIPPETS if s.document == document and s.skip_reason), document
+        snippets = python_snippets(document)
+        assert markers == sum(1 for s in snippets if s.skip_reason), document
+    # every Markdown file with a python fence is run here or in tests/test_vllm_readme.py
+    fenced = {str(path.relative_to(REPO)) for path in REPO.glob("**/*.md")
+              if ".venv" not in path.parts and "```python" in path.read_text()}
+    assert fenced <= set(DOCUMENTS + VLLM_DOCUMENTS), sorted(fenced - set(DOCUMENTS + VLLM_DOCUMENTS))
+    assert python_snippets("adapters/vllm/README.md")
 
 
 @pytest.mark.parametrize(

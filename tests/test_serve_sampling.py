@@ -193,3 +193,71 @@ def test_stop_strings_end_the_text_before_them(client, greedy_references, stream
                                           stop=stop)
         assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "stop"
         assert reply.usage.completion_tokens < MAX_TOKENS
+
+
+@pytest.fixture(scope="module", params=["sampling", "greedy"], ids=["sampling-checkpoint", "greedy-checkpoint"])
+def native_server(request, checkpoint, cache_dir, tmp_path_factory):
+    """``--kv-backend native`` (transformers' own cache, one sampling setting for the worker) on
+    the sampling checkpoint and on the embedded greedy one: ``(port, checkpoint kind)``."""
+    for module in ("fastapi", "uvicorn"):
+        pytest.importorskip(module)
+    from kvplug_transformers.embedded_model import ensure_embedded_model
+
+    model = checkpoint if request.param == "sampling" else ensure_embedded_model(cache_dir)
+    port, log = free_port(), tmp_path_factory.mktemp("serve-native") / "serve.log"
+    process = start(
+        ["-m", "kvplug", "serve", str(model), "--port", str(port), "--kv-backend", "native", "--kv-memory", "4MiB",
+         "--max-seq-len", "256", "--log-level", "warning"],
+        cache_dir, log,
+    )
+    wait_ready(process, port, log)
+    yield port, request.param
+    code, _ = stop(process)
+    assert code == 0, log.read_text()[-4000:]
+
+
+def _native_post(port: int, body: dict) -> tuple[int, dict]:
+    return post(port, "/v1/completions", json.dumps({"prompt": "The quick brown fox", "max_tokens": 4, **body}).encode())
+
+
+NATIVE_SERVED = {
+    # what the worker does anyway: the checkpoint's own settings, or fields that play no part
+    "sampling": [{}, {"temperature": 0.9, "top_p": 0.95, "top_k": 50}, {"frequency_penalty": 0, "stop": []},
+                 {"min_p": 0, "repetition_penalty": 1}],
+    "greedy": [{}, {"temperature": 0}, {"temperature": 0, "top_p": 0.5, "top_k": 5, "seed": 3},
+               {"top_k": -1, "min_p": 0, "frequency_penalty": 0, "presence_penalty": 0}],
+}
+NATIVE_REFUSED = {
+    "sampling": [({"temperature": 0}, "temperature"), ({"temperature": 0.5}, "temperature"), ({"top_p": 0.5}, "top_p"),
+                 ({"top_k": -1}, "top_k"), ({"seed": 7}, "seed"), ({"min_p": 0.1}, "min_p")],
+    "greedy": [({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"),
+               ({"repetition_penalty": 1.3, "temperature": 0}, "repetition_penalty")],
+    "both": [({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 0.3}, "presence_penalty"),
+             ({"stop": ["fox"]}, "stop"), ({"logit_bias": {"5": 1}}, "logit_bias")],
+}
+
+
+def test_native_serves_what_its_worker_does_anyway(native_server):
+    """The checkpoint's own settings, and fields that play no part (top_p with temperature 0 on a
+    greedy checkpoint, vLLM's "off" values), are served."""
+    port, kind = native_server
+    for body in NATIVE_SERVED[kind]:
+        status, reply = _native_post(port, body)
+        assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop"), (body, reply)
+
+
+def test_native_refuses_other_sampling_naming_the_field_and_the_way_out(native_server):
+    """transformers' continuous batching samples every request with the worker's one config: any
+    other sampling is a 400 in OpenAI's shape naming the field the client sent (not transformers'
+    translation of it), the server's setting and ``--kv-backend kvplug``; never served with
+    settings the request did not ask for (``temperature: 0`` on a sampling checkpoint included)."""
+    port, kind = native_server
+    setting = "temperature 0.9, top_p 0.95, top_k 50" if kind == "sampling" else "(greedy)"
+    for body, param in NATIVE_REFUSED[kind] + NATIVE_REFUSED["both"]:
+        status, reply = _native_post(port, body)
+        assert status == 400, (body, reply)
+        error = reply["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, reply)
+        message = error["message"]
+        assert message.startswith(f"{param} ") and "--kv-backend kvplug" in message, message
+        assert setting.strip("()") in message and "repetition_penalty 1.5" not in message, message

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 from typing import Any, Callable
 
+from kvplug_transformers.native_sampling import NativeSampling
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
@@ -23,9 +24,6 @@ from kvplug_transformers.token_id_prompts import TokenIdsProcessor
 
 PROMPT_FIELDS = ("messages", "input", "instructions", "prompt", "suffix", "tools")
 SAMPLING_KEY = "__kvplug_sampling__"  # a checked body's SamplingParams, until handle() registers them
-# native cache only: vLLM's sampling fields beyond OpenAI's, with the values that mean "off"
-# (dropped before transformers sees them)
-VLLM_SAMPLING_EXTRAS = {"top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0)}
 
 
 class GuardedHandler:
@@ -74,15 +72,9 @@ class GuardedHandler:
             self._take_sampling(body)
             self._refuse_unknown_fields(body)
         else:
+            # transformers' native cache: checked before its handler translates the fields
+            NativeSampling.of(self._resolve_model({})[1].generation_config).check(body)
             self._refuse_unknown_fields(body)
-            self._refuse_sampling_on_a_greedy_server(body)
-            value = body.get("presence_penalty")
-            if value is not None and value != 0:
-                raise RequestRefused(
-                    f"presence_penalty {value!r} is not supported with --kv-backend native (transformers' continuous "
-                    "batching applies the model's generation_config.json sampling to every request)",
-                    param="presence_penalty",
-                )
         self._limits.check_text_size(prompt_bytes(body), self._bytes_per_token)
 
     def _take_sampling(self, body: dict) -> None:
@@ -91,39 +83,15 @@ class GuardedHandler:
         applies them (``stop``: ``stop_strings``)."""
         body[SAMPLING_KEY] = request_params(body, self._sampling.defaults, self._sampling.vocab_size)
 
-    def _refuse_sampling_on_a_greedy_server(self, body: dict) -> None:
-        """A greedy server (``do_sample`` false in generation_config.json) would serve ``temperature`` > 0
-        or ``top_p`` < 1 greedily: refused instead of ignored (issue 29 item 2)."""
-        config = self._resolve_model({})[1].generation_config
-        if getattr(config, "do_sample", False) and getattr(config, "temperature", 1.0) != 0:
-            return  # a sampling server: ServerSampling compares the settings when the request runs
-        for name, off in (("temperature", 0), ("top_p", 1)):
-            value = body.get(name)
-            if value is not None and value != off:
-                raise RequestRefused(
-                    f"{name} {value!r} would be ignored: this server decodes every request greedily (do_sample false "
-                    f"in the model's generation_config.json) and transformers' continuous batching does not sample "
-                    f"per request; leave {name} out or send {off}",
-                    param=name,
-                )
-
     def _refuse_unknown_fields(self, body: dict) -> None:
-        """Fields transformers' handler would answer with a 422 in its own shape: vLLM's sampling
-        extras at their neutral value are dropped, everything else is a 400 in OpenAI's shape."""
+        """Fields transformers' handler would answer with a 422 in its own shape are a 400 in
+        OpenAI's (vLLM's sampling extras were taken out of ``body`` before)."""
         params = getattr(self._handler, "_valid_params_class", None)
         known = getattr(params, "__mutable_keys__", None)
         if not known:
             return
         for name in [name for name in body if name not in known and name != SAMPLING_KEY]:
-            if name in VLLM_SAMPLING_EXTRAS and body[name] in VLLM_SAMPLING_EXTRAS[name]:
-                body.pop(name)  # what a client sends to mean "off"
-            elif name in VLLM_SAMPLING_EXTRAS:
-                raise RequestRefused(
-                    f"{name} {body[name]!r} is not supported: transformers' continuous batching applies the model's "
-                    "generation_config.json sampling to every request", param=name,
-                )
-            else:
-                raise RequestRefused(f"unknown field {name!r} for this endpoint", param=name)
+            raise RequestRefused(f"unknown field {name!r} for this endpoint", param=name)
 
     async def handle(self, first: dict, second: dict, request_id: str) -> Any:
         """Answer a checked body; ``first`` and ``second`` are two copies of it (the handler runs
