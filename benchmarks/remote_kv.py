@@ -192,13 +192,13 @@ class Server:
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             choices = json.loads(line[6:]).get("choices") or []
-            if choices and choices[0].get("text"):
+            if choices:  # a token's text may be empty (a byte-level token inside a UTF-8 character)
                 first = first if first is not None else time.perf_counter() - begin
-                text.append(choices[0]["text"])
+                text.append(choices[0].get("text") or "")
         total = time.perf_counter() - begin
         connection.close()
         if first is None:
-            sys.exit(f"remote_kv: {self.name} streamed no text")
+            sys.exit(f"remote_kv: {self.name} streamed no choice")
         return first, total, "".join(text)
 
     def stop(self) -> None:
@@ -244,6 +244,7 @@ def ttft(args: argparse.Namespace, redis_port: int, root: Path) -> dict:
             recompute = servers["recompute"].complete(prompt, args.output_tokens)
             miss = servers["reader"].complete(tokens(args.context_tokens) + questions[trial], args.output_tokens)
             rows.append({"hit_ttft_s": hit[0], "recompute_ttft_s": recompute[0], "store_miss_ttft_s": miss[0],
+                         "hit_total_s": hit[1], "recompute_total_s": recompute[1],
                          "remote_hit_tokens": hit_tokens, "token_identical": hit[2] == recompute[2]})
             print(f"trial {trial}: hit {hit[0] * 1e3:.0f} ms ({hit_tokens} tokens from the store), recompute "
                   f"{recompute[0] * 1e3:.0f} ms, store miss {miss[0] * 1e3:.0f} ms, identical {hit[2] == recompute[2]}")
