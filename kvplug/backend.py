@@ -40,7 +40,7 @@ import torch
 from kvplug.attention.batch import build_attention_batch
 from kvplug.attention.decode_staging import DecodeStager
 from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
-from kvplug.backend_factory import BackendParts, build_parts
+from kvplug.backend_factory import BackendParts, build_parts, remote_kv_options
 from kvplug.backend_stats import BackendStats
 from kvplug.memory.request import BatchLease, check_lease
 from kvplug.cache_guard import CacheGuard, hand_over  # issue 32 seam
@@ -548,6 +548,8 @@ def create_backend(
     prefix_cache_options: Mapping[str, Any] | None = None,
     on_cache_failure: str = "fallback",
     fallback_prefix_cache: str = "naive",
+    remote_kv: Any = None,
+    remote_kv_model: str | None = None,
 ) -> "KVBackend":
     """Build a ``KVBackend``.
 
@@ -578,7 +580,13 @@ def create_backend(
             raises ``PrefixCacheFault`` from then on.
         fallback_prefix_cache: the registered name that takes over after a fault (its own name:
             a fresh instance of the same factory).
+        remote_kv: a shared KV store under the host tier (issue 30): a URL (``"redis://:PASSWORD@HOST:PORT/DB"``,
+            a registered ``kv_store`` scheme) or a ``kvplug.BaseKVStore``. Needs ``prefix_cache="radix"``
+            with ``prefix_cache_options={"host_memory": ...}`` and a CPU pool.
+        remote_kv_model: the model's identity in the store's keys (required with ``remote_kv``):
+            servers of one checkpoint share pages only when they give the same id.
     """
+    prefix_cache_options = remote_kv_options(prefix_cache, prefix_cache_options, remote_kv, remote_kv_model)
     parts = build_parts(
         model_config,
         page_size=page_size,

@@ -154,6 +154,57 @@ def build_parts(
     return BackendParts(shape, pool, tables, allocator, cache, backend, name, guard)
 
 
+def remote_kv_options(
+    prefix_cache: Any, options: Mapping[str, Any] | None, remote_kv: Any, remote_kv_model: Any
+) -> Mapping[str, Any] | None:
+    """``create_backend``'s ``remote_kv`` / ``remote_kv_model`` folded into the radix cache's
+    options (issue 30): the store sits under the host tier, so it is refused without one, and the
+    message never repeats a URL's password."""
+    if remote_kv is None:
+        if remote_kv_model is not None:
+            raise InvalidArgumentError(f"remote_kv_model={remote_kv_model!r} is given without remote_kv")
+        return options
+    given = _describe_store(remote_kv)
+    if prefix_cache != "radix":
+        shown = prefix_cache if isinstance(prefix_cache, str) else type(prefix_cache).__name__
+        raise InvalidArgumentError(
+            f"remote_kv={given} is read and written by the radix cache's host tier: expected "
+            f"prefix_cache='radix', got {shown!r}"
+        )
+    options = dict(options or {})
+    if options.get("host_memory") is None:
+        raise InvalidArgumentError(
+            f"remote_kv={given} sits under the host-memory tier: expected prefix_cache_options with "
+            f"'host_memory' (e.g. {{'host_memory': '32GiB'}}), got prefix_cache_options={_options_keys(options)}"
+        )
+    if options.get("remote_kv") is not None or options.get("remote_kv_model") is not None:
+        raise InvalidArgumentError(
+            f"remote_kv={given} is given twice: expected it either as create_backend's keyword or in "
+            f"prefix_cache_options, got both (prefix_cache_options={_options_keys(options)})"
+        )
+    if not isinstance(remote_kv_model, str) or not remote_kv_model:
+        raise InvalidArgumentError(
+            f"remote_kv={given} needs remote_kv_model, the model's identity in the store's keys: expected a "
+            f"non-empty str, got {remote_kv_model!r}"
+        )
+    options["remote_kv"], options["remote_kv_model"] = remote_kv, remote_kv_model
+    return options
+
+
+def _describe_store(store: Any) -> str:
+    """A store argument as an error message may show it (``***@`` for credentials)."""
+    if isinstance(store, str):
+        from kvplug.interface.kv_store import redact_url
+
+        return repr(redact_url(store))
+    return f"<{type(store).__name__}>"
+
+
+def _options_keys(options: Mapping[str, Any]) -> str:
+    """The options' names, not their values (a value may be a URL with a password)."""
+    return "{" + ", ".join(repr(key) for key in options) + "}"
+
+
 def _num_pages(
     shape: ModelShape, dtype: torch.dtype, page_size: int, tp_size: int, num_pages: int | None, budget: Any
 ) -> int:

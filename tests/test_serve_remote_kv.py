@@ -5,6 +5,7 @@ loads it from the store, and answers as the first did."""
 from __future__ import annotations
 
 import signal
+import urllib.request
 import subprocess
 
 import pytest
@@ -105,3 +106,55 @@ def test_a_second_server_loads_the_first_ones_prefix_from_the_store(server_deps,
             assert after["remote_hit_tokens"] >= 64 and after["remote_errors"] == after["remote_corrupt_pages"] == 0
         finally:
             _stop(second, second_log)
+
+
+def _ask(port, model, prompt, openai):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=4).choices[0].message.content
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+def test_two_live_servers_share_the_store_and_outlive_it(server_deps, cache_dir, tmp_path):  # noqa: F811
+    """Both servers up at once on one store, against a server without it: the second's first
+    request for the first's prefix is a store hit with the recompute's tokens; the store killed
+    mid-run, both keep answering (every request 200, the same tokens) and count the faults."""
+    openai = server_deps
+    topics = ["page tables", "host memory", "RESP pipelining", "BLAKE2b keys", "write-through", "tail latency"]
+    prompts = [f"Topic {number}, {topic}: " + f"describe {topic} again. " * 5 for number, topic in enumerate(topics)]
+    with redis_server("--requirepass", PASSWORD) as (redis_port, redis):
+        url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
+        ports = {name: _free_port() for name in ("reference", "first", "second")}
+        logs = {name: tmp_path / f"{name}.log" for name in ports}
+        reference_args = ["serve", "--port", str(ports["reference"]), "--kv-memory", "1536KiB", "--max-seq-len", "256",
+                          "--page-size", "16", "--max-running-reqs", "2", "--stats-interval", "1"]
+        processes = {"reference": _run_kvplug(reference_args, cache_dir, logs["reference"])}
+        processes.update({name: _serve(ports[name], url, cache_dir, logs[name]) for name in ("first", "second")})
+        try:
+            model = {name: _wait_ready(processes[name], ports[name], logs[name])["model"] for name in ports}["first"]
+            expected = {prompt: _ask(ports["reference"], model, prompt, openai) for prompt in prompts}
+            for prompt in prompts[:4]:  # each pushes earlier ones out of the first's small pool, to the store
+                assert _ask(ports["first"], model, prompt, openai) == expected[prompt]
+            written = _stats(ports["first"])
+            assert written["remote_written_pages"] > 0 and written["remote_errors"] == 0, written
+
+            assert _ask(ports["second"], model, prompts[0], openai) == expected[prompts[0]]  # token-identical
+            hit = _stats(ports["second"])
+            assert hit["host_write_backs"] == 0 and hit["remote_hit_tokens"] >= 64, hit
+            assert hit["remote_errors"] == hit["remote_corrupt_pages"] == 0
+
+            redis.kill()  # mid-run: both servers are up, the first holds prefixes the second has not read
+            redis.wait()
+            for name, prompt in [("second", prompts[1]), ("first", prompts[4]), ("second", prompts[5]),
+                                 ("first", prompts[5]), ("first", prompts[0])]:
+                assert _ask(ports[name], model, prompt, openai) == expected[prompt], (name, prompt)
+            for name in ("first", "second"):
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[name]}/health", timeout=10) as response:
+                    assert response.status == 200
+                after = _stats(ports[name])
+                assert after["remote_errors"] > 0, (name, after)  # the faults are counted, not raised
+                assert after["remote_corrupt_pages"] == 0
+            assert _stats(ports["second"])["remote_hit_tokens"] == hit["remote_hit_tokens"]  # nothing more loaded
+        finally:
+            for name, process in processes.items():
+                _stop(process, logs[name])  # exit 0, no traceback, no password in the log
