@@ -592,6 +592,8 @@ def _chats(port: int, count: int) -> list[tuple[int, dict]]:
 @pytest.mark.parametrize("fault", SERVED_FAULTS)
 def test_a_served_faulty_cache_plugin_is_replaced_and_every_request_is_answered(server_deps, cache_dir, tmp_path,  # noqa: F811
                                                                                 fault):
+    import time
+
     from tests.serve_process import get_json, stop, wait_ready
 
     log = tmp_path / "serve.log"
@@ -600,8 +602,16 @@ def test_a_served_faulty_cache_plugin_is_replaced_and_every_request_is_answered(
         wait_ready(process, port, log)
         replies = _chats(port, 10)
         assert [status for status, _ in replies] == [200] * 10, (replies, log.read_text()[-3000:])
-        status, stats = get_json(port, "/kvplug/stats")
-        assert status == 200 and process.poll() is None
+        deadline = time.monotonic() + 10  # the last reply may precede its request's finish by a step
+        while True:
+            status, stats = get_json(port, "/kvplug/stats")
+            assert status == 200 and process.poll() is None
+            if (stats["running_requests"], stats["in_flight"]) == (0, 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert stats["running_requests"] == 0 and stats["in_flight"] == 0, stats
+        assert stats["used_pages"] == stats["cached_pages"], stats  # no page leaked by the hand-over
+        assert stats["admitted_requests"] == stats["finished_requests"], stats
         guard = stats["cache_guard"]
         assert guard["cache_failures"] >= 1 and guard["prefix_cache"] == "naive" and not guard["stopped"], guard
         status, health = get_json(port, "/health")
