@@ -636,8 +636,9 @@ def test_on_cache_failure_fail_stops_the_server(server_deps, cache_dir, tmp_path
         if process.poll() is None:
             process.kill()
     text = log.read_text()
-    # the request the cache was serving gets a 500 naming the plugin and what it did
-    assert [status for status, _ in replies] == [500] and code != 0, (replies, text[-3000:])
+    # the request the cache was serving fails naming the plugin and what it did: 500, or 503 when the
+    # server saw its batching worker stop first
+    assert [status for status, _ in replies] in ([500], [503]) and code != 0, (replies, text[-3000:])
     message = replies[0][1]["error"]["message"]
     assert "prefix cache 'faulty': match_prefix raised RuntimeError: match_prefix fails on purpose" in message, message
     assert "match_prefix raised RuntimeError" in text, text[-3000:]
