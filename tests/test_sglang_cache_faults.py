@@ -381,3 +381,37 @@ def test_a_fault_in_the_size_check_after_an_eviction_loses_no_page():
     assert len(world.free_locations()) + tree_cache_tokens(world) == SIZE
     assert result.num_tokens_evicted >= 4 and tree_cache_tokens(world) == cached - result.num_tokens_evicted
     drain(world)
+
+
+def test_server_info_reports_the_quarantine():
+    """Issue 32: ``/server_info``'s ``internal_states`` carry the quarantine record (the hook on
+    SGLang's ``SchedulerInternalStateController.get_internal_state``), before and after a fault."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvplug_sglang.hooks import after_get_internal_state
+
+    target = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+    assert target in HookRegistry._patched
+    world, _ = faulty_world("match_prefix:outside_pool", 0, page_size=1)
+
+    def record() -> dict:
+        output = GetInternalStateReqOutput(internal_state={"page_size": 1})
+        result = after_get_internal_state(output, SimpleNamespace(scheduler=SimpleNamespace(tree_cache=world.cache)), None)
+        assert result.internal_state["page_size"] == 1  # SGLang's own state untouched
+        return result.internal_state["kvplug_prefix_cache"]
+
+    assert record() == {"prefix_cache": "faulty", "cache_failures": 0, "last_cache_fault": None,
+                        "on_cache_failure": "fallback", "stopped": False, "quarantined_prefix_cache": None}
+    admit(world, "first", [1, 2, 3], [4])
+    finish(world, "first")
+    admit(world, "second", [1, 2, 3, 5], [6])  # its match answers a location outside the pool
+    after = record()
+    assert after["cache_failures"] == 1 and after["prefix_cache"] == "naive" and not after["stopped"], after
+    assert after["quarantined_prefix_cache"] == "faulty" and "outside the pool" in after["last_cache_fault"]
+    native = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=object()))  # SGLang's own tree cache
+    assert "kvplug_prefix_cache" not in after_get_internal_state(
+        GetInternalStateReqOutput(internal_state={}), native, None).internal_state
+    drain(world)

@@ -382,3 +382,24 @@ def test_a_cpu_cache_attaches_to_a_pool_on_another_device():
     cache.attach_kv_pool(pool)
     assert cache.host_pool.num_pages == HOST_MEMORY // (2 * LAYERS * 4 * HEADS * DIM * 4)
     assert not cache.host_pool.pinned and cache.host_pool.buffer.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("host_memory", "error", "message"),
+    [
+        (1, "InvalidArgumentError", "host_memory=1 bytes holds no KV page of 512 bytes"),
+        (511, "InvalidArgumentError", "host_memory=511 bytes holds no KV page of 512 bytes"),
+        (1000 << 40, "OutOfMemoryError", "the host-memory tier needs 1,099,511,627,776,000 bytes"),
+    ],
+)
+def test_a_tier_below_one_page_or_past_free_memory_fails_the_tree_cache_build(host_memory, error, message):
+    """Issue 32: SGLang builds its tree cache in the scheduler's constructor, before the server is
+    ready; a bad size must fail there (naming both sizes), not at the first eviction. A page here is
+    2 (K, V) x 2 layers x 4 tokens x 2 heads x 4 dims x 4 bytes = 512 bytes."""
+    import kvplug
+
+    with pytest.raises((kvplug.InvalidArgumentError, kvplug.OutOfMemoryError), match=message) as info:
+        tier_world(4, host_memory=host_memory)
+    assert type(info.value).__name__ == error
+    if error == "OutOfMemoryError":
+        assert "of host memory are available" in str(info.value)  # the second size

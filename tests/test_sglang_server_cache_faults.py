@@ -7,7 +7,8 @@ reports 72 such pages kept for them).
 
 - default policy (``fallback``): the scheduler quarantines the plugin and keeps serving: requests
   sent one at a time and eight at a time all complete; after the fault the same prompts give the
-  same greedy tokens as before it; ``/flush_cache`` works; SIGTERM stops the server cleanly.
+  same greedy tokens as before it; ``/server_info`` reports the quarantine (``internal_states[0]
+  ["kvplug_prefix_cache"]``); ``/flush_cache`` works; SIGTERM stops the server cleanly.
 - ``--kvplug-on-cache-failure fail``: the server stops, its log naming the plugin, SGLang's call
   and what the plugin answered.
 
@@ -61,9 +62,22 @@ def faulty_server(model: Path, log: Path, *flags: str) -> Server:
     return Server(model, log, "--kv-backend", "kvplug", "--prefix-cache", "faulty", "--kvplug-attention", "torch", *flags)
 
 
+def quarantine_record(server: Server) -> dict:
+    """``/server_info``'s kvplug prefix-cache record (one DP rank here)."""
+    import requests
+
+    states = requests.get(f"{server.url}/server_info", timeout=30).json()["internal_states"]
+    assert len(states) == 1, states
+    return states[0]["kvplug_prefix_cache"]
+
+
 def test_the_server_quarantines_the_plugin_and_keeps_serving(model, faulty_plugin_installed, tmp_path):
     server = faulty_server(model, tmp_path / "fallback.log").start()
     try:
+        assert quarantine_record(server) == {
+            "prefix_cache": "faulty", "cache_failures": 0, "last_cache_fault": None, "on_cache_failure": "fallback",
+            "stopped": False, "quarantined_prefix_cache": None,
+        }
         before = [server.generate(prompt, TOKENS)["output_ids"] for prompt in PROMPTS]
         with ThreadPoolExecutor(8) as pool:  # running requests hold locked prefixes while others match
             answers = list(pool.map(lambda prompt: server.generate(prompt, 2 * TOKENS), PROMPTS * 2))
@@ -71,6 +85,9 @@ def test_the_server_quarantines_the_plugin_and_keeps_serving(model, faulty_plugi
         log = server.log.read_text(errors="replace")
         assert "kvplug prefix cache 'faulty' failed in SGLang's match_prefix" in log, server.log_tail()
         assert "outside the pool" in log and "prefix cache 'naive' takes over" in log
+        record = quarantine_record(server)  # /server_info reports it too, not only the log
+        assert record["cache_failures"] >= 1 and record["prefix_cache"] == "naive" and not record["stopped"], record
+        assert record["quarantined_prefix_cache"] == "faulty" and "outside the pool" in record["last_cache_fault"]
         after = [server.generate(prompt, TOKENS)["output_ids"] for prompt in PROMPTS]
         assert after == before, "the tokens changed after the quarantine"
         assert server.post("/flush_cache").status_code == 200

@@ -100,3 +100,30 @@ def test_both_servers_stop_cleanly(runs):
         server, _, status, _ = runs[name]
         assert status == 0, f"{name}: exit status {status}"
         assert "Traceback" not in server.log.read_text(errors="replace"), server.log_tail()
+
+
+@pytest.mark.parametrize(("host_memory", "message"), [
+    ("1", "host_memory=1 bytes holds no KV page of"),
+    ("1000TiB", "the host-memory tier needs 1,099,511,627,776,000 bytes"),
+])
+def test_a_bad_tier_size_stops_the_server_before_it_is_healthy(tmp_path, host_memory, message):
+    """Issue 32: a tier below one page, or past free host memory, is a start-up error naming both
+    sizes; the server never answers ``/health`` (it used to start and fail at the first eviction)."""
+    import requests
+
+    model = build_model("llama", tmp_path / "llama")
+    server = Server(model, tmp_path / "bad.log", *FLAGS, "--kvplug-host-memory", host_memory)
+    try:
+        with pytest.raises(AssertionError, match="exited with .* at startup"):
+            server.start()
+        healthy = False  # start() polled /health until the exit; one more look
+        try:
+            healthy = requests.get(f"{server.url}/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            pass
+        assert not healthy and server.process.returncode != 0
+        log = server.log.read_text(errors="replace")
+        assert message in log, server.log_tail()
+        assert ("of host memory are available" in log) if "TiB" in host_memory else ("bytes (all layers" in log)
+    finally:
+        server.kill()

@@ -181,3 +181,45 @@ def test_vllm_serve_refuses_an_unknown_prefix_cache(model_dir: Path, tmp_path: P
     text = log.read_text(errors="replace")
     assert status != 0
     assert "UnknownComponentError" in text and "'no-such-cache'" in text and "radix" in text, tail(log)
+
+
+def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, tmp_path: Path) -> None:
+    """Issue 32 through ``vllm serve``: the fault-injecting plugin of ``tests.faulty_cache``, installed as
+    a kvplug entry point (``tests.faulty_cache_entry``) in every vLLM process, answers a location
+    outside the pool from its third match on: every completion is answered, ``/kvplug/stats``
+    reports the quarantine (``naive`` took over), ``/health`` stays 200 and SIGTERM exits 0."""
+    site = tmp_path / "faulty-plugin-site"
+    info = site / "kvplug_test_faulty_cache-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvplug-test-faulty-cache\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[kvplug]\nfaulty = tests.faulty_cache_entry\n")
+    root = Path(__file__).resolve().parents[1]
+    python_path = os.pathsep.join(filter(None, [str(site), str(root), os.environ.get("PYTHONPATH")]))
+    port, log = free_port(), tmp_path / "serve-faulty.log"
+    process = start(model_dir, port, connector_config(prefix_cache="faulty"), log, PYTHONPATH=python_path,
+                    KVPLUG_TEST_FAULT="match_prefix:outside_pool", KVPLUG_TEST_FAULT_AFTER="2")
+    try:
+        wait_ready(process, port, log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        rng = random.Random(7)
+        shared = [rng.randrange(256) for _ in range(256)]  # two whole blocks shared: the plugin gets matches
+        prompts = [shared + [rng.randrange(256) for _ in range(40)] for _ in range(6)]
+        answers = [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0) for p in prompts]
+        assert all(len(answer.choices[0].text) > 0 or answer.usage.completion_tokens == 4 for answer in answers)
+        deadline, engine = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            engine = get_json(port, "/kvplug/stats")["engines"].get("0", {})
+            if engine.get("cache_failures", 0) >= 1:
+                break
+            time.sleep(0.5)
+        assert engine.get("cache_failures") == 1 and engine.get("quarantined_prefix_cache") == "faulty", engine
+        # (its bad location is not a whole vLLM block of 128 either: the first check that fails names it)
+        assert engine["last_cache_fault"].startswith("prefix cache 'faulty': match_prefix returned"), engine
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+            assert response.status == 200
+        again = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=4, temperature=0)
+        assert again.choices[0].text == answers[0].choices[0].text  # naive serves the same tokens
+    finally:
+        status = stop(process, log) if process.poll() is None else process.returncode
+    assert status == 0, f"vllm serve exited with {status} after SIGTERM:\n{tail(log)}"
+    assert "Traceback" not in log.read_text(errors="replace"), tail(log)

@@ -38,6 +38,9 @@ WIRED: Mapping[str, Mapping[str, str]] = {
         ),
         "prefill (extend) CUDA graphs with kvplug attention": "no: --kv-backend kvplug sets them disabled",
         "hybrid SWA / Mamba / MLA / hierarchical cache / EAGLE bigram keys / FP8 KV": "no: refused with an error",
+        "prefix-cache quarantine record in /server_info": (
+            "yes (hook after SchedulerInternalStateController.get_internal_state)"
+        ),
         "--enable-memory-saver": "no: kvplug's pool is allocated outside SGLang's memory-saver region",
     },
 }

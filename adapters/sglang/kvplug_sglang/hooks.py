@@ -13,7 +13,10 @@ SGLang's ``load_plugins`` applies them in every process:
 - around ``sglang.srt.mem_cache.registry.get_radix_cache_factory`` (what ``create_tree_cache`` looks
   names up with): ``kvplug:NAME+host_memory=BYTES`` (``--kvplug-host-memory``, see ``names.py``)
   resolves to ``kvplug:NAME``'s factory with that host-memory tier; ``+on_cache_failure=fail``
-  (``--kvplug-on-cache-failure fail``) likewise passes that policy to the factory.
+  (``--kvplug-on-cache-failure fail``) likewise passes that policy to the factory;
+- after ``SchedulerInternalStateController.get_internal_state`` (what ``/server_info`` reports per
+  DP rank): ``internal_states[rank]["kvplug_prefix_cache"]``, the prefix-cache quarantine record of
+  a kvplug tree cache (issue 32: a quarantined plugin is visible without reading the log).
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -98,9 +101,22 @@ def around_get_radix_cache_factory(original: Callable[..., Any], name: str, *arg
     return functools.partial(factory, host_memory=host_memory, on_cache_failure=on_cache_failure)
 
 
+def after_get_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
+    """Add the kvplug tree cache's quarantine record to the scheduler's internal state."""
+    from kvplug_sglang.prefix_cache import KvplugPrefixCache
+
+    tree_cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
+    if isinstance(tree_cache, KvplugPrefixCache) and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state["kvplug_prefix_cache"] = tree_cache.quarantine.as_dict()
+    return result
+
+
+_INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+
 HOOKS = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", after_add_cli_args),
     (f"{_CONFIGURATOR}._resolve_kv_pool_class", "AROUND", around_resolve_kv_pool_class),
     (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
     ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
+    (f"{_INTERNAL_STATE}.get_internal_state", "AFTER", after_get_internal_state),
 )

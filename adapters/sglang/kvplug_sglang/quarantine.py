@@ -144,6 +144,18 @@ class CacheQuarantine:
     def fallback(self) -> BasePrefixCache:
         return self._build_fallback()
 
+    def as_dict(self) -> dict:
+        """For SGLang's ``/server_info`` (``internal_states[rank]["kvplug_prefix_cache"]``): the
+        keys of ``kvplug serve``'s ``CacheGuard.as_dict``, and the plugin that was quarantined."""
+        return {
+            "prefix_cache": FALLBACK if self.tripped else self.name,
+            "cache_failures": self.failures,
+            "last_cache_fault": self.last_fault,
+            "on_cache_failure": self.policy,
+            "stopped": self.failures > 0 and self.policy == "fail",
+            "quarantined_prefix_cache": self.name if self.tripped else None,
+        }
+
     def record(self, fault: PrefixCacheFault, during: str) -> None:
         """Count ``fault``; under ``fail``, log it and raise it with SGLang's call named."""
         self.failures += 1
