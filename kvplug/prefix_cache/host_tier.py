@@ -3,17 +3,18 @@
 Why a policy object: the tree (``radix``) owns nodes, locks, sizes and candidates of both tiers;
 ``HostTier`` owns only the bytes: the host page pool, the host copies and the loads in flight. The
 write-backs one ``evict`` queues are not the tier's: they are a ``WriteBacks`` that evict gets from
-``begin_evict`` and hands back to ``finish_evict`` (``write_backs``). The tree calls it at the points ``TierPolicy`` names; it changes the tree only
-through the tree's tier-facing methods (``set_host_resident``, ``set_device_resident``,
-``drop_subtree``, ``pop_host_candidate``, ``refresh``).
+``begin_evict`` and hands back to ``finish_evict`` (``write_backs``). The tree calls the tier at
+the points ``TierPolicy`` names; the tier changes the tree only through the tree's tier-facing
+methods (``set_host_resident``, ``set_device_resident``, ``drop_subtree``, ``pop_host_candidate``,
+``refresh``).
 
 Policy: write-back on eviction. When the device tier must free pages (``evict``), the least
 recently used unlocked device leaf is copied to host memory (device -> host, on the compute
 stream, so stream order guarantees the copy reads the pages before any later kernel overwrites
 them and the device pages are free at once) and stays in the tree as host-resident; the copies
-of one evict are issued together at its end. Nothing is
-copied while the pool has room: a prefix that is never evicted costs nothing, and the copy happens
-exactly when its bytes would otherwise be lost. When host memory is short the least recently used
+of one evict are issued together at its end. Nothing is copied while the pool has room: a prefix
+that is never evicted costs nothing, and the copy happens exactly when its bytes would otherwise
+be lost. When host memory is short the least recently used
 unlocked host-resident leaves are dropped (and, if that still cannot make room, the evicted node
 itself is dropped, as plain ``radix`` would).
 
