@@ -395,7 +395,8 @@ class KVBackend:
 
     @contextlib.contextmanager
     def lazy_free(self) -> Iterator[None]:
-        """Frees made inside (``finish``, duplicate pages) are applied at the block's end."""
+        """Frees made inside (``finish``, duplicate pages) are applied at the block's end (the
+        region owns them: ``kvplug.memory.deferred_frees``)."""
         with self.allocator.lazy_free():
             yield
 

@@ -8,6 +8,7 @@ plugins or handles kvplug's errors (``kvplug plugins``, a host's CLI) does not i
 from kvplug.interface.errors import (
     CacheOwnedError,
     ConcurrentUseError,
+    DeferredWorkError,
     DuplicateComponentError,
     InvalidArgumentError,
     KVPlugError,
@@ -48,6 +49,7 @@ __all__ = [
     "BaseTieredPrefixCache",
     "CacheOwnedError",
     "ConcurrentUseError",
+    "DeferredWorkError",
     "PrefixCacheFault",
     "CopyDone",
     "HostLoad",

@@ -51,6 +51,12 @@ class TierCopyError(KVPlugError, RuntimeError):
     """
 
 
+class DeferredWorkError(KVPlugError, RuntimeError):
+    """An object holding deferred work (the write-backs one ``evict`` queued, ...) was taken a
+    second time, or dropped without being taken: its work would be done twice or never. Raised
+    before anything is done; nothing changed."""
+
+
 class PrefixCacheFault(KVPlugError, RuntimeError):
     """A prefix-cache plugin raised, or gave an answer that breaks the contract (a location outside
     the pool or twice, a length that disagrees with its locations, an eviction short of what was

@@ -16,7 +16,7 @@ Giving pages back: a finished request's computed, host-known, page-aligned prefi
 prefix cache (``cache_request``); a prefix the cache already holds (another request inserted it
 meanwhile) leaves duplicate pages behind, which are freed; every other page goes to the free list.
 Frees may be batched with ``lazy_free`` so pages given back during a scheduling step are not
-handed out again within it.
+handed out again within it: the region owns them as a ``DeferredFrees`` (``deferred_frees``).
 
 Host-memory tier (a ``BaseTieredPrefixCache``): ``open_request`` also takes device pages for the
 host-resident part of a match and starts the cache's load into them (see ``_match_and_load``). The
@@ -28,7 +28,8 @@ cannot get pages, or whose copy fails, is skipped: the request computes those to
 
 The free list (``FreeList``) is host data: the first location of each free page in one int32
 numpy array; allocation advances a head index, frees are appended behind the free part, and
-inside a lazy region frees are collected and appended when the outermost region exits.
+inside a lazy region frees go into the region's ``DeferredFrees``, appended by ``FreeList.apply``
+when the outermost region exits.
 
 Who owns a page at any moment (``check_integrity`` verifies it): the free list, the prefix cache
 (evictable or locked), or exactly one live request (pages past its locked prefix).
@@ -47,12 +48,14 @@ from kvplug.interface import (
     BaseCacheHandle,
     BasePrefixCache,
     BaseTieredPrefixCache,
+    DeferredWorkError,
     HostLoad,
     InvalidArgumentError,
     MatchResult,
     OutOfMemoryError,
     TierCopyError,
 )
+from kvplug.memory.deferred_frees import DeferredFrees
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
 from kvplug.memory.ragged import HostInts, host_ints
@@ -70,8 +73,7 @@ class FreeList:
         # written again (release builds a new array), so they stay valid
         self._free = np.arange(num_pages, dtype=np.int32) * np.int32(page_size)
         self._head = 0
-        self._pending: list[np.ndarray] = []
-        self._lazy_depth = 0
+        self._deferred: DeferredFrees | None = None  # the open lazy region's frees (its object, not a list here)
 
     def __len__(self) -> int:
         """Pages that can be taken now (pending lazy frees excluded)."""
@@ -80,7 +82,12 @@ class FreeList:
     @property
     def num_pending(self) -> int:
         """Pages freed inside the current lazy region, not yet takeable."""
-        return sum(int(pages.shape[0]) for pages in self._pending)
+        return self._deferred.num_pages if self._deferred is not None else 0
+
+    @property
+    def deferred(self) -> DeferredFrees | None:
+        """The open lazy region's frees, ``None`` outside a region."""
+        return self._deferred
 
     def take(self, count: int) -> np.ndarray:
         """Remove and return the first ``count`` pages: shape ``[count]``, int32, host (read-only)."""
@@ -96,33 +103,47 @@ class FreeList:
         evicted them). The array is copied: the caller may reuse it."""
         if page_starts.size == 0:
             return
-        if self._lazy_depth and not immediately:
-            self._pending.append(np.array(page_starts, dtype=np.int32))
+        if self._deferred is not None and not immediately:
+            self._deferred.add(page_starts)
         else:
             self._free = np.concatenate([self._free[self._head :], page_starts.astype(np.int32, copy=False)])
             self._free.flags.writeable = False
             self._head = 0
 
     @contextlib.contextmanager
-    def lazy(self) -> Iterator[None]:
+    def lazy(self) -> Iterator[DeferredFrees]:
         """Defer frees until the outermost ``lazy`` block exits (also on an exception: the frees
-        were real)."""
-        self._lazy_depth += 1
+        were real); yields the region's ``DeferredFrees`` (a nested block, the outer one's)."""
+        if self._deferred is not None:
+            yield self._deferred
+            return
+        self._deferred = deferred = DeferredFrees()
         try:
-            yield
+            yield deferred
         finally:
-            self._lazy_depth -= 1
-            if self._lazy_depth == 0 and self._pending:
-                self._free = np.concatenate([self._free[self._head :], *self._pending])
-                self._free.flags.writeable = False
-                self._head = 0
-                self._pending.clear()
+            self.apply(deferred)
+
+    def apply(self, deferred: DeferredFrees) -> None:
+        """Release ``deferred``, the open region's frees: its pages become takeable. Once:
+        ``DeferredWorkError`` (nothing changed) for frees released already or not this list's."""
+        if deferred is not self._deferred:
+            raise DeferredWorkError(
+                "expected the frees of this free list's open lazy region, got "
+                + (f"ones released already ({deferred.num_pages} pages)" if deferred.taken
+                   else f"ones it did not open ({deferred.num_pages} pages)")
+            )
+        batches = deferred.take()
+        self._deferred = None
+        if batches:
+            self._free = np.concatenate([self._free[self._head :], *batches])
+            self._free.flags.writeable = False
+            self._head = 0
 
     def snapshot(self, *, include_pending: bool = False) -> np.ndarray:
         """A copy of the free pages (and, if asked, the pending ones): shape ``[f]``, int32, host."""
         free = self._free[self._head :]
-        if include_pending:
-            return np.concatenate([free, *self._pending])
+        if include_pending and self._deferred is not None:
+            return np.concatenate([free, self._deferred.pages()])
         return free.copy()
 
 
@@ -553,9 +574,9 @@ class PagedAllocator:
         if not self.states.is_live(request):
             raise InvalidArgumentError(f"request in row {request.row} is not live (finished, or not from this allocator)")
 
-    def lazy_free(self) -> contextlib.AbstractContextManager[None]:
+    def lazy_free(self) -> contextlib.AbstractContextManager[DeferredFrees]:
         """Collect frees made inside the block and apply them at its end. Pages freed inside
-        are not allocatable until the outermost block exits."""
+        are not allocatable until the outermost block exits; yields their ``DeferredFrees``."""
         return self.free_list.lazy()
 
     # ------------------------------------------------------------------ integrity

@@ -1,17 +1,20 @@
 """The host-memory tier of the ``radix`` tree: where evicted prefixes' bytes go, and how they come back.
 
 Why a policy object: the tree (``radix``) owns nodes, locks, sizes and candidates of both tiers;
-``HostTier`` owns only the bytes: the host page pool, the queued write-backs, the host copies and
-the loads in flight. The tree calls it at the points ``TierPolicy`` names; it changes the tree only
-through the tree's tier-facing methods (``set_host_resident``, ``set_device_resident``,
-``drop_subtree``, ``pop_host_candidate``, ``refresh``).
+``HostTier`` owns only the bytes: the host page pool, the host copies and the loads in flight. The
+write-backs one ``evict`` queues are not the tier's: they are a ``WriteBacks`` that evict gets from
+``begin_evict`` and hands back to ``finish_evict`` (``write_backs``). The tree calls the tier at
+the points ``TierPolicy`` names; the tier changes the tree only through the tree's tier-facing
+methods (``set_host_resident``, ``set_device_resident``, ``drop_subtree``, ``pop_host_candidate``,
+``refresh``).
 
 Policy: write-back on eviction. When the device tier must free pages (``evict``), the least
 recently used unlocked device leaf is copied to host memory (device -> host, on the compute
 stream, so stream order guarantees the copy reads the pages before any later kernel overwrites
-them and the device pages are free at once) and stays in the tree as host-resident. Nothing is
-copied while the pool has room: a prefix that is never evicted costs nothing, and the copy happens
-exactly when its bytes would otherwise be lost. When host memory is short the least recently used
+them and the device pages are free at once) and stays in the tree as host-resident; the copies
+of one evict are issued together at its end. Nothing is copied while the pool has room: a prefix
+that is never evicted costs nothing, and the copy happens exactly when its bytes would otherwise
+be lost. When host memory is short the least recently used
 unlocked host-resident leaves are dropped (and, if that still cannot make room, the evicted node
 itself is dropped, as plain ``radix`` would).
 
@@ -47,6 +50,7 @@ from kvplug.interface import (
     AllCleared,
     BaseCacheHandle,
     BlockRemoved,
+    DeferredWorkError,
     HostLoad,
     InvalidArgumentError,
     SizeInfo,
@@ -59,6 +63,7 @@ from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, as_int32
 from kvplug.prefix_cache.radix_node import RadixNode
 from kvplug.prefix_cache.radix_tier import TierPolicy
 from kvplug.prefix_cache.validation import check_location_values
+from kvplug.prefix_cache.write_backs import WriteBacks
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ class HostTier(TierPolicy):
         self.tree = tree
         self.host_memory = host_memory
         self.pool: HostKVPool | None = None
-        self._pending: dict[RadixNode, tuple[bytes, np.ndarray]] = {}  # write-backs not yet copied
+        self._open: WriteBacks | None = None  # the one evict's write-backs not handed back yet (misuse check only)
         self._copies: dict[RadixNode, None] = {}  # device-resident nodes with a host copy (an ordered set)
         self._in_flight: dict[RadixNode, HostLoad] = {}  # nodes a started load may still be writing
         self._host_copy_tokens = 0  # their tokens: tier_stats() runs every step, so no walk over them
@@ -137,7 +142,18 @@ class HostTier(TierPolicy):
         )
 
     # ------------------------------------------------------------------ TierPolicy
-    def keep_evicted(self, leaf: RadixNode) -> bool:
+    def begin_evict(self) -> WriteBacks:
+        if self._open is not None:
+            raise DeferredWorkError(
+                f"expected the write-backs of the previous evict to be handed back (finish_evict), got "
+                f"{len(self._open)} queued copies never taken: their host pages hold no bytes"
+            )
+        self._open = write_backs = WriteBacks()
+        return write_backs
+
+    def keep_evicted(self, leaf: RadixNode, write_backs: WriteBacks) -> bool:
+        if write_backs is not self._open:
+            self._refuse(write_backs)
         if self.pool is None:
             return False
         if leaf.host_copy is not None:
@@ -146,20 +162,22 @@ class HostTier(TierPolicy):
         host_pages = self.reserve_host_pages(len(leaf.value) // (self.tree.page_size * BYTES_PER_TOKEN))
         if host_pages is None:
             return False
-        self._move_to_host(leaf, host_pages)
+        self._move_to_host(leaf, host_pages, write_backs)
         return True
 
-    def finish_evict(self) -> None:
-        """Copy every queued write-back in one gather and as few copies as the host pages allow."""
-        pending = self._pending
-        if not pending:
+    def finish_evict(self, write_backs: WriteBacks) -> None:
+        """Take ``write_backs`` and copy them in one gather and as few copies as the host pages allow."""
+        if write_backs is not self._open:
+            self._refuse(write_backs)
+        entries = write_backs.take()
+        self._open = None
+        if not entries:
             return
         tree = self.tree
-        nodes = list(pending)
-        written = [(node, pages) for node, (_, pages) in pending.items()] if self.remote is not None else None
-        device_locations = as_int32(b"".join(value for value, _ in pending.values()))  # host: whole pages
-        host_pages = np.concatenate([pages for _, pages in pending.values()])
-        pending.clear()
+        nodes = [entry.node for entry in entries]
+        written = [(entry.node, entry.host_pages) for entry in entries] if self.remote is not None else None
+        device_locations = as_int32(b"".join(entry.device_locations for entry in entries))  # host: whole pages
+        host_pages = np.concatenate([entry.host_pages for entry in entries])
         try:
             self.pool.write(device_locations, host_pages)
         except TierCopyError as error:
@@ -175,6 +193,14 @@ class HostTier(TierPolicy):
         counters["written_bytes"] += int(host_pages.size) * self.pool.bytes_per_page
         if written is not None:
             self.remote.write_back(written)  # issue 30: through to the shared store
+
+    @staticmethod
+    def _refuse(write_backs: WriteBacks) -> None:
+        raise DeferredWorkError(
+            f"expected the write-backs this tier's begin_evict handed out for the evict under way, got "
+            f"{'ones already taken' if write_backs.taken else 'ones it did not hand out'} "
+            f"({len(write_backs)} copies); nothing was changed"
+        )
 
     def on_split(self, upper: RadixNode, lower: RadixNode, at_bytes: int) -> None:
         if lower.host_copy is not None:  # pages split at the same place: host copies are whole pages too
@@ -209,14 +235,14 @@ class HostTier(TierPolicy):
         if node.on_host:
             tokens = len(node.value) // BYTES_PER_TOKEN
             self._counters["host_dropped_tokens"] += tokens
-            self._pending.pop(node, None)  # a write-back not copied yet is simply not made
+            # a write-back of this node still queued is not made (``WriteBacks.take`` skips it)
             self.pool.release(self._host_pages(node.value))
         elif node.host_copy is not None:
             self._drop_host_copy(node)
 
     def reset(self) -> None:
         self._in_flight.clear()  # their requests still order the loads before reading (allocator)
-        self._pending.clear()
+        self._open = None  # a reset is never inside an evict: a dropped queue is forgotten with the tree
         self._copies.clear()
         self._host_copy_tokens = 0
         if self.pool is not None:
@@ -284,16 +310,16 @@ class HostTier(TierPolicy):
                 del in_flight[node]
 
     # ------------------------------------------------------------------ moves
-    def _move_to_host(self, leaf: RadixNode, host_pages: np.ndarray) -> None:
+    def _move_to_host(self, leaf: RadixNode, host_pages: np.ndarray, write_backs: WriteBacks) -> None:
         """``leaf`` (device-resident, unlocked, taken by ``evict``) becomes host-resident at
-        ``host_pages``; the copy is queued (``finish_evict``)."""
+        ``host_pages`` (shape ``[pages]``, int64, host); its copy is queued in ``write_backs``."""
         tree = self.tree
         reporting = tree.has_kv_event_listeners
         if reporting:
             tree.emit_kv_event(BlockRemoved(tree.page_hashes(leaf), KV_MEDIUM_DEVICE))
         size = tree.page_size
         host_locations = (host_pages[:, None] * size + np.arange(size)).astype(np.int32).reshape(-1)
-        self._pending[leaf] = (leaf.value, host_pages)
+        write_backs.add(leaf, leaf.value, host_pages)
         tree.set_host_resident(leaf, host_locations.tobytes())
         if reporting:
             tree.report_stored(leaf)
@@ -350,8 +376,8 @@ class HostTier(TierPolicy):
         """Host locations are whole host pages, each held by one node (as its host-resident value
         or as a device-resident node's host copy) or free in the host pool, never both (held + free
         == host pages); host copies only on device-resident nodes, as long as their value, and
-        exactly the nodes listed as having one; no write-back left queued outside ``evict``."""
-        assert not self._pending, f"{len(self._pending)} write-back(s) queued outside evict()"
+        exactly the nodes listed as having one; no evict's write-backs left untaken."""
+        assert self._open is None, f"an evict's {len(self._open)} write-back(s) were never taken (finish_evict)"
         page_size = self.tree.page_size
         held: list[bytes] = []
         copies: list[RadixNode] = []

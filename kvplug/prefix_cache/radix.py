@@ -352,18 +352,21 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         freed_bytes = 0
         wanted_bytes = size * BYTES_PER_TOKEN
         tier = self._tier
-        while freed_bytes < wanted_bytes:
-            leaf = self._candidates.pop_least_recent()
-            value = leaf.value
-            freed.append(value)
-            freed_bytes += len(value)
-            self._evictable -= len(value) // BYTES_PER_TOKEN
-            parent = leaf.parent
-            if tier is None or not tier.keep_evicted(leaf):
-                self.drop_subtree(leaf)
-            self.refresh(parent)  # it may have become a candidate
-        if tier is not None:
-            tier.finish_evict()
+        write_backs = tier.begin_evict() if tier is not None else None
+        try:
+            while freed_bytes < wanted_bytes:
+                leaf = self._candidates.pop_least_recent()
+                value = leaf.value
+                freed.append(value)
+                freed_bytes += len(value)
+                self._evictable -= len(value) // BYTES_PER_TOKEN
+                parent = leaf.parent
+                if tier is None or not tier.keep_evicted(leaf, write_backs):
+                    self.drop_subtree(leaf)
+                self.refresh(parent)  # it may have become a candidate
+        finally:  # the leaves moved so far are host-resident: their copies are issued whatever happened
+            if tier is not None:
+                tier.finish_evict(write_backs)
         return freed
 
     def _evict_leaves(self, wanted_bytes: int) -> list[bytes]:
