@@ -80,5 +80,6 @@ def test_the_password_is_in_no_log_and_not_in_server_info(runs):
         server, _, info, status = runs[name]
         log = server.log.read_text(errors="replace")
         assert PASSWORD not in log and PASSWORD not in info, name
+        assert "--kvplug-remote-kv" in info and "redis://***@127.0.0.1:" in info  # the kept command line, redacted
         assert "Traceback" not in log, server.log_tail()
         assert status == 0, f"{name}: exit status {status}"
