@@ -135,4 +135,5 @@ PYTHONWARNINGS="ignore::DeprecationWarning:sys" exec "$py" -m pytest -q -p no:ca
   tests/test_sglang_host.py tests/test_sglang_graphs.py tests/test_sglang_graphs_gpu.py tests/test_sglang_kv_events.py \
   tests/test_sglang_server.py tests/test_sglang_host_tier.py tests/test_sglang_host_tier_gpu.py \
   tests/test_sglang_server_host_tier.py tests/test_sglang_cache_faults.py tests/test_sglang_server_cache_faults.py \
-  tests/test_sglang_tiered_cache_faults.py tests/test_sglang_server_tiered_cache_faults.py
+  tests/test_sglang_tiered_cache_faults.py tests/test_sglang_server_tiered_cache_faults.py \
+  tests/test_sglang_remote_kv.py tests/test_sglang_server_remote_kv.py

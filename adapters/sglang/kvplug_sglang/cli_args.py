@@ -12,6 +12,10 @@ copies pages of kvplug's KV pool) and a prefix cache that has a host tier (it is
 built with the option ``host_memory`` and must be a ``BaseTieredPrefixCache``); it travels in
 ``--radix-cache-backend kvplug:NAME+host_memory=BYTES``.
 
+``--kvplug-remote-kv URL`` (issue 30; needs ``--kvplug-host-memory`` and the radix cache) puts a
+shared KV store under the host tier; the URL may hold a password, so it travels in an environment
+variable of the server's own processes, never in ``ServerArgs`` (``remote_kv``).
+
 ``--kvplug-on-cache-failure {fallback,fail}`` (needs ``--kv-backend kvplug``) says what happens
 when an untrusted prefix-cache plugin raises or answers outside the contract (``quarantine``):
 ``fallback`` (default) quarantines it and ``naive`` takes over, ``fail`` stops the scheduler with
@@ -31,7 +35,7 @@ from kvplug.interface import BaseTieredPrefixCache, KVPlugError, UnknownComponen
 from kvplug.memory.capacity import parse_memory_size
 from kvplug.plugins import PluginManager, default_manager
 
-from kvplug_sglang import names
+from kvplug_sglang import names, remote_kv
 
 KV_BACKENDS = ("native", "kvplug")
 # SGLang fields that --kv-backend kvplug sets; the user may set them only to the same value
@@ -99,6 +103,14 @@ def add_kvplug_arguments(
         "Needs --kv-backend kvplug and a prefix cache with a host tier (radix).",
     )
     group.add_argument(
+        remote_kv.FLAG,
+        default=None,
+        metavar="URL",
+        help="A KV store shared by servers under the host-memory tier, e.g. redis://:PASSWORD@HOST:6379/0: "
+        "evicted prefixes are written to it and prompts missing the host tier are looked up there. Keys "
+        "name the served model (--served-model-name). Needs --kvplug-host-memory and the radix prefix cache.",
+    )
+    group.add_argument(
         "--kvplug-on-cache-failure",
         choices=names.ON_CACHE_FAILURE_CHOICES,
         default=None,
@@ -114,6 +126,11 @@ def add_kvplug_arguments(
         problem = translate_namespace(parsed, parser, manager)
         if problem:
             parser.error(problem)
+        if getattr(parsed, "kvplug_remote_kv", None) is not None:
+            import sys
+
+            remote_kv.redact_argv(args)  # the list SGLang keeps as ServerArgs.launch_command
+            remote_kv.redact_argv(sys.argv)
         return parsed, extras
 
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
@@ -155,7 +172,13 @@ def translate_namespace(
     attention = getattr(ns, "kvplug_attention", None)
     host_memory = getattr(ns, "kvplug_host_memory", None)
     on_cache_failure = getattr(ns, "kvplug_on_cache_failure", None)
+    store_url = getattr(ns, "kvplug_remote_kv", None)
     if kv_backend != "kvplug":
+        if store_url is not None:
+            return (
+                f"{remote_kv.FLAG} {remote_kv.shown(store_url)} needs --kv-backend kvplug and --kvplug-host-memory: "
+                "the store sits under kvplug's host tier"
+            )
         if host_memory is not None:
             return (
                 "--kvplug-host-memory needs --kv-backend kvplug: the host tier copies pages of kvplug's KV pool "
@@ -184,6 +207,11 @@ def translate_namespace(
         problem = _host_tier_problem(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory, manager)
         if problem:
             return problem
+    if store_url is not None:
+        try:
+            remote_kv.check(store_url, prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory)
+        except KVPlugError as error:
+            return f"{remote_kv.FLAG}: {error}"
     radix_backend = names.radix_cache_backend_name(prefix_cache or names.DEFAULT_PREFIX_CACHE, host_memory, on_cache_failure)
     attention_backend = names.attention_backend_name(attention or names.DEFAULT_ATTENTION)
     current = getattr(ns, "radix_cache_backend", None)
@@ -202,6 +230,9 @@ def translate_namespace(
         return problem
     ns.radix_cache_backend = radix_backend
     ns.attention_backend = attention_backend
+    remote_kv.publish(store_url)
+    if store_url is not None:
+        ns.kvplug_remote_kv = remote_kv.shown(store_url)  # the namespace may be printed; the URL is published
     for phase, value in _CUDA_GRAPH_UNSET_DEFAULT.items():
         field = f"cuda_graph_backend_{phase}"
         if hasattr(ns, field) and getattr(ns, field) is None:

@@ -14,6 +14,9 @@ KV pool's storage (``KvplugMHATokenToKVPool.kvplug_pool``), which only ``--kv-ba
 builds: over SGLang's own pools the factory refuses. Other namespaces (LoRA adapters, cache
 salts) get device-only caches, so the tier's host memory is allocated once, at startup.
 
+With ``--kvplug-remote-kv URL`` (published in the environment, ``remote_kv``) the default
+namespace's tiered cache also gets the shared KV store, keyed by the served model's name.
+
 A cache whose class is not ``trusted`` (a third-party plugin) is built inside a
 ``CheckedPrefixCache`` over the pool SGLang's allocator hands out (``allocator.size // page_size``
 pages plus page 0, SGLang's padding page), a ``CheckedTieredPrefixCache`` for one with a host tier,
@@ -33,7 +36,7 @@ from kvplug.cache_guard import checked
 from kvplug.interface import BaseTieredPrefixCache
 from kvplug.plugins import PluginManager, default_manager
 
-from kvplug_sglang import names, quarantine
+from kvplug_sglang import names, quarantine, remote_kv
 from kvplug_sglang.cache_spaces import DEFAULT_NAMESPACE
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,14 @@ def build_prefix_cache(
     options = {"split_refreshes_tail": True} if name == "radix" else {}
 
     kv_pool = _kvplug_kv_pool(params, name) if host_memory is not None else None
+    store_url = remote_kv.published()
+    if store_url is not None and kv_pool is None:
+        raise ValueError(
+            f"{remote_kv.FLAG} {remote_kv.shown(store_url)} sits under the host-memory tier: expected "
+            f"--radix-cache-backend {names.radix_cache_backend_name(name)}{names.HOST_MEMORY_OPTION}BYTES, got "
+            f"--radix-cache-backend {names.radix_cache_backend_name(name)}"
+        )
+    store = {} if store_url is None else {"remote_kv": store_url, "remote_kv_model": remote_kv.model_id(ctx.server_args)}
     num_pages = pool_pages(params.token_to_kv_pool_allocator, params.page_size)
 
     def new_cache(namespace):
@@ -82,7 +93,7 @@ def build_prefix_cache(
             cache = get_manager().create_prefix_cache(name, device="cpu", page_size=params.page_size, **options)
             return checked(cache, name, num_pages, params.page_size)
         cache = get_manager().create_prefix_cache(
-            name, device="cpu", page_size=params.page_size, host_memory=host_memory, **options
+            name, device="cpu", page_size=params.page_size, host_memory=host_memory, **store, **options
         )
         if not isinstance(cache, BaseTieredPrefixCache):
             raise ValueError(
@@ -91,7 +102,7 @@ def build_prefix_cache(
             )
         cache = checked(cache, name, num_pages, params.page_size)  # a CheckedTieredPrefixCache when untrusted
         cache.attach_kv_pool(kv_pool)
-        _log_tier(cache, host_memory)
+        _log_tier(cache, host_memory, store_url)
         return cache
 
     def fallback():
@@ -130,7 +141,7 @@ def _forward_stream(ctx: Any) -> Any:
     return stream if isinstance(stream, torch.cuda.Stream) else None
 
 
-def _log_tier(cache: BaseTieredPrefixCache, host_memory: int) -> None:
+def _log_tier(cache: BaseTieredPrefixCache, host_memory: int, store_url: Optional[str]) -> None:
     stats = cache.tier_stats()
     pool = cache.host_pool
     logger.info(
@@ -143,6 +154,8 @@ def _log_tier(cache: BaseTieredPrefixCache, host_memory: int) -> None:
         f"{stats.host_pages * pool.bytes_per_page:,}",
         "pinned" if pool.pinned else "not pinned",
     )
+    if store_url is not None:
+        logger.info("kvplug-sglang: shared KV store %s under the host tier (%s)", remote_kv.shown(store_url), remote_kv.FLAG)
 
 
 def register_radix_cache_backends(manager: Callable[[], PluginManager] = default_manager) -> list[str]:
