@@ -1,13 +1,15 @@
 """kvplug's radix cache inside vLLM against vLLM's own automatic prefix caching (issue 26), on this machine.
 
     python benchmarks/vllm_prefix.py [--out vllm_prefix.json] [--host-memory 16MiB]
-        [--shared-requests 12] [--conversations 16]
+        [--shared-requests 12] [--conversations 16] [--repeats 2]
 
 Run with vLLM's CPU build (``/tmp/vllm-venv/bin/python``). Three variants, each in its own
 interpreter (a fresh ``LLM(...)`` engine, in-process EngineCore: vLLM keeps process-wide state):
 ``native`` (vLLM APC), ``radix`` (``KvplugConnector``, ``prefix_cache="radix"``) and ``radix+host``
 (the same with ``host_memory``). Every variant gets one warm-up generate, then its prefix cache is
-reset, then the same prompts (token ids) in the same order:
+reset, then the same prompts (token ids) in the same order. ``--repeats`` runs every variant that many
+times, the variants' order rotated each time (this machine's load drifts); the measured requests of
+all repeats are pooled, and each repeat's p50 TTFT and tok/s are kept in the JSON:
 
 - ``shared``: N requests sharing a 1,024-token system prompt with distinct 32-96 token questions;
   the first request alone, then the others together (a pool much larger than the workload).
@@ -69,6 +71,16 @@ def prompts(workload: str, count: int) -> list[list[list[int]]]:
         heads = [tokens(3 * BLOCK) + tokens(rng.randrange(24, 57)) for _ in range(count)]
         return [heads, [head + tokens(64) + tokens(rng.randrange(24, 57)) for head in heads]]
     raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+
+
+def pool(runs: list[dict]) -> dict:
+    """One variant's repeats as one result: per-request lists concatenated, tokens and seconds summed."""
+    merged = {key: [v for run in runs for v in run[key]] for key in ("tokens", "cached", "prompt_tokens", "ttft_s")}
+    merged["output_tokens"] = sum(run["output_tokens"] for run in runs)
+    merged["seconds"] = sum(run["seconds"] for run in runs)
+    merged["repeats"] = [{"ttft_p50_ms": statistics.median(run["ttft_s"]) * 1e3,
+                          "out_tok_s": run["output_tokens"] / run["seconds"]} for run in runs]
+    return merged
 
 
 def summarize(results: dict[str, dict[str, dict]]) -> list[Row]:
@@ -158,6 +170,7 @@ def main() -> None:
     parser.add_argument("--host-memory", default="16MiB", help="kvplug's host tier in the radix+host variant")
     parser.add_argument("--shared-requests", type=int, default=12)
     parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every variant, order rotated")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from tests.vllm_models import build_model
@@ -168,18 +181,26 @@ def main() -> None:
         model = build_model(Path(scratch) / "tiny-llama")
         for workload in WORKLOADS:
             count = args.shared_requests if workload == "shared" else args.conversations
-            results[workload] = {}
-            for variant in VARIANTS:
-                results[workload][variant] = run_variant(model, workload, variant, count, args.host_memory,
-                                                         Path(scratch))
-                print(f"{workload}/{variant} done at {time.perf_counter() - began:.0f} s", file=sys.stderr)
+            runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+            for repeat in range(args.repeats):
+                for variant in VARIANTS[repeat % 3:] + VARIANTS[:repeat % 3]:
+                    runs[variant].append(run_variant(model, workload, variant, count, args.host_memory,
+                                                     Path(scratch)))
+                    print(f"{workload}/{variant} #{repeat} done at {time.perf_counter() - began:.0f} s",
+                          file=sys.stderr)
+            results[workload] = {variant: pool(runs[variant]) for variant in VARIANTS}
     rows = summarize(results)
     print(f"TTFT: {TTFT_SOURCE}")
+    print(f"{args.repeats} repeat(s) per variant, pooled; per repeat (p50 TTFT ms / out tok/s):")
+    for workload, by_variant in results.items():
+        for variant, result in by_variant.items():
+            print(f"  {workload}/{variant}: " + ", ".join(f"{r['ttft_p50_ms']:.0f} / {r['out_tok_s']:.0f}"
+                                                        for r in result["repeats"]))
     print(table(rows))
     print("token-identical to native vLLM:", all(r.identical for r in rows))
     if args.out:
         args.out.write_text(json.dumps({
-            "ttft_source": TTFT_SOURCE, "host_memory": args.host_memory, "rows": [r._asdict() for r in rows],
+            "ttft_source": TTFT_SOURCE, "host_memory": args.host_memory, "repeats": args.repeats, "rows": [r._asdict() for r in rows],
             "results": results, "seconds": time.perf_counter() - began,
         }, indent=1) + "\n")
 

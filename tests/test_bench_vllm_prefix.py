@@ -54,3 +54,13 @@ def test_summarize_computes_hit_rate_and_ratios_to_native():
     assert text.splitlines()[1].count("---") == 9
     assert "| shared | radix | 50.0% | 200.0 | 200.0 | 16.0 | 2.00 | 2.00 | yes |" in text
     assert text.rstrip().endswith("| 0.50 | NO |")
+
+
+def test_pool_concatenates_repeats_and_keeps_each_repeats_figures():
+    a = result([0], [100], [0.1], 16, 1.0, [[1]])
+    b = result([50], [100], [0.3], 16, 4.0, [[1]])
+    merged = bench.pool([a, b])
+    assert merged["cached"] == [0, 50] and merged["ttft_s"] == [0.1, 0.3] and merged["tokens"] == [[1], [1]]
+    assert merged["output_tokens"] == 32 and merged["seconds"] == 5.0
+    assert merged["repeats"] == [{"ttft_p50_ms": pytest.approx(100), "out_tok_s": 16.0},
+                                 {"ttft_p50_ms": pytest.approx(300), "out_tok_s": 4.0}]
