@@ -51,9 +51,9 @@ def test_summarize_computes_hit_rate_and_ratios_to_native():
     assert by["radix+host"].ttft_mean_ms == pytest.approx(400) and by["radix+host"].identical is False
     assert by["radix"].identical is True and by["radix"].out_tok_s == pytest.approx(16)
     text = bench.table(rows)
-    assert text.splitlines()[1].count("---") == 9
-    assert "| shared | radix | 50.0% | 200.0 | 200.0 | 16.0 | 2.00 | 2.00 | yes |" in text
-    assert text.rstrip().endswith("| 0.50 | NO |")
+    assert text.splitlines()[1].count("---") == 11
+    assert "| shared | radix | 50.0% | 200.0 | 200.0 | 16.0 | 2.00 | 2.00 | 200.0 (2.00) | 16.0 (2.00) | yes |" in text
+    assert text.rstrip().endswith("| 4.0 (0.50) | NO |")
 
 
 def test_pool_concatenates_repeats_and_keeps_each_repeats_figures():
@@ -64,3 +64,12 @@ def test_pool_concatenates_repeats_and_keeps_each_repeats_figures():
     assert merged["output_tokens"] == 32 and merged["seconds"] == 5.0
     assert merged["repeats"] == [{"ttft_p50_ms": pytest.approx(100), "out_tok_s": 16.0},
                                  {"ttft_p50_ms": pytest.approx(300), "out_tok_s": 4.0}]
+
+
+def test_best_ratios_use_each_variants_least_loaded_repeat():
+    native = bench.pool([result([0], [100], [0.4], 16, 4.0, [[1]]), result([0], [100], [0.1], 16, 1.0, [[1]])])
+    radix = bench.pool([result([50], [100], [0.05], 16, 0.5, [[1]]), result([50], [100], [0.9], 16, 8.0, [[1]])])
+    by = {r.variant: r for r in bench.summarize({"w": {"native": native, "radix": radix}})}
+    assert by["native"].best_ttft_p50_ms == pytest.approx(100) and by["native"].best_out_tok_s == pytest.approx(16)
+    assert by["radix"].best_ttft_ratio == pytest.approx(2.0) and by["radix"].best_tok_s_ratio == pytest.approx(2.0)
+    assert by["radix"].ttft_p50_ms == pytest.approx(475)  # pooled: the median of both runs' requests
