@@ -1,10 +1,11 @@
 """Shared KV store benchmark (issue 30): store bandwidth and cross-server TTFT, on this machine.
 
-    python benchmarks/remote_kv.py [--pages 512] [--page-bytes 65536] [--repeats 5]
+    python benchmarks/remote_kv.py [--store redis|mooncake] [--pages 512] [--page-bytes 65536] [--repeats 5]
         [--context-tokens 8192] [--trials 3] [--out remote_kv.json] [--skip-bandwidth] [--skip-ttft]
 
-1. **Bandwidth** against a ``redis-server`` it starts on 127.0.0.1: ``RemoteKV.store_pages`` /
-   ``RemoteKV.load`` (keys, checksummed framing, pipelined RESP) and the store's raw ``put`` /
+1. **Bandwidth** against a ``redis-server`` it starts on 127.0.0.1 (or, ``--store mooncake``, a
+   Mooncake master and one memory-lending ``mooncake_client``): ``RemoteKV.store_pages`` /
+   ``RemoteKV.load`` (keys, checksummed framing, the store's protocol) and the store's raw ``put`` /
    ``get`` of the same pages, next to a plain copy of the same bytes into a host buffer, same run;
    one warm-up per variant, then the median of ``--repeats``; ratios to the copy.
 2. **Cross-server TTFT**: three real ``kvplug serve`` processes on a tiny checkpoint (the embedded
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +62,28 @@ def start_redis(binary: str) -> tuple[subprocess.Popen, int]:
             time.sleep(0.02)
 
 
+@contextmanager
+def store_urls(args: argparse.Namespace, root: Path):
+    """(bandwidth URL, TTFT URL) of a store started for this run, stopped afterwards."""
+    if args.store == "mooncake":
+        sys.path.insert(0, str(REPO))
+        from tests.mooncake_server import INSTALLED, SKIP_REASON, mooncake_cluster
+
+        if not INSTALLED:
+            sys.exit(f"remote_kv: {SKIP_REASON}")
+        with mooncake_cluster(root, segment="2GB") as cluster:
+            yield cluster.url, cluster.url  # one keyspace: the two parts use different model names
+        return
+    if args.redis_server is None:
+        sys.exit("remote_kv: redis-server is not installed (apt-get install -y redis-server)")
+    redis, port = start_redis(args.redis_server)
+    try:
+        yield f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/1"
+    finally:
+        redis.terminate()
+        redis.wait(timeout=10)
+
+
 def timed(run, repeats: int) -> float:
     """Median seconds of ``run()`` over ``repeats`` calls, after one warm-up call."""
     run()
@@ -71,7 +95,7 @@ def timed(run, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def bandwidth(args: argparse.Namespace, redis_port: int) -> dict:
+def bandwidth(args: argparse.Namespace, url: str) -> dict:
     import torch
 
     import kvplug
@@ -84,7 +108,6 @@ def bandwidth(args: argparse.Namespace, redis_port: int) -> dict:
     pages = [memoryview(source[index].numpy()) for index in range(args.pages)]
     total = args.pages * args.page_bytes
     tokens = [random.Random(30).randrange(256) for _ in range(args.pages * PAGE)]
-    url = f"redis://127.0.0.1:{redis_port}/0"
     manager = kvplug.PluginManager(entry_points=False)
     raw = manager.create_kv_store(url, timeout=30.0)
     remote = RemoteKV(manager.create_kv_store(url, timeout=30.0),
@@ -97,8 +120,8 @@ def bandwidth(args: argparse.Namespace, redis_port: int) -> dict:
 
     variants = {
         "plain copy (torch copy_ into a host buffer)": lambda: target.copy_(source),
-        "store put (raw RESP SET, pipelined)": lambda: raw.put(raw_keys, pages),
-        "store get (raw RESP MGET)": lambda: raw.get(raw_keys),
+        f"store put ({args.store}, raw)": lambda: raw.put(raw_keys, pages),
+        f"store get ({args.store}, raw)": lambda: raw.get(raw_keys),
         "RemoteKV.store_pages (keys + checksum + put)": lambda: remote.store_pages(tokens, pages),
         "RemoteKV.load (get + checksum check)": checked_load,
     }
@@ -210,9 +233,8 @@ class Server:
                 self.process.kill()
 
 
-def ttft(args: argparse.Namespace, redis_port: int, root: Path) -> dict:
+def ttft(args: argparse.Namespace, store: str, root: Path) -> dict:
     checkpoint = tiny_checkpoint(root, args.context_tokens)
-    store = f"redis://127.0.0.1:{redis_port}/1"
     servers = {"writer": Server("writer", checkpoint, args, root, store),
                "reader": Server("reader", checkpoint, args, root, store),
                "recompute": Server("recompute", checkpoint, args, root, None)}
@@ -268,6 +290,7 @@ def ttft(args: argparse.Namespace, redis_port: int, root: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", choices=("redis", "mooncake"), default="redis")
     parser.add_argument("--redis-server", default=shutil.which("redis-server"))
     parser.add_argument("--pages", type=int, default=512)
     parser.add_argument("--page-bytes", type=int, default=65536, help="the embedded model's page: 16 tokens x 4 KiB")
@@ -281,19 +304,12 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.redis_server is None:
-        sys.exit("remote_kv: redis-server is not installed (apt-get install -y redis-server)")
-    redis, port = start_redis(args.redis_server)
-    result = {"machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    try:
+    result = {"machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d", time.gmtime()), "store": args.store}
+    with tempfile.TemporaryDirectory(prefix="kvplug-remote-kv-bench-") as root, store_urls(args, Path(root)) as urls:
         if not args.skip_bandwidth:
-            result["bandwidth"] = bandwidth(args, port)
+            result["bandwidth"] = bandwidth(args, urls[0])
         if not args.skip_ttft:
-            with tempfile.TemporaryDirectory(prefix="kvplug-remote-kv-bench-") as root:
-                result["ttft"] = ttft(args, port, Path(root))
-    finally:
-        redis.terminate()
-        redis.wait(timeout=10)
+            result["ttft"] = ttft(args, urls[1], Path(root))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -50,11 +50,12 @@ def test_kit_fails_a_store_whose_exists_ignores_gaps():
 
 def test_store_kind_is_registered_by_name_and_chosen_by_url_scheme():
     manager = kvplug.PluginManager(entry_points=False)
-    assert {"redis", "memory"} <= set(manager.available("kv_store"))
+    assert {"redis", "mooncake", "memory"} <= set(manager.available("kv_store"))
     assert manager.providers("kv_store")["redis"] == "kvplug.builtin.kv_stores"
+    assert manager.providers("kv_store")["mooncake"] == "kvplug.builtin.kv_stores"
     assert isinstance(manager.create_kv_store("memory://x"), kvplug.BaseKVStore)
     with pytest.raises(kvplug.UnknownComponentError, match="'redis'"):
-        manager.create_kv_store("mooncake://127.0.0.1:50051")
+        manager.create_kv_store("s3://bucket/pages")
     # the prefix-cache kinds are untouched
     assert {"naive", "radix"} <= set(manager.available("prefix_cache"))
 

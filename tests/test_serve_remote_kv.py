@@ -5,11 +5,15 @@ loads it from the store, and answers as the first did."""
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 import urllib.request
 import subprocess
 
 import pytest
 
+from tests.mooncake_server import INSTALLED as MOONCAKE_INSTALLED
+from tests.mooncake_server import SKIP_REASON as MOONCAKE_SKIP_REASON
+from tests.mooncake_server import mooncake_cluster
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, redis_server
 from tests.test_serve import (  # noqa: F401  (fixtures)
     _free_port,
@@ -114,16 +118,32 @@ def _ask(port, model, prompt, openai):
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=4).choices[0].message.content
 
 
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
-def test_two_live_servers_share_the_store_and_outlive_it(server_deps, cache_dir, tmp_path):  # noqa: F811
+@contextmanager
+def _store(kind, tmp_path):
+    """(url, kill) of a real store on 127.0.0.1: a password-protected redis-server or a Mooncake cluster."""
+    if kind == "redis":
+        with redis_server("--requirepass", PASSWORD) as (redis_port, redis):
+            def kill():
+                redis.kill()
+                redis.wait()
+            yield f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0", kill
+    else:
+        with mooncake_cluster(tmp_path) as cluster:
+            yield cluster.url, cluster.kill_master
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("redis", marks=pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)),
+    pytest.param("mooncake", marks=pytest.mark.skipif(not MOONCAKE_INSTALLED, reason=MOONCAKE_SKIP_REASON)),
+])
+def test_two_live_servers_share_the_store_and_outlive_it(kind, server_deps, cache_dir, tmp_path):  # noqa: F811
     """Both servers up at once on one store, against a server without it: the second's first
     request for the first's prefix is a store hit with the recompute's tokens; the store killed
     mid-run, both keep answering (every request 200, the same tokens) and count the faults."""
     openai = server_deps
     topics = ["page tables", "host memory", "RESP pipelining", "BLAKE2b keys", "write-through", "tail latency"]
     prompts = [f"Topic {number}, {topic}: " + f"describe {topic} again. " * 5 for number, topic in enumerate(topics)]
-    with redis_server("--requirepass", PASSWORD) as (redis_port, redis):
-        url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
+    with _store(kind, tmp_path) as (url, kill_store):
         ports = {name: _free_port() for name in ("reference", "first", "second")}
         logs = {name: tmp_path / f"{name}.log" for name in ports}
         reference_args = ["serve", "--port", str(ports["reference"]), "--kv-memory", "1536KiB", "--max-seq-len", "256",
@@ -143,8 +163,7 @@ def test_two_live_servers_share_the_store_and_outlive_it(server_deps, cache_dir,
             assert hit["host_write_backs"] == 0 and hit["remote_hit_tokens"] >= 64, hit
             assert hit["remote_errors"] == hit["remote_corrupt_pages"] == 0
 
-            redis.kill()  # mid-run: both servers are up, the first holds prefixes the second has not read
-            redis.wait()
+            kill_store()  # mid-run: both servers are up, the first holds prefixes the second has not read
             for name, prompt in [("second", prompts[1]), ("first", prompts[4]), ("second", prompts[5]),
                                  ("first", prompts[5]), ("first", prompts[0])]:
                 assert _ask(ports[name], model, prompt, openai) == expected[prompt], (name, prompt)

@@ -1,4 +1,4 @@
-"""Built-in plugin: the ``redis`` and ``memory`` shared KV stores (issue 30)."""
+"""Built-in plugin: the ``redis``, ``mooncake`` and ``memory`` shared KV stores (issue 30)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ def create_redis(config: KVStoreConfig) -> BaseKVStore:
     return RedisKVStore(config)
 
 
+def create_mooncake(config: KVStoreConfig) -> BaseKVStore:
+    from kvplug.kv_store.mooncake_store import MooncakeKVStore
+
+    return MooncakeKVStore(config)
+
+
 def create_memory(config: KVStoreConfig) -> BaseKVStore:
     from kvplug.kv_store.memory_store import InMemoryKVStore
 
@@ -25,4 +31,5 @@ def create_memory(config: KVStoreConfig) -> BaseKVStore:
 @hookimpl
 def kvplug_register_kv_stores(register):
     register("redis", create_redis)
+    register("mooncake", create_mooncake)
     register("memory", create_memory)

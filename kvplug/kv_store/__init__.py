@@ -2,7 +2,7 @@
 
 ``RemoteKV`` is what the serving path talks to: it turns a prompt into namespaced chained page
 keys (``keys``), checksums values (``framing``), and turns every store fault into a counted miss
-or dropped write (``remote``). Stores (``BaseKVStore`` plugins: ``redis``, ``memory``) only move bytes.
+or dropped write (``remote``). Stores (``BaseKVStore`` plugins: ``redis``, ``mooncake``, ``memory``) only move bytes.
 """
 
 from kvplug.kv_store.keys import KVNamespace, page_keys
