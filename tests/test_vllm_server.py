@@ -170,17 +170,31 @@ def test_vllm_serve_with_kvplug_host_memory(model_dir: Path, tmp_path: Path) -> 
     assert status == 0, f"vllm serve exited with {status} after SIGTERM:\n{tail(log)}"
 
 
-def test_vllm_serve_refuses_an_unknown_prefix_cache(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra, expected", [
+    ({"prefix_cache": "no-such-cache"}, ("UnknownComponentError", "'no-such-cache'", "radix")),
+    # issue 32: a host tier below one page, or beyond the machine, is a start-up error naming both sizes
+    ({"prefix_cache": "radix", "host_memory": "1KiB"}, ("InvalidArgumentError", "host_memory=1,024 bytes holds no KV page")),
+    ({"prefix_cache": "radix", "host_memory": "1000TiB"}, ("OutOfMemoryError", "1,099,511,627,776,000 bytes", "available")),
+], ids=["unknown-cache", "tier-below-one-page", "tier-beyond-the-machine"])
+def test_vllm_serve_refuses_a_bad_configuration_before_it_is_healthy(model_dir: Path, tmp_path: Path, extra: dict,
+                                                                     expected: tuple) -> None:
     port, log = free_port(), tmp_path / "serve-bad.log"
-    process = start(model_dir, port, connector_config(prefix_cache="no-such-cache"), log)
-    try:
-        status = process.wait(timeout=STARTUP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    process = start(model_dir, port, connector_config(**extra), log)
+    healthy = False
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                healthy = healthy or response.status == 200
+        except OSError:
+            pass
+        time.sleep(0.5)
+    if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
-        raise AssertionError(f"vllm serve started with an unknown prefix cache:\n{tail(log)}") from None
+        raise AssertionError(f"vllm serve started with {extra}:\n{tail(log)}")
     text = log.read_text(errors="replace")
-    assert status != 0
-    assert "UnknownComponentError" in text and "'no-such-cache'" in text and "radix" in text, tail(log)
+    assert process.returncode != 0 and not healthy
+    assert all(part in text for part in expected), (expected, tail(log))
 
 
 def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, tmp_path: Path) -> None:
