@@ -88,6 +88,31 @@ def test_the_flag_is_refused_saying_what_was_expected_with_the_password_redacted
     assert remote_kv.ENV not in os.environ  # nothing published on a refusal
 
 
+def test_the_sglang_host_object_carries_the_store_as_the_flag_does():
+    """``SGLangHost(remote_kv=URL)``: its ``cli_args`` parse to the same fields and publish the URL;
+    ``install()`` publishes it for ``sglang.Engine``; its repr never shows the password; a store
+    without a host tier or over ``naive`` is refused with kvplug's error, redacted."""
+    import os
+
+    import kvplug
+    from kvplug_sglang.host import SGLangHost
+
+    host = SGLangHost(prefix_cache="radix", attention="torch", host_memory="64MiB", remote_kv=URL)
+    args = parse(*host.cli_args())
+    assert os.environ[remote_kv.ENV] == URL and PASSWORD not in str(args.launch_command)
+    for field, value in host.engine_kwargs().items():
+        assert getattr(args, field) == value
+    assert PASSWORD not in repr(host) and "redis://***@127.0.0.1:6399/0" in repr(host)
+    del os.environ[remote_kv.ENV]
+    assert host.install() is True and os.environ[remote_kv.ENV] == URL
+    assert SGLangHost(prefix_cache="radix", host_memory="64MiB").install() and remote_kv.ENV not in os.environ
+    for kwargs, expected in (({"host_memory": None}, "expected prefix_cache_options with 'host_memory'"),
+                             ({"prefix_cache": "naive", "host_memory": "64MiB"}, "expected prefix_cache='radix'")):
+        with pytest.raises(kvplug.InvalidArgumentError, match=expected) as info:
+            SGLangHost(**{"prefix_cache": "radix", **kwargs, "remote_kv": URL})
+        assert PASSWORD not in str(info.value)
+
+
 def test_the_check_raises_kvplugs_invalid_argument_error():
     import kvplug
 
