@@ -255,9 +255,8 @@ class KVBackend:
         """The one decode staging: the step's staged writes and pending loads first, then one
         staging launch (padded into a graph's buffers when ``graphs`` has a size that fits),
         then attention's plan. Returns ``(batch, graph_size, stamp)``."""
-        # pending ids first: taken by this launch, or written before the staged host writes
-        tokens = self.tables.take_pending_tokens(cells)
-        self._before_forward(rows)
+        # the flush takes the pending ids: handed to this launch when it covers their cells
+        tokens = self._before_forward(rows, cells)
         graph_size = None if graphs is None else graphs.size_for(rows.size)
         stamp = 0 if graph_size is None else graphs.claim(graph_size)
         batch = self.stager.stage(rows, cached, pages=pages, tokens=tokens, pad_to=graph_size)
@@ -270,12 +269,13 @@ class KVBackend:
                 self.attention.prepare_metadata(batch)
         return batch, graph_size, stamp
 
-    def _before_forward(self, rows: np.ndarray) -> None:
-        """What must reach the device before a forward over ``rows``: the step's staged table
-        writes (the one flush point) and the rows' pending host-tier loads."""
+    def _before_forward(self, rows: np.ndarray, decode_cells: np.ndarray | None = None) -> torch.Tensor | None:
+        """What must reach the device before a forward over ``rows``: the rows' pending host-tier
+        loads and the step's staged table writes (the one flush point, which takes a committed
+        step's pending ids: returned when ``decode_cells`` are exactly their cells)."""
         if self.allocator.has_pending_loads:  # pages still copying from the host tier
             self.allocator.order_loads(rows)
-        self.tables.flush()
+        return self.tables.flush(decode_cells)
 
     def input_ids(self, batch: AttentionBatch) -> torch.Tensor:
         """Token ids of the batch's new tokens, on the device: shape ``[num_tokens]``, int32.

@@ -6,9 +6,10 @@ buffers when the backend has graphs for the batch size, padded with the dummy re
 attention; it returns a ``DecodeStep``. The host runs its forward over ``step.batch`` (or
 ``DecodeGraphs.run(step)``), samples, and calls ``step.commit(token_ids)``: the forward's K/V
 count as cached and each sampled id becomes its request's next token. Device ids are handed to
-the page table as pending tokens (``PageTable.defer_tokens``): the next step over the same
-requests writes them in its staging launch and reads them as its input ids. A step is committed
-once; nothing else carries state from one call to the next.
+the page table as one ``PendingTokens`` object (``PageTable.defer_tokens``; the step keeps it as
+``pending_tokens``): the table's next ``flush`` takes it once, handing the ids to the next step's
+staging launch when it covers the same cells (which writes them and reads them as its input ids)
+or writing them. A step is committed once; nothing else carries state from one call to the next.
 
 CUDA graphs (``DecodeGraphs``, below): CUDA-graph decode over ``KVBackend``'s decode steps.
 
@@ -42,7 +43,8 @@ import numpy as np
 import torch
 
 from kvplug.interface import AttentionBatch, InvalidArgumentError
-from kvplug.memory.page_table import PageTable, PendingTokens
+from kvplug.memory.page_table import PageTable
+from kvplug.memory.pending_tokens import PendingTokens
 from kvplug.memory.request import BatchLease, RequestTable, check_lease
 from kvplug.memory.token_ids import as_token_ids, host_token_ids
 
@@ -59,6 +61,8 @@ class DecodeStep:
         out_loc: shape ``[batch.batch_size]``, int32, device; the pool location its K/V go to.
         graph_size: the captured batch size it was staged for, or ``None`` (eager).
         committed: whether ``commit`` ran.
+        pending_tokens: the ``PendingTokens`` its commit handed the page table (device tables),
+            else ``None``; ``pending_tokens.taken`` once a flush wrote or passed them on.
 
     The tensors are views of staging buffers that later steps reuse (a ring of ``ring_size``
     steps, or the graph's fixed buffers for the next step of the same size): run the forward
@@ -66,7 +70,7 @@ class DecodeStep:
     """
 
     __slots__ = (
-        "requests", "batch", "input_ids", "graph_size", "committed", "stamp",
+        "requests", "batch", "input_ids", "graph_size", "committed", "stamp", "pending_tokens",
         "_tables", "_states", "_rows", "_generation", "_cached", "_cells",
     )
 
@@ -87,6 +91,7 @@ class DecodeStep:
         self.graph_size = graph_size
         self.committed = False
         self.stamp = stamp
+        self.pending_tokens: PendingTokens | None = None
         self._tables = tables
         self._states = states
         self._rows = rows
@@ -161,7 +166,8 @@ class DecodeStep:
             append_index = self.batch.append_index
             if append_index.shape[0] != rows.size:  # padded for a graph: the live requests come first
                 append_index = append_index[: rows.size]
-            tables.defer_tokens(PendingTokens(cells, append_index, ids))
+            pending = self.pending_tokens = PendingTokens(cells, append_index, ids)
+            tables.defer_tokens(pending)
         if on_host:
             values = host_token_ids(token_ids, allow_empty=True).numpy()
             target = cells if stored is None else cells[stored]

@@ -56,19 +56,25 @@ def test_a_commit_is_written_by_the_next_launch_or_by_any_other_reader_first(man
     backend = _backend_with_tables(manager, 1, host_views=False)
     a, b, c = _ready(backend, [[1, 2], [3, 4, 5], [6]])
     writes: list[str] = []
-    original = backend.tables.settle_tokens
+    tables = backend.tables
+    original = tables.flush
 
-    def counting_settle():
-        if backend.tables._pending is not None:
-            writes.append("settle")
-        original()
+    def counting_flush(decode_cells=None):
+        pending = tables.pending_tokens
+        tokens = original(decode_cells)
+        if pending is not None:  # the one flush point took it: passed to the launch or written here
+            assert pending.taken and tables.pending_tokens is None
+            writes.append("launch" if tokens is not None else "settle")
+        return tokens
 
-    monkeypatch.setattr(backend.tables, "settle_tokens", counting_settle)
+    monkeypatch.setattr(tables, "flush", counting_flush)
     step = backend.begin_decode([a, b])
     step.commit(torch.tensor([21, 22], dtype=torch.int32))
-    assert backend.tables._pending is not None and writes == []
+    assert tables.pending_tokens is step.pending_tokens and not step.pending_tokens.taken and writes == []
     following = backend.begin_decode([a, b])  # the same cells: the launch writes and reads them
-    assert following.input_ids.tolist() == [21, 22] and writes == [] and backend.tables._pending is None
+    assert following.input_ids.tolist() == [21, 22] and writes == ["launch"] and tables.pending_tokens is None
+    assert step.pending_tokens.taken
+    writes.clear()
     following.commit(torch.tensor([31, 32], dtype=torch.int32))
     # another request list: written first, then staged without them
     other = backend.begin_decode([b, c])

@@ -52,9 +52,11 @@ class TierCopyError(KVPlugError, RuntimeError):
 
 
 class DeferredWorkError(KVPlugError, RuntimeError):
-    """An object holding deferred work (the write-backs one ``evict`` queued, ...) was taken a
-    second time, or dropped without being taken: its work would be done twice or never. Raised
-    before anything is done; nothing changed."""
+    """An object holding deferred work (the write-backs one ``evict`` queued, a lazy region's
+    frees, a commit's pending token ids, an admission's host-tier loads in flight) was taken a
+    second time, by an owner it does not belong to, or dropped without being taken: its work
+    would be done twice, for the wrong request, or never. Raised before anything is done;
+    nothing changed."""
 
 
 class PrefixCacheFault(KVPlugError, RuntimeError):

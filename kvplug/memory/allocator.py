@@ -21,9 +21,10 @@ handed out again within it: the region owns them as a ``DeferredFrees`` (``defer
 Host-memory tier (a ``BaseTieredPrefixCache``): ``open_request`` also takes device pages for the
 host-resident part of a match and starts the cache's load into them (see ``_match_and_load``). The
 copy runs behind the compute stream; the request's *pending loads* (its own, and any still in
-flight that its match reaches) are kept by row until ``order_loads`` orders them before the first
-forward over the row (``KVBackend.prepare`` / ``begin_decode`` call it), or until they complete
-(``loads_ready``), or until the request finishes (its pages may be handed out again). A load that
+flight that its match reaches) are one ``PendingLoads`` object the admission makes, kept under the
+row and taken once (``_take_loads``) by the first of: ``order_loads``, which orders them before the
+first forward over the row (``KVBackend.prepare`` / ``begin_decode`` call it); ``loads_ready``,
+finding them complete; the request's finish (its pages may be handed out again). A load that
 cannot get pages, or whose copy fails, is skipped: the request computes those tokens.
 
 The free list (``FreeList``) is host data: the first location of each free page in one int32
@@ -58,6 +59,7 @@ from kvplug.interface import (
 from kvplug.memory.deferred_frees import DeferredFrees
 from kvplug.memory.integrity import check_allocator
 from kvplug.memory.page_table import PageTable
+from kvplug.memory.pending_loads import PendingLoads
 from kvplug.memory.ragged import HostInts, host_ints
 from kvplug.memory.request import Request, RequestTable
 from kvplug.prefix_cache.host_arrays import HostArrayCalls, host_view
@@ -209,7 +211,7 @@ class PagedAllocator:
         self.states = RequestTable(page_table.max_running_reqs, page_table.row_width)
         self.free_list = FreeList(num_pages, page_size)
         self._no_pages: dict[int, np.ndarray] = {}
-        self._loads: dict[int, tuple[HostLoad, ...]] = {}  # row -> loads to order before its forwards
+        self._loads: dict[int, PendingLoads] = {}  # row -> its admission's loads, until one call takes them
         self.evicted_tokens = 0
         self.host_hit_tokens = 0
         self.skipped_load_tokens = 0
@@ -320,11 +322,11 @@ class PagedAllocator:
         except BaseException:
             cache.lock_handle(handle, unlock=True)
             raise
-        if self.tiered:
-            loads = cache.loads_in_flight(handle)
-            if loads:
-                self._loads[row] = loads
-        return self.states.open(row, n, matched, handle)
+        loads = cache.loads_in_flight(handle) if self.tiered else ()
+        request = self.states.open(row, n, matched, handle)
+        if loads:
+            self._loads[row] = PendingLoads(row, request.key, loads)
+        return request
 
     def _check_prompt(self, input_ids: object) -> int:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.int32 \
@@ -379,34 +381,49 @@ class PagedAllocator:
         """Some live request's pages may still be copying from host memory."""
         return bool(self._loads)
 
+    def pending_loads(self, request: Request) -> PendingLoads | None:
+        """The ``PendingLoads`` ``request``'s admission made, while not taken (``None``: none)."""
+        return self._loads.get(request.row) if self.states.is_live(request) else None
+
     def loads_ready(self, request: Request) -> bool:
         """Whether ``request``'s pages have all arrived (a forward over it would not wait for a
-        copy). A scheduler keeps the request out of its batches until then; never blocks."""
-        loads = self._loads.get(request.row)
-        if loads is None:
+        copy): its pending loads are then taken, with nothing left to order. A scheduler keeps
+        the request out of its batches until then; never blocks."""
+        pending = self._loads.get(request.row)
+        if pending is None:
             return True
-        if not all(load.ready() for load in loads):
+        if not pending.ready():
             return False
-        del self._loads[request.row]  # complete: nothing left to order
+        self._take_loads([request.row])
         return True
 
     def order_loads(self, rows: np.ndarray) -> None:
-        """Order every pending load of ``rows`` (shape ``[bs]``, int64, host) before what is queued
-        next on the current stream: call it before the forward over them. No host wait."""
+        """Take the pending loads of ``rows`` (shape ``[bs]``, int64, host) and order them before
+        what is queued next on the current stream: call it before the forward over them. No
+        host wait."""
         loads = self._loads
         if not loads:
             return
         batch = set(rows.tolist())
-        for row in [row for row in loads if row in batch]:
-            for load in loads.pop(row):
-                load.order_before()
+        for load in self._take_loads([row for row in loads if row in batch]):
+            load.order_before()
+
+    def _take_loads(self, rows: Sequence[int]) -> list[HostLoad]:
+        """The one taker of pending loads: ``rows``' objects, checked against the rows' live
+        requests first (``DeferredWorkError``, nothing taken), then taken and dropped."""
+        loads, keys = self._loads, self.states.key
+        for row in rows:
+            loads[row].check(row, int(keys[row]))
+        taken: list[HostLoad] = []
+        for row in rows:
+            taken.extend(loads.pop(row).take(row, int(keys[row])))
+        return taken
 
     def wait_for_loads(self) -> None:
         """Block until every pending load has completed (a scheduler with nothing else to run):
-        the one documented wait of the tier."""
-        for loads in self._loads.values():
-            for load in loads:
-                load.synchronize()
+        the one documented wait of the tier. The loads stay to be taken."""
+        for pending in self._loads.values():
+            pending.synchronize()
 
     def allocate(self, requests: Sequence[Request], new_device_lens: HostInts | None = None) -> np.ndarray:
         """Set each request's ``device_len`` (default: its ``num_tokens``) and give it the pages
@@ -556,10 +573,11 @@ class PagedAllocator:
         shared = None
         if not finished and duplicate_end > old_len:
             shared = new_handle.get_matched_indices()[old_len:duplicate_end]
+        if finished and row in self._loads:  # its pages go back to the pool: later users wait for the copy
+            for load in self._take_loads([row]):
+                load.order_before()
         self.free_list.release(locations[old_len:duplicate_end:size])
         if finished:
-            for load in self._loads.pop(row, ()):  # its pages go back to the pool: later users wait for the copy
-                load.order_before()
             end = min(request.allocated_len, table.row_width)
             self.free_list.release(table.host_locations(row, kept_end, end)[::size])
             self.states.close(request)

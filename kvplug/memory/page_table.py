@@ -18,10 +18,12 @@ new pages (its staging launch writes them on the device; ``record_decode_pages``
 here) and sampled token ids (``defer_tokens`` below).
 
 Pending tokens: a decode step's commit (``kvplug.decode_step``) hands the table its sampled ids,
-on the device, without writing them - the next decode step's staging launch writes them and takes
-them as its input ids. ``take_pending_tokens`` gives them to that launch when the next step
-covers exactly the same cells; ``flush`` writes them otherwise (before the staged host writes,
-which may reuse a finished request's cells).
+on the device, as a ``PendingTokens`` object (``defer_tokens``), without writing them. The table
+holds at most one, and ``flush``, the one flush point, takes it once: it returns the ids to a
+decode staging launch that covers exactly their cells (``flush(decode_cells)``; the launch writes
+them and takes them as its input ids) and writes them otherwise, before the staged host writes
+(which may reuse a finished request's cells). Every reader of the device token pool goes
+through ``flush``.
 
 Every checked method validates rows and column ranges on the host before touching an array, so a
 bad call raises ``InvalidArgumentError`` and changes nothing.
@@ -29,12 +31,11 @@ bad call raises ``InvalidArgumentError`` and changes nothing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from kvplug.interface import InvalidArgumentError
+from kvplug.memory.pending_tokens import PendingTokens
 from kvplug.memory.ragged import HostInts, host_ints, ragged_coordinates
 
 ROW_ALIGNMENT = 32  # int32 entries: 128 bytes
@@ -45,20 +46,6 @@ __all__ = ["ROW_ALIGNMENT", "PageTable", "PendingTokens", "align_up"]
 
 def align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
-
-
-class PendingTokens(NamedTuple):
-    """Token ids the table accepted but has not written into the token pool yet.
-
-    Attributes:
-        flat_index: shape ``[bs]``, int64, host; their cells (``row * row_width + position``), distinct.
-        device_index: shape ``[bs]``, int64, table device; the same cells.
-        values: shape ``[bs]``, int32, table device, contiguous; the ids.
-    """
-
-    flat_index: np.ndarray
-    device_index: torch.Tensor
-    values: torch.Tensor
 
 
 class PageTable:
@@ -134,14 +121,27 @@ class PageTable:
         return not self.mirrored
 
     # ------------------------------------------------------------------ the one staged write
-    def flush(self) -> None:
-        """Make the device tables complete: pending tokens first (a finished request's cells
+    def flush(self, decode_cells: np.ndarray | None = None) -> torch.Tensor | None:
+        """Make the device tables complete: the pending tokens first (a finished request's cells
         may have been reused since), then every host write since the last flush, in one upload
-        and one scatter. No host wait (the upload is from pinned memory)."""
-        if self._pending is not None:
-            self.settle_tokens()
+        and one scatter. No host wait (the upload is from pinned memory).
+
+        The one place the pending tokens are taken: with ``decode_cells`` (shape ``[bs]``, int64,
+        host; a decode staging launch's new-token cells) equal to their cells, their ids are
+        returned for that launch to write (shape ``[bs]``, int32, device) instead of written
+        here; otherwise ``None`` is returned."""
+        pending = self._pending
+        tokens = None
+        if pending is not None:
+            pending.take(self)
+            self._pending = None
+            if (decode_cells is not None and pending.flat_index.shape == decode_cells.shape
+                    and not np.count_nonzero(pending.flat_index - decode_cells)):
+                tokens = pending.values
+            else:
+                self._flat_tokens.scatter_(0, pending.device_index, pending.values)
         if not self._dirty:
-            return
+            return tokens
         dirty, self._dirty = self._dirty, {}
         keys = np.array(list(dirty), dtype=np.int64).reshape(-1, 2)
         spans = np.array(list(dirty.values()), dtype=np.int64).reshape(-1, 2)
@@ -155,6 +155,7 @@ class PageTable:
         array[2 * n :] = self._host_flat[offsets]
         on_device = buffer.to(self.device, non_blocking=True)
         self._storage_flat.index_copy_(0, on_device[: 2 * n].view(torch.int64), on_device[2 * n :])
+        return tokens
 
     def _mark(self, plane: int, row: int, start: int, end: int) -> None:
         if not self.mirrored or end <= start:
@@ -170,32 +171,21 @@ class PageTable:
         return bool(self._dirty) or self._pending is not None
 
     # ------------------------------------------------------------------ pending tokens
+    @property
+    def pending_tokens(self) -> PendingTokens | None:
+        """The one token write accepted and not yet taken by ``flush`` (``None``: none)."""
+        return self._pending
+
     def defer_tokens(self, pending: PendingTokens) -> None:
-        """Accept ``pending`` now, write it later (see the module docstring); a previous pending
-        write is made first. The values are read on the device when written: the caller must
-        not modify them in place before."""
-        self.settle_tokens()
+        """Accept ``pending`` now; the next ``flush`` takes it (see the module docstring). A
+        write accepted earlier and still held is flushed first, so the table holds one.
+        ``DeferredWorkError`` (nothing changed) for a write already accepted or written. The
+        values are read on the device when written: the caller must not modify them in place
+        before."""
+        pending.bind(self)
+        if self._pending is not None:  # two steps committed with no flush between: the older first
+            self.flush()
         self._pending = pending
-
-    def take_pending_tokens(self, flat_index: np.ndarray) -> torch.Tensor | None:
-        """The pending ids, for a launch that writes them at ``flat_index`` (shape ``[bs]``,
-        int64, host) and uses them there - when those are exactly their cells; otherwise they
-        are written now and ``None`` is returned. Either way nothing is pending afterwards."""
-        pending = self._pending
-        if pending is None:
-            return None
-        if pending.flat_index.shape == flat_index.shape and not np.count_nonzero(pending.flat_index - flat_index):
-            self._pending = None
-            return pending.values
-        self.settle_tokens()
-        return None
-
-    def settle_tokens(self) -> None:
-        """Write the pending tokens into the token pool now (no-op when none are pending)."""
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            self._flat_tokens.scatter_(0, pending.device_index, pending.values)
 
     # ------------------------------------------------------------------ per-step writes (unchecked)
     def write_flat(self, target: torch.Tensor, flat_index: np.ndarray, values: torch.Tensor) -> None:
@@ -209,7 +199,8 @@ class PageTable:
             values: shape ``[n]``, int32, device.
         """
         if target is self._tokens:
-            self.settle_tokens()
+            if self._pending is not None:  # its cells may be among these: it goes first
+                self.flush()
             target = self._flat_tokens
         else:
             target = target.view(-1)
@@ -315,8 +306,8 @@ class PageTable:
         values = self._host_values(token_ids, "token_ids")
         end = start + values.shape[0]
         self._check_range(row, start, end)
-        if not self.mirrored:
-            self.settle_tokens()  # a pending id may be bound for one of these cells
+        if not self.mirrored and self._pending is not None:
+            self.flush()  # a pending id may be bound for one of these cells
         self.host_tokens[row, start:end] = values
         self._mark(TOKENS, row, start, end)
 
