@@ -10,8 +10,11 @@ scripts/test-dynamo-fleet.sh`` builds a Python with ``ai-dynamo-runtime==1.6.1``
 the embedded model (``--model PATH`` for another); the requests go in waves, turn 1 of every
 conversation, then turn 2 of every conversation, ..., ``--concurrency`` at a time, so a worker's
 small pool (``--kv-memory``) must choose what to keep, as a busy server must. The Dynamo policies
-tokenise each request on a worker (``/tokenize``), ask ``/select_and_reserve`` (the request counts
-against the worker's load until its ``DELETE /reservations/{id}``) of the replicas in turn. Between policies every worker's prefix cache is
+tokenise each request on a worker (``/tokenize``), ask ``/select_and_reserve`` of the replicas in turn,
+report ``prefill_complete`` at the first token and ``DELETE /reservations/{id}`` at the end, as a
+gateway does. ``--dynamo-env DYN_NAME=VALUE`` sets Dynamo's router configuration on the replicas
+(e.g. ``DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT``, ``DYN_ROUTER_PREFILL_LOAD_SCALE``); ``--trace`` records
+what each Dynamo selection saw (overlap scores, potential loads). Between policies every worker's prefix cache is
 flushed (``POST /flush_cache``: Dynamo hears ``AllBlocksCleared``), so each policy starts cold.
 
 Hit rate is cached prompt tokens over prompt tokens, from the workers' own ``/kvplug/stats``
