@@ -10,8 +10,11 @@ scripts/test-dynamo-fleet.sh`` builds a Python with ``ai-dynamo-runtime==1.6.1``
 the embedded model (``--model PATH`` for another); the requests go in waves, turn 1 of every
 conversation, then turn 2 of every conversation, ..., ``--concurrency`` at a time, so a worker's
 small pool (``--kv-memory``) must choose what to keep, as a busy server must. The Dynamo policies
-tokenise each request on a worker (``/tokenize``), ask ``/select_and_reserve`` (the request counts
-against the worker's load until its ``DELETE /reservations/{id}``) of the replicas in turn. Between policies every worker's prefix cache is
+tokenise each request on a worker (``/tokenize``), ask ``/select_and_reserve`` of the replicas in turn,
+report ``prefill_complete`` at the first token and ``DELETE /reservations/{id}`` at the end, as a
+gateway does. ``--dynamo-env DYN_NAME=VALUE`` sets Dynamo's router configuration on the replicas
+(e.g. ``DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT``, ``DYN_ROUTER_PREFILL_LOAD_SCALE``); ``--trace`` records
+what each Dynamo selection saw (overlap scores, potential loads). Between policies every worker's prefix cache is
 flushed (``POST /flush_cache``: Dynamo hears ``AllBlocksCleared``), so each policy starts cold.
 
 Hit rate is cached prompt tokens over prompt tokens, from the workers' own ``/kvplug/stats``
@@ -109,7 +112,8 @@ class Dynamo:
     """``replicas`` selection services, each reading every worker's events (as two gateways would) and
     sharing the load of what it placed with the others."""
 
-    def __init__(self, python: str, replicas: int, workers: list[Worker], model: str, logs: Path) -> None:
+    def __init__(self, python: str, replicas: int, workers: list[Worker], model: str, logs: Path,
+                 override: dict | None = None, router_env: dict | None = None) -> None:
         self.ports = [free_port() for _ in range(replicas)]
         sync_ports = [free_port() for _ in range(replicas)]
         self.processes = []
@@ -119,7 +123,8 @@ class Dynamo:
                 peers = ",".join(f"tcp://127.0.0.1:{peer}" for other, peer in enumerate(sync_ports) if other != number)
                 argv += ["--replica-sync-port", str(sync_ports[number]), "--replica-sync-peers", peers]
             with open(logs / f"select_service{number}.log", "wb") as log:
-                self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+                self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                       env=dict(os.environ, **(router_env or {}))))
         try:
             for port, process in zip(self.ports, self.processes):
                 wait_for(f"http://127.0.0.1:{port}/health", process, "dynamo.select_service", timeout=60)
@@ -134,21 +139,43 @@ class Dynamo:
             self.stop()
             raise
         self.model = model
+        self.override = override or {}
         self.turn = 0
         self.lock = threading.Lock()
 
-    def reserve(self, token_ids: list[int], replicas: int) -> tuple[int, int, int]:
+    def reserve(self, token_ids: list[int], replicas: int, trace: dict | None = None) -> tuple[int, int, int]:
         """(worker id, the replica that chose it, the reservation): ``/select_and_reserve`` counts the
         request against the worker's load until ``release``, as a gateway does."""
         with self.lock:
             replica = self.turn % replicas  # requests alternate between the router replicas
             self.turn += 1
         port = self.ports[replica]
-        status, body = call(f"http://127.0.0.1:{port}/select_and_reserve",
-                            {"token_ids": token_ids, "model_name": self.model})
+        if trace is not None:  # what the replica sees just before it selects (Dynamo's inspection APIs)
+            query = {"token_ids": token_ids, "model_name": self.model}
+            trace["overlap_scores"] = call(f"http://127.0.0.1:{port}/overlap_scores", query)[1]
+            trace["potential_loads"] = call(f"http://127.0.0.1:{port}/potential_loads", query)[1]
+        request = {"token_ids": token_ids, "model_name": self.model}
+        if self.override:
+            request["router_config_override"] = self.override
+        status, body = call(f"http://127.0.0.1:{port}/select_and_reserve", request)
         if status != 200:
             sys.exit(f"fleet: Dynamo's /select_and_reserve failed: {body}")
+        if trace is not None:
+            trace["selection"] = body
         return body["worker_id"], replica, body["selection_id"]
+
+    def overlap(self, token_ids: list[int], replica: int) -> dict:
+        """Blocks of ``token_ids`` each worker holds, as ``replica``'s indexer sees them now."""
+        _, body = call(f"http://127.0.0.1:{self.ports[replica]}/overlap_scores",
+                       {"token_ids": token_ids, "model_name": self.model})
+        return {row["worker_id"]: row["device_blocks"] for row in body.get("workers", [])}
+
+    def prefill_complete(self, replica: int, selection_id: str) -> None:
+        """The request's first token arrived: Dynamo moves its load from prefill to decode (its
+        lifecycle API; without it the prompt counts as pending prefill until ``release``)."""
+        status, body = call(f"http://127.0.0.1:{self.ports[replica]}/reservations/{selection_id}/prefill_complete", {})
+        if status not in (200, 204):
+            sys.exit(f"fleet: Dynamo's prefill_complete failed ({status}): {body}")
 
     def release(self, replica: int, selection_id: str) -> None:
         request = urllib.request.Request(f"http://127.0.0.1:{self.ports[replica]}/reservations/{selection_id}",
@@ -166,8 +193,10 @@ class Dynamo:
                 process.kill()
 
 
-def streamed_chat(worker: Worker, messages: list, max_tokens: int) -> tuple[str, float, float]:
-    """(reply text, time to first token, total time), in seconds, over a streamed completion."""
+def streamed_chat(worker: Worker, messages: list, max_tokens: int,
+                  on_first_token=None) -> tuple[str, float, float]:
+    """(reply text, time to first token, total time), in seconds, over a streamed completion;
+    ``on_first_token()`` runs when the first token arrives (a gateway reports prefill done then)."""
     connection = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=300)
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "stream": True})
     started = time.perf_counter()
@@ -180,13 +209,28 @@ def streamed_chat(worker: Worker, messages: list, max_tokens: int) -> tuple[str,
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
         chunk = json.loads(line[6:])
-        delta = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
-        if delta:
-            first = first if first is not None else time.perf_counter() - started
-            text.append(delta)
+        choice = (chunk.get("choices") or [{}])[0]
+        if "content" not in choice.get("delta", {}) and not choice.get("finish_reason"):
+            continue  # the opening {"role": "assistant"} chunk comes before any token
+        if first is None:  # the first token, even one whose text is empty (a byte inside a UTF-8 character)
+            first = time.perf_counter() - started
+            if on_first_token is not None:
+                on_first_token()
+        text.append(choice.get("delta", {}).get("content") or "")
     connection.close()
     total = time.perf_counter() - started
     return "".join(text), first if first is not None else total, total
+
+
+def router_env(pairs: list[str]) -> dict:
+    """``DYN_NAME=VALUE`` pairs as an environment; anything else stops the run."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("DYN_"):
+            sys.exit(f"fleet: --dynamo-env takes DYN_NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
 
 
 def conversations(count: int, seed: int) -> list[list[str]]:
@@ -212,17 +256,27 @@ def run_policy(policy: str, workers: list[Worker], dynamo: Dynamo | None, replic
     chats = conversations(args.conversations, args.seed)
     histories: list[list[dict]] = [[] for _ in chats]
     before = {worker.id: worker.stats() for worker in workers}
-    ttfts, chosen = [], []
+    ttfts, chosen, traces = [], [], []
     lock = threading.Lock()
 
     def one_turn(number: int, turn: int, worker: Worker | None) -> None:
         history = histories[number] + [{"role": "user", "content": chats[number][turn]}]
-        reservation = None
+        reservation = trace = None
         if worker is None:  # Dynamo: tokenised as the workers will, then selected and reserved
             status, tokenized = call(f"{workers[0].url}/tokenize", {"messages": history})
-            picked, replica, selection = dynamo.reserve(tokenized["tokens"], replicas)
+            trace = {"conversation": number, "turn": turn, "prompt_tokens": len(tokenized["tokens"]),
+                     "sent": time.time()} if args.trace else None
+            picked, replica, selection = dynamo.reserve(tokenized["tokens"], replicas, trace)
+            if trace is not None:
+                with lock:
+                    traces.append(trace)
             worker, reservation = next(w for w in workers if w.id == picked), (replica, selection)
-        reply, ttft, _ = streamed_chat(worker, history, args.max_tokens)
+        def first_token() -> None:  # a gateway's lifecycle call: the prompt is computed
+            dynamo.prefill_complete(*reservation)
+            if trace is not None:  # whether the prompt's pages reached the router by its first token
+                trace["at_first_token"] = dynamo.overlap(tokenized["tokens"], reservation[0])
+
+        reply, ttft, _ = streamed_chat(worker, history, args.max_tokens, first_token if reservation else None)
         if reservation is not None:
             dynamo.release(*reservation)
         with lock:
@@ -262,6 +316,8 @@ def run_policy(policy: str, workers: list[Worker], dynamo: Dynamo | None, replic
         "ttft_p99_ms": 1000 * ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))],
         "requests_per_s": len(ttfts) / elapsed,
         "per_worker": {str(w): chosen.count(w) for w in sorted(set(chosen))},
+        "evicted_tokens": sum(after[w]["evicted_tokens"] - before[w]["evicted_tokens"] for w in after),
+        **({"trace": traces} if args.trace else {}),
     }
 
 
@@ -281,7 +337,14 @@ def main() -> int:
     parser.add_argument("--threads-per-worker", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     parser.add_argument("--gap", type=float, default=0.5, help="seconds between waves (events reach the routers)")
+    parser.add_argument("--dynamo-env", action="append", default=[], metavar="DYN_NAME=VALUE",
+                        help="Dynamo's router configuration for the selection services, as its environment variables "
+                             "(repeatable), e.g. DYN_ROUTER_PREFILL_LOAD_SCALE=4")
+    parser.add_argument("--router-config-override", default="{}",
+                        help="Dynamo's per-request router_config_override (JSON), e.g. '{\"overlap_score_credit\": 2}'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="store_true",
+                        help="record, per Dynamo request, the replica's overlap scores and potential loads")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="kvplug-fleet-"))
@@ -297,7 +360,8 @@ def main() -> int:
                 print("fleet: no --dynamo-python: the Dynamo policies are skipped", file=sys.stderr)
                 policies = [policy for policy in policies if not policy.startswith("dynamo")]
             else:
-                dynamo = Dynamo(args.dynamo_python, 2, workers, model, logs)
+                dynamo = Dynamo(args.dynamo_python, 2, workers, model, logs, json.loads(args.router_config_override),
+                                router_env(args.dynamo_env))
         results = []
         for policy in policies:
             replicas = int(policy[len("dynamo"):] or 1) if policy.startswith("dynamo") else 0
@@ -312,7 +376,8 @@ def main() -> int:
         for worker in workers:
             worker.stop()
     report = {"workers": args.workers, "conversations": args.conversations, "turns": args.turns,
-              "concurrency": args.concurrency,
+              "concurrency": args.concurrency, "dynamo_env": router_env(args.dynamo_env),
+              "router_config_override": json.loads(args.router_config_override), "gap_s": args.gap,
               "kv_memory": args.kv_memory, "max_tokens": args.max_tokens, "model": args.model or "embedded",
               "machine": os.uname().nodename, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
               "results": results}
