@@ -48,6 +48,8 @@ from kvplug.memory.pending_tokens import PendingTokens
 from kvplug.memory.request import BatchLease, RequestTable, check_lease
 from kvplug.memory.token_ids import as_token_ids, host_token_ids
 
+_max = np.maximum.reduce  # NOTE: ndarray.max without its Python-level wrapper (a per-step call); 1-D arrays only
+
 
 class DecodeStep:
     """A staged decode step of ``len(requests)`` live requests (see the module docstring).
@@ -154,7 +156,7 @@ class DecodeStep:
         self.committed = True
         cells = self._cells + 1  # where each sampled id goes
         stored = None
-        if cached.max() + 2 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
+        if _max(cached) + 2 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
             stored = cached + 2 <= tables.max_seq_len
             keep = np.flatnonzero(stored)
             if keep.size:

@@ -281,3 +281,24 @@ class RowMachine(RuleBasedStateMachine):
 
 TestRowMachine = RowMachine.TestCase
 TestRowMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(page_size=st.sampled_from([1, 2, 5, 16, 24, 32, 48]), max_seq_len=st.integers(1, 100), data=st.data())
+def test_record_decode_pages_writes_each_page_clipped_to_its_row(page_size, max_seq_len, data):
+    """Differential: ``record_decode_pages`` against a cell-by-cell loop, with pages at every
+    page-aligned column, the last one of a row included (row widths that are and are not page
+    multiples)."""
+    table = make_table(rows=3, max_seq_len=max_seq_len)
+    width = table.row_width
+    starts = [(row, column) for row in range(3) for column in range(0, width, page_size)]
+    chosen = data.draw(st.lists(st.sampled_from(starts), min_size=1, max_size=len(starts), unique=True))
+    cells = np.array([row * width + column for row, column in chosen], dtype=np.int64)
+    pages = np.arange(len(chosen), dtype=np.int32) * page_size + 1000
+    expected = table.host_table.copy()
+    for (row, column), page in zip(chosen, pages.tolist()):
+        for offset in range(page_size):
+            if column + offset < width:
+                expected[row, column + offset] = page + offset
+    table.record_decode_pages(cells, pages, page_size)
+    np.testing.assert_array_equal(table.host_table, expected)

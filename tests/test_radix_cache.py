@@ -519,3 +519,22 @@ def test_insert_validates_exactly_the_new_part(monkeypatch):
         cache.check_integrity()
 
     check()
+
+
+def test_inserted_leaf_sets_every_slot():
+    """``_insert`` builds its new leaf without ``RadixNode.__init__`` (a hot-path inline): every slot
+    must hold what the constructor would give it, whatever slots the class grows."""
+    from kvplug.prefix_cache.radix_node import RadixNode
+
+    cache = radix(page_size=2)
+    cache.insert_prefix(ids(1, 1, 2, 2), span(10, 4))
+    leaf = cache.insert_prefix(ids(1, 1, 2, 2, 3, 3), span(10, 6)).handle
+    parent = leaf.parent
+    built = RadixNode(cache._generation, parent, leaf.key, leaf.value, 6, leaf.last_access)
+    for slot in RadixNode.__slots__:
+        assert hasattr(leaf, slot), f"the inserted leaf has no {slot}"
+        if slot not in ("heap_seq", "children"):  # the leaf is an eviction candidate; children: a fresh dict
+            assert getattr(leaf, slot) == getattr(built, slot), slot
+    assert leaf.children == {} and leaf.children is not built.children
+    assert leaf.heap_seq >= 0 and vars(leaf) == {}
+    cache.check_integrity()

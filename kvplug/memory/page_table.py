@@ -244,10 +244,13 @@ class PageTable:
         offsets, offsets32 = self._offsets(page_size)
         spans = cells[:, None] + offsets
         values = pages[:, None] + offsets32
-        columns = cells % self.row_width
-        if int(columns.max()) + page_size > self.row_width:  # a page reaching past its row's end
-            inside = columns[:, None] + offsets < self.row_width
-            spans, values = spans[inside], values[inside]
+        # pages start at page-aligned columns (allocated_len is whole pages), so one can reach past
+        # its row's end only when the row width is no multiple of the page size
+        if self.row_width % page_size:
+            columns = cells % self.row_width
+            if int(columns.max()) + page_size > self.row_width:
+                inside = columns[:, None] + offsets < self.row_width
+                spans, values = spans[inside], values[inside]
         flat[spans] = values
 
     def _offsets(self, page_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -76,6 +76,7 @@ from kvplug.prefix_cache.validation import (
     reject_unlock_flag,
 )
 
+_new_node = object.__new__  # a new leaf without RadixNode.__init__'s call (see _insert)
 _new_tuple = tuple.__new__  # builds the NamedTuple results without their Python-level __new__
 _NDARRAY = np.ndarray
 _NO_LOCATIONS = as_int32(b"")
@@ -216,8 +217,8 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             or input_ids.ndim != 1 or indices.ndim != 1
         ):
             self._check_host_insert(input_ids, indices)
-        length = input_ids.shape[0]
-        if length != indices.shape[0] or length % self.page_size:
+        length = len(input_ids)  # 1-D: len() is shape[0] without building the shape tuple
+        if length != len(indices) or length % self.page_size:
             self._check_host_insert(input_ids, indices)
         return self._insert(input_ids.tobytes(), indices, False)
 
@@ -268,21 +269,37 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
                 node = self._split(partial, common)
             self._touch_path(node)
             return end >> 2, node
-        new_locations = locations[matched >> 2 :]
         if check:
-            check_location_values(new_locations)  # the new part only: O(new pages)
+            check_location_values(locations[matched >> 2 :])  # the new part only: O(new pages)
         if partial is not None:
             node = self._split(partial, common)
         key = tokens[matched:] if matched else tokens
-        value = new_locations.tobytes()
+        value = locations[matched >> 2 :].tobytes()
         # _add_leaf, inline
         self._clock = tick = self._clock + 1  # the leaf is born with the new tick
-        leaf = RadixNode(self._generation, node, key, value, end >> 2, tick)
+        # NOTE: RadixNode.__init__ inline (its call is ~3% of an insert); every slot must be set here too
+        # (test_radix_cache's test_inserted_leaf_sets_every_slot compares the two)
+        leaf = _new_node(RadixNode)
+        leaf.cached_len = end >> 2
+        leaf.parent = node
+        leaf.children = {}
+        leaf.key = key
+        leaf.value = value
+        leaf.lock_ref = 0
+        leaf.own_locks = 0
+        leaf.last_access = tick
+        leaf.heap_seq = -1
+        leaf.generation = self._generation
+        leaf.page_hashes = None
+        leaf.on_host = False
+        leaf.host_children = 0
+        leaf.host_heap_seq = -1
+        leaf.host_copy = None
         node.children[first_page] = leaf
         if node.heap_seq >= 0:
             self._candidates.discard(node)  # it has a device-resident child now
         self._evictable += len(value) >> 2
-        self._candidates.add_new(leaf)
+        self._candidates.add_newest(leaf)
         cached_len = matched >> 2
         root = self._root
         while node is not root:  # the new tick up to the root

@@ -79,6 +79,14 @@ class EvictionCandidates:
         else:
             heappush(self._heap, (last_access, seq, node))
 
+    def add_newest(self, node: RadixNode) -> None:
+        """``add_new`` for a node stamped with the clock's newest tick (a new leaf): its entry
+        goes to the back of the queue, no comparison."""
+        self._size += 1
+        seq = next(self._next_seq)
+        setattr(node, self._seq_field, seq)
+        self._queue.append((node.last_access, seq, node))
+
     def discard(self, node: RadixNode) -> None:
         """``node`` is no longer a candidate (locked, got a child, or evicted); its entry goes stale."""
         if self._seq_of(node) >= 0:
