@@ -6,6 +6,11 @@ and abort the rest with a clear error: a JSON error before the response has star
 ``data: {"error": ...}`` event on a stream already running. Aborting cancels the request's task, so
 transformers' handler cancels the generation in the batching worker as it does for a client that
 disconnects.
+
+Nothing here waits on a client that does not read: a stalled stream's connection is reset (its
+queued output dropped) before its task is cancelled, an aborted request's last words are sent
+within the stall timeout or not at all, and a cancelled task that does not end within
+``ABORT_GRACE_S`` is left behind (logged) rather than holding its slot.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from kvplug_transformers.http_protocol import CONNECTION_ABORT_KEY, DEFAULT_STALL_TIMEOUT_S
 from kvplug_transformers.request_limits import RequestRefused
 
 logger = logging.getLogger("kvplug.serve")
@@ -137,10 +143,12 @@ class _Running:
     finished: bool = False
     stalled: bool = False
     abort_reason: str | None = None
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # set with abort_reason
+    abort_connection: Callable[[], None] | None = None  # resets its connection (GuardedH11Protocol)
     cancels: list = field(default_factory=list)  # callables that cancel its generation (generation_routes adds them)
 
 
-DEFAULT_STALL_TIMEOUT_S = 30.0
+ABORT_GRACE_S = 5.0  # how long an aborted request's task may take to end before its slot is released anyway
 CANCEL_KEY = "kvplug.cancel"  # scope key: the running request's list of generation cancellers
 
 
@@ -194,11 +202,23 @@ class InFlightRequests:
     def _abort(entry: _Running, reason: str) -> None:
         if entry.task is not None and not entry.task.done() and entry.abort_reason is None:
             entry.abort_reason = reason
+            entry.aborted.set()
             entry.task.cancel()
+
+    def _stalled(self, entry: _Running) -> None:
+        """The client read nothing for ``stall_timeout`` s: reset its connection first (so no send
+        of the request, ours or the app's, can wait on it any more), then cancel the request."""
+        if entry.stalled:
+            return
+        entry.stalled = True
+        self.stalled_total += 1
+        if entry.abort_connection is not None:
+            entry.abort_connection()
+        self._abort(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
 
     async def _run(self, app: ASGIApp, scope: dict, receive: Callable, send: Callable) -> None:
         self._loop = asyncio.get_running_loop()
-        entry = _Running()
+        entry = _Running(abort_connection=scope.get(CONNECTION_ABORT_KEY))
 
         async def watched_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -210,12 +230,12 @@ class InFlightRequests:
                     message = {**message, "body": openai_stream_error(message.get("body", b""))}
                 if not message.get("more_body", False):
                     entry.finished = True
+            if entry.stalled:
+                raise asyncio.CancelledError()  # its connection is reset: nothing more reaches it
             try:
                 await asyncio.wait_for(send(message), self.stall_timeout)
             except asyncio.TimeoutError:
-                entry.stalled = True
-                self.stalled_total += 1
-                self._abort(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
+                self._stalled(entry)
                 raise asyncio.CancelledError() from None
 
         scope[CANCEL_KEY] = entry.cancels
@@ -223,13 +243,12 @@ class InFlightRequests:
         with self._lock:
             self._running[id(entry)] = entry
         try:
-            await entry.task
+            await self._wait(entry)
         except asyncio.CancelledError:
             if entry.abort_reason is None:
                 raise  # cancelled from outside (the server is going away): not ours to answer
             if entry.stalled:
-                # nothing more can reach a client that does not read: returning with the response
-                # unfinished makes uvicorn close the connection
+                # nothing more can reach a client that does not read: its connection is reset
                 logger.warning("kvplug serve: request aborted: %s", entry.abort_reason)
                 return
             await self._answer_aborted(entry, send)
@@ -242,10 +261,34 @@ class InFlightRequests:
                 for cancel in entry.cancels:
                     cancel()
 
-    @staticmethod
-    async def _answer_aborted(entry: _Running, send: Callable) -> None:
-        refusal = RequestRefused(entry.abort_reason or "aborted", status=503)
+    async def _wait(self, entry: _Running) -> None:
+        """Await the request's task, or its abort and then at most ``ABORT_GRACE_S`` for the
+        task to end (raising ``CancelledError``): an aborted request never holds its slot on a
+        task stuck in a send. Cancelled from outside, the task is cancelled too."""
+        task = entry.task
+        aborted = asyncio.ensure_future(entry.aborted.wait())
         try:
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task}, timeout=ABORT_GRACE_S)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            aborted.cancel()
+        if not task.done():
+            logger.warning("kvplug serve: an aborted request's task did not end within %g s of its abort (%s); "
+                           "its slot is released, the task left to end on its own", ABORT_GRACE_S, entry.abort_reason)
+            task.add_done_callback(_retrieve)
+            raise asyncio.CancelledError()
+        await task  # its result: returns, raises its error, or CancelledError once aborted
+
+    async def _answer_aborted(self, entry: _Running, send: Callable) -> None:
+        """The aborted request's last words (a 503, or an error event ending its stream), sent
+        within the stall timeout; a client that does not take them has its connection reset."""
+        refusal = RequestRefused(entry.abort_reason or "aborted", status=503)
+
+        async def answer() -> None:
             if not entry.started:
                 await send_refusal(send, refusal)
             elif not entry.finished:
@@ -253,8 +296,20 @@ class InFlightRequests:
                     event = f"data: {json.dumps(refusal.to_json())}\n\n".encode()
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await asyncio.wait_for(answer(), self.stall_timeout)
+        except asyncio.TimeoutError:
+            if entry.abort_connection is not None:
+                entry.abort_connection()
         except Exception:  # the client is gone or the connection closed: nothing left to tell it
             pass
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Collect the outcome of a task nobody awaits any more (no "exception never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 _TRANSFORMERS_STREAM_ERROR = re.compile(rb'data: \{"error": "(.*)"\}\n\n\Z', re.DOTALL)

@@ -7,6 +7,12 @@ runs out of file descriptors. This subclass (given to the server's own ``uvicorn
 ``max_connections`` open, a new connection closes the longest-idle one (no request on it: a
 half-sent head, or keep-alive between requests); when every one carries a request, the new one
 gets a 503 and is closed at once. Idle sockets cannot take the descriptors a real request needs.
+
+What a client that stops reading leaves unsent is bounded (the kernel's send buffer and asyncio's
+write buffer), and such a connection cannot linger: the app cuts a stalled stream off through the
+request's ``CONNECTION_ABORT_KEY`` (a reset, whatever is queued), and a connection uvicorn closes
+with output still queued (a finished response nobody read, at keep-alive's end or at shutdown) is
+reset after ``stall_timeout`` s instead of waiting forever for the client to read.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import struct
 from typing import Any
 
 import h11
@@ -22,7 +29,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvplug_transformers.request_limits import RequestRefused
 
-SEND_BUFFER_BYTES = 64 << 10  # the kernel's send buffer per connection (uvicorn's own write buffer pauses at 64 KiB)
+SEND_BUFFER_BYTES = 64 << 10  # the kernel's send buffer per connection
+WRITE_BUFFER_BYTES = 16 << 10  # asyncio's buffer above it: uvicorn pauses the app's sends past this (its default: 64 KiB)
+DEFAULT_STALL_TIMEOUT_S = 30.0  # --stream-stall-timeout's default
+CONNECTION_ABORT_KEY = "kvplug.abort_connection"  # scope key: resets the request's connection (a stalled stream)
 
 
 def raw_refusal(refusal: RequestRefused) -> bytes:
@@ -46,6 +56,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._phase: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._unsent_deadline: asyncio.TimerHandle | None = None
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -63,8 +74,9 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)  # unsent output held in this process is bounded
         sock = transport.get_extra_info("socket")
-        if sock is not None:  # what a client that stops reading leaves unsent, in the kernel, is bounded
+        if sock is not None:  # ... and in the kernel
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._follow_state()
@@ -75,8 +87,38 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         self._follow_state()
 
+    def abort_connection(self) -> None:
+        """Reset the connection now, dropping its unsent output: the client reads nothing, so a
+        close would wait for it forever. uvicorn then sees the connection lost, which ends the
+        request's pending sends and tells the app the client is gone."""
+        if self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset (RST), not a FIN queued behind output the kernel would keep retrying
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._bound_unsent()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._bound_unsent()
+
+    def _bound_unsent(self) -> None:
+        """A transport closed with output still queued waits until the client reads it: reset
+        it if that has not happened within ``stall_timeout`` s."""
+        if (self._unsent_deadline is None and self.transport.is_closing()
+                and self.transport.get_write_buffer_size() > 0):
+            self._unsent_deadline = self.loop.call_later(self.limits.stall_timeout, self.abort_connection)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        if self._unsent_deadline is not None:
+            self._unsent_deadline.cancel()
+            self._unsent_deadline = None
         self.limits.idle.pop(self, None)
         if self._refused:
             return
@@ -88,6 +130,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _follow_state(self) -> None:
         """Arm the deadline of what the client owes now: a request head, or the rest of a body."""
+        if self.cycle is not None:  # the request's app runs from the next loop turn: it finds the key
+            self.cycle.scope.setdefault(CONNECTION_ABORT_KEY, self.abort_connection)
         state = self.conn.their_state
         if state is h11.IDLE and self.timeout_keep_alive_task is None:
             phase = "head"
@@ -150,12 +194,16 @@ class ConnectionLimits:
         max_connections: open connections at once; one more gets a 503 and is closed.
         head_timeout: seconds a connection may take to send a request's line and headers.
         body_timeout: seconds a request may take to send its body.
+        stall_timeout: seconds a closed connection may keep output its client does not read
+            (``--stream-stall-timeout``) before it is reset.
     """
 
-    def __init__(self, max_connections: int, head_timeout: float, body_timeout: float) -> None:
+    def __init__(self, max_connections: int, head_timeout: float, body_timeout: float,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.max_connections = max_connections
         self.head_timeout = head_timeout
         self.body_timeout = body_timeout
+        self.stall_timeout = stall_timeout
         self.refused_connections = 0
         self.head_timeouts = 0
         self.body_timeouts = 0

@@ -200,7 +200,8 @@ def _run_server(
     non-daemon threads still alive). ``exit_deadline`` is armed at the stop's start."""
     stop = StopRequest()
     inflight = InFlightRequests(stall_timeout=opts.stream_stall_timeout)
-    connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body)
+    connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body,
+                                   opts.stream_stall_timeout)
     with _stop_on_signals(stop):
         try:
             server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections,
