@@ -182,14 +182,16 @@ def test_namespaces_separate_lora_salt_and_multimodal_inputs() -> None:
     other_image = NS(identifier="img-2", mm_position=NS(offset=5))
     spaces = {
         namespace_of(request()),
-        namespace_of(request(lora=NS(lora_int_id=1))),
-        namespace_of(request(lora=NS(lora_int_id=2))),
+        namespace_of(request(lora=NS(lora_int_id=1, lora_name="a", lora_path="/a"))),
+        namespace_of(request(lora=NS(lora_int_id=2, lora_name="b", lora_path="/b"))),
+        # the same name re-pointed at other weights (vLLM's hash keys name and path)
+        namespace_of(request(lora=NS(lora_int_id=1, lora_name="a", lora_path="/a-v2"))),
         namespace_of(request(salt="tenant-a")),
         namespace_of(request(features=[image])),
         namespace_of(request(features=[other_image])),
         namespace_of(request(features=[NS(identifier="img-1", mm_position=NS(offset=9))])),
     }
-    assert len(spaces) == 7 and namespace_of(request()) == DEFAULT_NAMESPACE
+    assert len(spaces) == 8 and namespace_of(request()) == DEFAULT_NAMESPACE
     assert namespace_of(request(features=[image])) == namespace_of(request(features=[image]))
 
     model = RefModel(8)
