@@ -141,6 +141,8 @@ INTERNALS: tuple[Internal, ...] = (
              "self.cache_salt set by the class"),
     Internal(_REQUEST, "mm_features", READ, "namespace: multimodal inputs (identifier and position)", ASSIGNED,
              "self.mm_features set by the class"),
+    Internal(_REQUEST, "prompt_embeds", READ, "namespace: prompts given as embeddings (placeholder token ids)",
+             ASSIGNED, "self.prompt_embeds set by the class"),
     Internal(_REQUEST, "skip_reading_prefix_cache", READ, "prompt-logprob / pooling requests take no hit",
              ASSIGNED, "self.skip_reading_prefix_cache set by the class"),
     Internal("vllm.multimodal.inputs", "MultiModalFeatureSpec", READ, "a multimodal input's identity and place",
