@@ -182,15 +182,28 @@ def test_namespaces_separate_lora_salt_and_multimodal_inputs() -> None:
     other_image = NS(identifier="img-2", mm_position=NS(offset=5))
     spaces = {
         namespace_of(request()),
-        namespace_of(request(lora=NS(lora_int_id=1))),
-        namespace_of(request(lora=NS(lora_int_id=2))),
+        namespace_of(request(lora=NS(lora_int_id=1, lora_name="a", lora_path="/a"))),
+        namespace_of(request(lora=NS(lora_int_id=2, lora_name="b", lora_path="/b"))),
+        # the same name re-pointed at other weights (vLLM's hash keys name and path)
+        namespace_of(request(lora=NS(lora_int_id=1, lora_name="a", lora_path="/a-v2"))),
         namespace_of(request(salt="tenant-a")),
         namespace_of(request(features=[image])),
         namespace_of(request(features=[other_image])),
         namespace_of(request(features=[NS(identifier="img-1", mm_position=NS(offset=9))])),
     }
-    assert len(spaces) == 7 and namespace_of(request()) == DEFAULT_NAMESPACE
+    assert len(spaces) == 8 and namespace_of(request()) == DEFAULT_NAMESPACE
     assert namespace_of(request(features=[image])) == namespace_of(request(features=[image]))
+
+    # prompts given as embeddings: placeholder token ids, so the embeddings themselves separate them
+    import torch
+
+    def embedded(values):
+        return NS(lora_request=None, cache_salt=None, mm_features=[], prompt_embeds=torch.tensor(values))
+
+    first, same, other = embedded([[0.5, 1.0]]), embedded([[0.5, 1.0]]), embedded([[0.5, 2.0]])
+    assert namespace_of(first) == namespace_of(same) != namespace_of(other) != DEFAULT_NAMESPACE
+    assert namespace_of(embedded([[0.5, 1.0, 0.0]])) != namespace_of(first)
+    assert namespace_of(NS(lora_request=None, cache_salt=None, mm_features=[], prompt_embeds=None)) == DEFAULT_NAMESPACE
 
     model = RefModel(8)
     cache = BlockPrefixCache(lambda: kvplug.create_prefix_cache("radix", page_size=4), 4, model.take, model.drop)

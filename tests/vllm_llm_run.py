@@ -14,6 +14,13 @@ and the workload:
 - ``host``: 16 prompts with their own 3-block heads through a pool of 40 blocks, then again: with
   ``host_memory`` (``CONFIG_JSON``'s ``extra``) the first round's prefixes, evicted from the pool,
   come back from kvplug's host tier in the second.
+- ``events``: prompts sharing prefixes, one at a time, then again, then under two ``cache_salt``
+  values (the same token ids): what each namespace publishes.
+
+With ``"events": true`` in ``CONFIG_JSON`` vLLM's KV events are on (its ``null`` publisher): every
+batch handed to the publisher goes through msgspec's encoder and vLLM's ``KVEventBatch`` decoder, as
+a router receives it, and lands in the result's ``events`` (one list per batch, each event as msgspec's
+builtins).
 
 Greedy sampling in float32 on the CPU, so token ids are exact and comparable across runs.
 """
@@ -34,6 +41,11 @@ def prompts(workload: str) -> list[dict]:
         shared = [rng.randrange(256) for _ in range(300)]
         return [{"prompt_token_ids": shared + [rng.randrange(256) for _ in range(rng.randrange(40, 260))]}
                 for _ in range(6)]
+    if workload == "events":
+        shared = [rng.randrange(256) for _ in range(300)]
+        heads = [shared + [rng.randrange(256) for _ in range(130)] for _ in range(2)]
+        plain = [{"prompt_token_ids": head} for head in heads]
+        return plain + [dict(prompt, cache_salt=salt) for salt in ("tenant-a", "tenant-b") for prompt in plain]
     if workload == "host":
         return [{"prompt_token_ids": [rng.randrange(256) for _ in range(384 + rng.randrange(1, 60))]}
                 for _ in range(16)]
@@ -53,6 +65,8 @@ def main() -> None:
                   enable_prefix_caching=True, seed=0, enforce_eager=True)
     if workload == "identity":
         kwargs.update(max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+    elif workload == "events":
+        kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
     elif workload == "host":  # 40 blocks of 128 tokens (1 KiB of KV per token)
         kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=40 * 128 * 1024)
     else:  # ~40 blocks of 128 tokens (1 KiB of KV per token), chunked prefill of 256 tokens
@@ -67,6 +81,10 @@ def main() -> None:
         extra = {"prefix_cache": config["cache"], **config.get("extra", {})}
         kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="KvplugConnector", kv_role="kv_both",
                                                         kv_connector_extra_config=extra)
+    if config.get("events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     llm = LLM(**kwargs)
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
@@ -79,6 +97,19 @@ def main() -> None:
         return preempt(*args, **kw)
 
     scheduler._preempt_request = counted_preempt
+    published: list = []
+    if config.get("events"):
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(type=KVEventBatch)
+        publisher = scheduler.kv_event_publisher
+
+        def recorded_publish(batch):
+            published.append([msgspec.to_builtins(event) for event in decoder.decode(encoder.encode(batch)).events])
+            return publisher.__class__.publish(publisher, batch)
+
+        publisher.publish = recorded_publish
     if config["cache"] != "native":
         schedule = scheduler.schedule
 
@@ -89,11 +120,15 @@ def main() -> None:
             return output
 
         scheduler.schedule = checked_schedule
-    params = SamplingParams(temperature=0, max_tokens={"identity": 12, "host": 8}.get(workload, 240), ignore_eos=True)
+    max_tokens = {"identity": 12, "host": 8, "events": 4}.get(workload, 240)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch = prompts(workload)
     rounds = []
     for _ in range(2):
-        outputs = llm.generate(batch, params, use_tqdm=False)
+        if workload == "events":  # one at a time: the order of events is the order of the prompts
+            outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in batch]
+        else:
+            outputs = llm.generate(batch, params, use_tqdm=False)
         rounds.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                        "cached": [o.num_cached_tokens for o in outputs]})
     result = {"rounds": rounds, "manager": type(manager).__name__, "checks": checks,
@@ -104,10 +139,15 @@ def main() -> None:
         result["salted"] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                             "cached": [o.num_cached_tokens for o in outputs]}
     if config["cache"] != "native":
+        recorder = scheduler.connector._events
+        result["unmatched_pages"] = recorder.unmatched_pages if recorder is not None else None
         result["kvplug"] = scheduler.connector.snapshot()
         result["reset"] = llm.reset_prefix_cache()
         result["after_reset"] = scheduler.connector.snapshot()
         manager.check_conservation()
+    if config.get("events"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)  # publishes the reset's events
+        result["events"] = published
     with open(out_path, "w") as handle:
         json.dump(result, handle)
 

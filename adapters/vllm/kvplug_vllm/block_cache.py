@@ -13,6 +13,11 @@ LoRA adapter, ``cache_salt``, multimodal inputs: ``namespaces``) get their own c
 first use. Eviction takes from the least recently used namespace first; inside one, the cache's
 own policy decides (LRU for ``radix``).
 
+KV events (``events``, vLLM's ``kv_events.VLLMEventRecorder``): each namespace's cache gets the
+listener ``events.listener(namespace)`` (the namespace decides the hashes a router sees); while a
+request's blocks are inserted, that listener's ``context`` is the request (its engine-computed block
+hashes name the new pages); a quarantine clears everything published (``events.clear_all()``).
+
 A ``PrefixCacheFault`` from any call into a cache quarantines the plugin: every namespace's cache
 is handed over to the fallback (``naive``) and the call runs again on it (``quarantine``).
 
@@ -28,7 +33,6 @@ import torch
 
 from kvplug.cache_guard import LAST_RESORT
 from kvplug.interface import BaseCacheHandle, BasePrefixCache, InvalidArgumentError, PrefixCacheFault
-from kvplug.interface.prefix_cache import AllCleared
 from kvplug.prefix_cache.checked import CheckedPrefixCache
 
 from kvplug_vllm.quarantine import BlockQuarantine
@@ -42,13 +46,14 @@ class CacheSpace:
     """One namespace: its kvplug cache, its recency (the cross-namespace LRU order) and the blocks
     kvplug holds a reference on for it (what a quarantine hands back, whatever the plugin says)."""
 
-    __slots__ = ("namespace", "cache", "last_used", "blocks")
+    __slots__ = ("namespace", "cache", "last_used", "blocks", "listener")
 
-    def __init__(self, namespace: Namespace, cache: BasePrefixCache) -> None:
+    def __init__(self, namespace: Namespace, cache: BasePrefixCache, listener: Any = None) -> None:
         self.namespace = namespace
         self.cache = cache
         self.last_used = 0
         self.blocks: set[int] = set()
+        self.listener = listener  # the namespace's KV event listener (``events``), or None
 
 
 class BlockMatch(NamedTuple):
@@ -94,13 +99,14 @@ class BlockPrefixCache:
         drop_refs: removes that reference (kvplug evicted it).
         name: the prefix cache's registered name (messages, stats).
         fallback: builds the replacement of a faulty cache (empty, trusted); default: ``naive``.
-        listener: a kvplug KV event listener every namespace's cache gets (``kv_events``), or ``None``.
+        events: the KV event sink (``kv_events.VLLMEventRecorder``: ``listener(namespace)`` builds the
+            listener of a namespace's cache, ``clear_all()`` after a quarantine), or ``None``.
     """
 
     def __init__(self, factory: Callable[[], BasePrefixCache], block_size: int, take_refs: BlockRefs,
                  drop_refs: BlockRefs, name: str = "prefix cache",
                  fallback: Optional[Callable[[], BasePrefixCache]] = None,
-                 listener: Optional[Callable[[Any], None]] = None) -> None:
+                 events: Any = None) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be positive, got {block_size}")
         if fallback is None:
@@ -110,7 +116,7 @@ class BlockPrefixCache:
                 return default_manager().create_prefix_cache(LAST_RESORT, device="cpu", page_size=block_size)
 
         self._factory = factory
-        self._listener = listener
+        self._events = events
         self.quarantine = BlockQuarantine(name, fallback)
         self.block_size = block_size
         self._take_refs = take_refs
@@ -146,10 +152,10 @@ class BlockPrefixCache:
             dropped, kept = dropped + freed, kept + held
             space.blocks = set()
             space.cache = self.quarantine.fallback()
-            if self._listener is not None:
-                space.cache.add_kv_event_listener(self._listener)
-        if self._listener is not None:  # what the plugin published is gone for event consumers
-            self._listener(AllCleared())
+            if space.listener is not None:
+                space.cache.add_kv_event_listener(space.listener)
+        if self._events is not None:  # what the plugin published is gone for event consumers
+            self._events.clear_all()
         self.epoch += 1  # every lookup the faulty cache answered is stale
         self.quarantine.replaced(fault, during, dropped, kept)
 
@@ -157,16 +163,17 @@ class BlockPrefixCache:
     def space(self, namespace: Namespace) -> CacheSpace:
         space = self._spaces.get(namespace)
         if space is None:
-            cache = self._guarded("a namespace's creation", self._new_cache)
-            space = self._spaces[namespace] = CacheSpace(namespace, cache)
+            listener = self._events.listener(namespace) if self._events is not None else None
+            cache = self._guarded("a namespace's creation", lambda: self._new_cache(listener))
+            space = self._spaces[namespace] = CacheSpace(namespace, cache, listener)
         self._clock += 1
         space.last_used = self._clock
         return space
 
-    def _new_cache(self) -> BasePrefixCache:
+    def _new_cache(self, listener: Any) -> BasePrefixCache:
         cache = self.quarantine.fallback() if self.quarantine.tripped else self._factory()
-        if self._listener is not None:
-            cache.add_kv_event_listener(self._listener)
+        if listener is not None:
+            cache.add_kv_event_listener(listener)
         return cache
 
     @property
@@ -223,16 +230,19 @@ class BlockPrefixCache:
         match.cache.lock_handle(match.handle, unlock=True)
 
     # ------------------------------------------------------------------ inserting
-    def insert(self, namespace: Namespace, token_ids: Sequence[int], block_ids: Sequence[int]) -> BlockMatch:
-        """Cache ``token_ids`` (``len(block_ids)`` whole blocks of them) held in ``block_ids``.
+    def insert(self, namespace: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
+               context: Any = None) -> BlockMatch:
+        """Cache ``token_ids`` (``len(block_ids)`` whole blocks of them) held in ``block_ids``;
+        ``context`` (the vLLM request they are of) names the new pages in KV events.
 
         The blocks of the part that was not cached yet get kvplug's reference; the caller's copies of
         the part that was (its own hit, or another request's copy) stay the caller's to free.
         Returns the prefix the cache holds now (not locked; its ``block_ids`` are the caller's).
         """
-        return self._guarded("insert", lambda: self._insert(namespace, token_ids, block_ids))
+        return self._guarded("insert", lambda: self._insert(namespace, token_ids, block_ids, context))
 
-    def _insert(self, namespace: Namespace, token_ids: Sequence[int], block_ids: Sequence[int]) -> BlockMatch:
+    def _insert(self, namespace: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
+                context: Any = None) -> BlockMatch:
         length = len(block_ids) * self.block_size
         if length == 0:
             raise InvalidArgumentError("nothing to insert: no whole block")
@@ -243,7 +253,14 @@ class BlockPrefixCache:
         ids = torch.tensor(token_ids[:length], dtype=torch.int32)
         blocks = torch.tensor(block_ids, dtype=torch.int32)
         locations = (blocks[:, None] * self.block_size + self._offsets).reshape(-1)
-        result = cache.insert_prefix(ids, locations)
+        listener = space.listener
+        if listener is not None:
+            listener.context = context
+        try:
+            result = cache.insert_prefix(ids, locations)
+        finally:
+            if listener is not None:
+                listener.context = None
         # the cache keeps [cached_len, handle.cached_len) of what it was given (nothing, for naive)
         kept = result.handle.cached_len // self.block_size
         fresh = list(block_ids[result.cached_len // self.block_size:kept])

@@ -170,7 +170,8 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         if events is not None and events.enable_kv_cache_events:  # vLLM publishes what take_events returns
             from kvplug_vllm.kv_events import VLLMEventRecorder
 
-            self._events = VLLMEventRecorder()
+            self._events = VLLMEventRecorder(kv_cache_manager.block_pool.hash_block_size,
+                                             kv_cache_manager.kv_cache_event_metadata[0])
         self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache, self._events)
         if pool is not None:
             from kvplug_vllm.host_prefixes import HostPrefixes

@@ -122,7 +122,7 @@ class RequestPrefixes:
         if len(block_ids) <= self._offered.get(rid, 0):
             return
         self._offered[rid] = len(block_ids)
-        inserted = self.cache.insert(namespace_of(request), request.all_token_ids, block_ids)
+        inserted = self.cache.insert(namespace_of(request), request.all_token_ids, block_ids, context=request)
         locked = self.cache.lock(inserted)
         held = self._held.pop(rid, None)
         if held is not None:
@@ -224,13 +224,14 @@ class KvplugKVCacheManager(KVCacheManager):
 
 
 def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cache",
-            listener: Any = None) -> RequestPrefixes:
+            events: Any = None) -> RequestPrefixes:
     """Make ``manager`` (a plain ``KVCacheManager``) and its pool use kvplug's prefix cache.
 
     ``cache_factory()`` builds one empty kvplug prefix cache with the manager's block size as its
     page size; ``name`` is its registered name (a faulty one is quarantined: ``quarantine``);
-    ``listener`` gets every cache's kvplug KV events (``kv_events``; ``None``: events off). Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid models,
-    another manager or pool class) before changing anything.
+    ``events`` gives every namespace's cache its KV event listener (``kv_events.VLLMEventRecorder``;
+    ``None``: events off). Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid
+    models, another manager or pool class) before changing anything.
     """
     if type(manager) is not KVCacheManager or type(manager.block_pool) is not BlockPool:
         raise InvalidArgumentError(
@@ -252,7 +253,7 @@ def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cac
         take_refs=lambda ids: pool.touch([pool.blocks[block_id] for block_id in ids]),
         drop_refs=lambda ids: pool.free_blocks([pool.blocks[block_id] for block_id in ids]),
         name=name,
-        listener=listener,
+        events=events,
     )
     prefixes = RequestPrefixes(cache)
     pool.__class__ = KvplugBlockPool
