@@ -14,8 +14,8 @@ and has no timeout of its own; so every call first opens a TCP connection to the
 (``timeout``), and a refused or timed-out probe is ``KVStoreError("unavailable")`` at once. A
 master that accepts connections but hangs is not caught this way.
 
-The client library (``pip install mooncake-transfer-engine-non-cuda``, which needs Debian's
-``libibverbs1`` even over TCP) is imported when a store is built, not when the plugin loads; a
+The client library (``pip install -e ".[mooncake]"``: ``mooncake-transfer-engine-non-cuda``, which
+needs Debian's ``libibverbs1`` even over TCP) is imported when a store is built, not when the plugin loads; a
 store built without it is a start-up error with the install command.
 """
 
