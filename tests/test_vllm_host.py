@@ -32,27 +32,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
 
 
-_runs: dict[tuple[str, str, str], dict] = {}
+_runs: dict[tuple, dict] = {}
 
 
-def start_engine(model_dir: Path, workload: str, cache: str, out: Path,
-                 extra: dict | None = None, events: bool = False) -> subprocess.CompletedProcess:
+def start_engine(model_dir: Path, workload: str, cache: str, out: Path, extra: dict | None = None,
+                 events: bool = False, inputs: dict | None = None) -> subprocess.CompletedProcess:
     # this checkout's kvplug and kvplug-vllm, whatever the environment has installed
     path = [str(ROOT), str(ROOT / "adapters" / "vllm"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=os.pathsep.join(filter(None, path)))
-    config = json.dumps({"workload": workload, "cache": cache, "extra": extra or {}, "events": events})
+    config = json.dumps({"workload": workload, "cache": cache, "extra": extra or {}, "events": events,
+                         "inputs": inputs or {}})
     return subprocess.run([sys.executable, str(RUNNER), str(model_dir), config, str(out)], env=env,
                           capture_output=True, text=True, timeout=540)
 
 
 def run_engine(model_dir: Path, workload: str, cache: str, tmp_path: Path, extra: dict | None = None,
-               events: bool = False) -> dict:
-    """The runner's JSON result for one engine (kept per workload, cache, extra config and events for
-    the module)."""
-    key = (workload, cache, json.dumps(extra or {}, sort_keys=True), events)
+               events: bool = False, inputs: dict | None = None) -> dict:
+    """The runner's JSON result for one engine (kept per workload, cache, extra config, events and
+    inputs for the module)."""
+    key = (workload, cache, json.dumps(extra or {}, sort_keys=True), events, json.dumps(inputs or {}, sort_keys=True))
     if key not in _runs:
         out = tmp_path / f"{workload}-{cache}-{len(_runs)}.json"
-        done = start_engine(model_dir, workload, cache, out, extra, events)
+        done = start_engine(model_dir, workload, cache, out, extra, events, inputs)
         assert done.returncode == 0, f"engine {key} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
         _runs[key] = json.loads(out.read_text())
     return _runs[key]

@@ -16,6 +16,12 @@ and the workload:
   come back from kvplug's host tier in the second.
 - ``events``: prompts sharing prefixes, one at a time, then again, then under two ``cache_salt``
   values (the same token ids): what each namespace publishes.
+- ``lora``: one prompt, one request at a time, under no adapter and two LoRA adapters
+  (``CONFIG_JSON``'s ``inputs.adapters``: name -> PEFT directory), each twice, then under two
+  ``cache_salt`` values (the first twice): a result per step in ``steps``.
+- ``embeds``: prompts given as embeddings (``prompt_embeds``, rows of the model's embedding table)
+  of one length, so their placeholder token ids are equal: two different ones, the first again, one
+  sharing only the first's first block, then the first's token ids as a token prompt; ``steps``.
 
 With ``"events": true`` in ``CONFIG_JSON`` vLLM's KV events are on (its ``null`` publisher): every
 batch handed to the publisher goes through msgspec's encoder and vLLM's ``KVEventBatch`` decoder, as
@@ -54,6 +60,33 @@ def prompts(workload: str) -> list[dict]:
             for _ in range(16)]
 
 
+def requests_of(workload: str, model: str, inputs: dict) -> list[tuple[str, dict, object]]:
+    """``(label, prompt, LoRA request)`` of each request of the ``lora`` and ``embeds`` workloads."""
+    rng = random.Random(7)
+    if workload == "lora":
+        from vllm.lora.request import LoRARequest
+
+        prompt = {"prompt_token_ids": [rng.randrange(256) for _ in range(300)]}
+        adapters = {name: LoRARequest(name, number, path)
+                    for number, (name, path) in enumerate(sorted(inputs["adapters"].items()), start=1)}
+        plain = [(f"{name or 'base'}-{repeat}", prompt, adapters.get(name))
+                 for name in (None, *adapters) for repeat in (1, 2)]
+        salted = [(f"{salt}-{repeat}", dict(prompt, cache_salt=salt), None)
+                  for salt, repeat in (("tenant-a", 1), ("tenant-b", 1), ("tenant-a", 2))]
+        return plain + salted
+    import torch
+    from safetensors.torch import load_file
+
+    table = load_file(os.path.join(model, "model.safetensors"))["model.embed_tokens.weight"]
+    first, second = ([rng.randrange(256) for _ in range(300)] for _ in range(2))
+    shares_a_block = first[:128] + second[128:]
+    embedded = {name: {"prompt_embeds": table[torch.tensor(ids)].clone()}
+                for name, ids in (("first", first), ("second", second), ("shares-a-block", shares_a_block))}
+    return [("first", embedded["first"], None), ("second", embedded["second"], None),
+            ("first-again", {"prompt_embeds": embedded["first"]["prompt_embeds"].clone()}, None),
+            ("shares-a-block", embedded["shares-a-block"], None), ("first-as-tokens", {"prompt_token_ids": first}, None)]
+
+
 def main() -> None:
     model, config_text, out_path = sys.argv[1:4]
     config = json.loads(config_text)
@@ -67,6 +100,10 @@ def main() -> None:
         kwargs.update(max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
     elif workload == "events":
         kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
+    elif workload == "lora":
+        kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=64 << 20, enable_lora=True, max_lora_rank=8, max_loras=2)
+    elif workload == "embeds":
+        kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=64 << 20, enable_prompt_embeds=True)
     elif workload == "host":  # 40 blocks of 128 tokens (1 KiB of KV per token)
         kwargs.update(max_num_seqs=4, kv_cache_memory_bytes=40 * 128 * 1024)
     else:  # ~40 blocks of 128 tokens (1 KiB of KV per token), chunked prefill of 256 tokens
@@ -120,18 +157,22 @@ def main() -> None:
             return output
 
         scheduler.schedule = checked_schedule
-    max_tokens = {"identity": 12, "host": 8, "events": 4}.get(workload, 240)
+    max_tokens = {"identity": 12, "host": 8, "events": 4, "lora": 8, "embeds": 8}.get(workload, 240)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    batch = prompts(workload)
-    rounds = []
-    for _ in range(2):
+    sequence = requests_of(workload, model, config.get("inputs", {})) if workload in ("lora", "embeds") else None
+    batch = prompts(workload) if sequence is None else []
+    rounds, done = [], []
+    for label, prompt, lora in sequence or ():
+        output = llm.generate([prompt], params, lora_request=lora, use_tqdm=False)[0]
+        done.append({"label": label, "tokens": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens})
+    for _ in range(2 if sequence is None else 0):
         if workload == "events":  # one at a time: the order of events is the order of the prompts
             outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in batch]
         else:
             outputs = llm.generate(batch, params, use_tqdm=False)
         rounds.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                        "cached": [o.num_cached_tokens for o in outputs]})
-    result = {"rounds": rounds, "manager": type(manager).__name__, "checks": checks,
+    result = {"rounds": rounds, "steps": done, "manager": type(manager).__name__, "checks": checks,
               "pool_hash_entries": len(manager.block_pool.cached_block_hash_to_block)}
     if workload == "identity":
         salted = [dict(prompt, cache_salt="tenant-b") for prompt in batch]

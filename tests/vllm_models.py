@@ -72,3 +72,34 @@ def build_model(directory: Path, seed: int = 1234) -> Path:
     model.save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     return directory
+
+
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def build_lora(directory: Path, seed: int, rank: int = 8) -> Path:
+    """Write a PEFT LoRA adapter for the model ``build_model`` writes (q_proj and v_proj of every
+    layer, rank ``rank``) to ``directory`` (returned), by hand: peft is not needed. B is random and
+    large (PEFT starts it at zero) so the adapter changes greedy outputs."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    head_dim = _CONFIG["head_dim"]
+    out_features = {"q_proj": _CONFIG["num_attention_heads"] * head_dim,
+                    "v_proj": _CONFIG["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(_CONFIG["num_hidden_layers"]):
+        for target in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, _CONFIG["hidden_size"], generator=generator) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features[target], rank, generator=generator) * 0.2
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "lora_dropout": 0.0, "target_modules": list(LORA_TARGETS), "bias": "none",
+              "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": None}
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return directory
