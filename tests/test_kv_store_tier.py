@@ -30,14 +30,14 @@ def fingerprint(tokens: list[int], begin: int, end: int, dtype) -> torch.Tensor:
 class Server:
     """One backend (memory only, no attention) whose "forward" writes the fingerprints."""
 
-    def __init__(self, url, *, model="tiny", dtype=torch.float32, num_pages=8):
+    def __init__(self, url, *, model="tiny", dtype=torch.float32, num_pages=8, host_pages=16, options=None):
         shape = ModelShape(LAYERS, 2, KV_HEADS, HEAD_DIM, dtype)
         self.dtype = dtype
         self.backend = kvplug.create_backend(
             shape, page_size=PAGE, num_pages=num_pages, max_running_reqs=4, max_seq_len=16 * PAGE, attention=None,
             prefix_cache="radix",
-            prefix_cache_options={"host_memory": 16 * shape.kv_bytes_per_token() * PAGE, "remote_kv": url,
-                                  "remote_kv_model": model},
+            prefix_cache_options={"host_memory": host_pages * shape.kv_bytes_per_token() * PAGE, "remote_kv": url,
+                                  "remote_kv_model": model, **(options or {})},
         )
         self.rows = self.backend.pool.kv_buffer.view(2, LAYERS, -1, KV_HEADS, HEAD_DIM)
         self.cache = self.backend.prefix_cache

@@ -88,7 +88,8 @@ class RemoteKV:
         retry_after_s: after a store is found down, slow or refusing, skip it this long.
         clock: monotonic seconds (a test passes its own).
         write_store: a second connection to the same store for ``store_pages`` (owned as
-            ``store`` is); default: ``store`` (one call at a time over both).
+            ``store`` is); default: ``store`` (one call at a time over both, unless the store
+            allows ``concurrent_calls``).
     """
 
     def __init__(
@@ -115,7 +116,8 @@ class RemoteKV:
         self._counts_lock = threading.Lock()  # counters and the back-off; never held across a store call
         self._lock = threading.Lock()  # one call at a time: a store's connection is not shared
         self.write_store = write_store if write_store is not None else store
-        self._write_lock = threading.Lock() if write_store is not None else self._lock
+        separate = write_store is not None or store.concurrent_calls
+        self._write_lock = threading.Lock() if separate else self._lock
 
     @property
     def page_size(self) -> int:

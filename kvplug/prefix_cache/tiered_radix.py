@@ -85,8 +85,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             namespace = namespace_for_pool(self._remote_model, kv_buffer, tp_rank=getattr(config, "tp_rank", 0),
                                            tp_size=getattr(config, "tp_size", 1))
             threaded = (self._remote_writes or ("inline" if kv_buffer.device.type == "cpu" else "thread")) == "thread"
-            # a store given by URL gets a second connection for the writer thread: reads never queue behind writes
-            write_store = _remote_options(self._remote_url, self._remote_model)[0] if threaded and self._remote_url else None
+            # a Redis store given by URL gets a second connection for the writer thread, so reads never
+            # queue behind writes (a store allowing concurrent_calls needs none; others share one)
+            second = threaded and self._remote_url is not None and self._remote_url.startswith("redis://")
+            write_store = _remote_options(self._remote_url, self._remote_model)[0] if second else None
             remote = RemoteKV(self._remote_store, namespace, write_store=write_store)
             writer = StoreWriter(remote, self._host_tier.pool, threaded=threaded)
             self._host_tier.remote = RemoteTierLink(self._host_tier, remote, writer)
