@@ -49,7 +49,8 @@ class RemoteKVStats:
             by reason (``KVStoreError.reason``); errors_other: a store that raised anything else
             or answered out of contract.
         skipped_calls: calls not sent because the store failed less than ``retry_after_s`` ago.
-        queued_pages: pages handed to a store writer to write later (``count_write_queued``).
+        queued_pages: pages handed to a store writer (``count_write_queued``); once it is flushed,
+            ``queued_pages == written_pages + dropped_pages + unwritten_pages`` for its writes.
         unwritten_pages: pages a store writer dropped before any ``store`` call: its queue was
             full or closed, or their device -> host copy failed (``count_unwritten``).
     """

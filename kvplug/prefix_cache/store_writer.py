@@ -15,7 +15,9 @@ Bounded: at most ``max_queued`` writes wait; one more is dropped at once (counte
 never the serving thread a wait. A copy that failed (``TierCopyError`` from ``wait_written``) is
 not written (its bytes are not trustworthy) and counted the same way. ``flush`` waits until
 everything submitted is done (tests, benchmarks); ``close`` drains within a bound and drops the
-rest, counted.
+rest, counted. A cache dropped with writes queued ``detach``es its writer (no wait: the worker
+finishes the queue and ends), and the interpreter's exit waits for live writers at most
+``DEFAULT_CLOSE_S`` in all.
 
 ``threaded=False`` writes in ``submit`` itself, on the caller's thread: the CPU pools' default,
 where the copy is done when ``evict`` returns and writes are visible to the next call (tests and
@@ -24,10 +26,12 @@ the serve process's stats stay deterministic); the store's latency is then on th
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import threading
 import time
+import weakref
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -43,8 +47,9 @@ __all__ = ["DEFAULT_CLOSE_S", "DEFAULT_MAX_QUEUED", "StoreWrite", "StoreWriter"]
 
 #: Writes (evicted nodes) that may wait for the writer; their pages stay pinned meanwhile.
 DEFAULT_MAX_QUEUED = 256
-#: How long ``close`` (and the interpreter's exit) waits for queued writes before dropping them.
-DEFAULT_CLOSE_S = 5.0
+#: How long ``close`` (and the interpreter's exit) waits for queued writes before dropping them: short,
+#: because a server's stop is bounded (``--shutdown-timeout``).
+DEFAULT_CLOSE_S = 1.0
 
 
 class StoreWrite(NamedTuple):
@@ -83,6 +88,7 @@ class StoreWriter:
         self._busy = False  # the worker is writing one it took off the queue
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        _LIVE.add(self)
 
     @property
     def queued(self) -> int:
@@ -92,11 +98,10 @@ class StoreWriter:
 
     def submit(self, write: StoreWrite) -> bool:
         """Hand ``write`` over; never waits (threaded). ``False``: dropped, the queue was full or closed."""
-        pages = len(write.pins.pages)
+        self.remote.count_write_queued(len(write.pins.pages))  # written, dropped or unwritten later: all counted
         if not self.threaded:
             if self._closed:
                 return self._drop(write, "the writer is closed")
-            self.remote.count_write_queued(pages)
             self._write(write)
             return True
         with self._condition:
@@ -111,7 +116,6 @@ class StoreWriter:
                 self._condition.notify_all()
         if refused is not None:
             return self._drop(write, refused)
-        self.remote.count_write_queued(pages)
         return True
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
@@ -140,6 +144,13 @@ class StoreWriter:
         for write in left:
             self._drop(write, "closed before it was written")
         return drained and not left
+
+    def detach(self) -> None:
+        """Refuse new writes and return at once; the worker finishes what is queued, then ends
+        (its owner, a cache, is being dropped: never a wait there)."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
 
     # ------------------------------------------------------------------ the worker
     def _run(self) -> None:
@@ -180,3 +191,14 @@ class StoreWriter:
         logger.debug("kvplug store writer: dropped a write of %d pages: %s", len(write.pins.pages), why)
         write.pins.release()
         return False
+
+
+_LIVE: "weakref.WeakSet[StoreWriter]" = weakref.WeakSet()  # writers whose thread may hold queued writes
+
+
+@atexit.register
+def _drain_live_writers() -> None:
+    """At exit: give the live writers' queued writes ``DEFAULT_CLOSE_S`` in all, then drop them."""
+    deadline = time.monotonic() + DEFAULT_CLOSE_S
+    for writer in list(_LIVE):
+        writer.close(max(0.0, deadline - time.monotonic()))

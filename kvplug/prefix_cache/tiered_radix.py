@@ -79,7 +79,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             from kvplug.kv_store.host_pages import namespace_for_pool
             from kvplug.kv_store.remote import RemoteKV
             from kvplug.prefix_cache.remote_tier import RemoteTierLink
-            from kvplug.prefix_cache.store_writer import DEFAULT_CLOSE_S, StoreWriter
+            from kvplug.prefix_cache.store_writer import StoreWriter
 
             config = getattr(pool, "config", None)
             namespace = namespace_for_pool(self._remote_model, kv_buffer, tp_rank=getattr(config, "tp_rank", 0),
@@ -92,7 +92,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             remote = RemoteKV(self._remote_store, namespace, write_store=write_store)
             writer = StoreWriter(remote, self._host_tier.pool, threaded=threaded)
             self._host_tier.remote = RemoteTierLink(self._host_tier, remote, writer)
-            weakref.finalize(self, writer.close, DEFAULT_CLOSE_S)  # at exit: drain within a bound, drop the rest
+            weakref.finalize(self, writer.detach)  # dropped: the writer finishes its queue, no wait here
 
     @property
     def remote_kv(self):
