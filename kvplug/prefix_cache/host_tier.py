@@ -26,6 +26,10 @@ short, oldest first (their bytes are still on the device). An insert whose path 
 host-resident nodes makes them device-resident with the caller's own pages, keeping their host
 pages as copies the same way (``adopt``).
 
+Store writes (issue 30, ``remote_tier``): a write queued for the shared store reads its host pages
+after ``evict`` returns, so they are pinned (``HostPagePins``): a pinned page the tier frees is
+parked, and comes back to the pool at the next ``reserve_host_pages`` after the write released it.
+
 Loads: a started load's nodes are *in flight* until its copy completes (``loads_in_flight``).
 Faults: a load that raises (``TierCopyError``) changes nothing; a write-back that raises drops the
 nodes it was writing (their device pages were freed anyway), so no node points at bytes that were
