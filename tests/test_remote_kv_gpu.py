@@ -50,7 +50,10 @@ def test_host_pages_reused_while_writes_are_queued_store_only_exact_bytes():
                 first.serve(prompt)
                 first.backend.evict_prefix_cache(first.cache.size_info.evictable_size)
                 first.backend.check_integrity()
-        assert first.cache.flush_remote_kv(FLUSH_S)
+        for prompt in prompts:  # once more, each write done before the next eviction: all of them stored
+            first.serve(prompt)
+            first.backend.evict_prefix_cache(first.cache.size_info.evictable_size)
+            assert first.cache.flush_remote_kv(FLUSH_S)
         stats = first.cache.remote_kv.stats
         assert stats.written_pages > 0 and stats.errors_other == 0
         assert stats.queued_pages == stats.written_pages + stats.unwritten_pages + stats.dropped_pages
