@@ -67,6 +67,7 @@ class LandingPool(HostKVPool):
         self._landed: dict[int, threading.Event] = {}
         self._failed: set[int] = set()
         self._lock = threading.Lock()
+        self.waited: list[int] = []  # tickets the writer waited for, in order
 
     def landed(self, ticket) -> threading.Event:
         with self._lock:
@@ -79,6 +80,7 @@ class LandingPool(HostKVPool):
     def wait_written(self, ticket):
         if ticket is None:
             return
+        self.waited.append(ticket)
         assert self.landed(ticket).wait(WAIT_S), f"copy {ticket} never landed"
         if ticket in self._failed:
             raise TierCopyError(f"copy {ticket} failed (test)")
@@ -122,10 +124,12 @@ def test_writes_reach_the_store_in_submission_order_after_their_copy_lands():
     writes = [one_write(pool, pins, number, ticket=number) for number in range(1, 6)]
     for write, _ in writes:
         assert writer.submit(write)
+    wait_until(lambda: pool.waited == [1])  # the worker waits for the first copy before anything else
     assert store.puts == [], "a write was stored before its copy landed"
     for number in reversed(range(1, 6)):  # copies land last first: the writer still writes in order
         pool.landed(number).set()
     assert writer.flush(WAIT_S)
+    assert pool.waited == [1, 2, 3, 4, 5]
     assert store.puts == [list(remote.keys(tokens)) for _, tokens in writes]
     for number, (write, tokens) in enumerate(writes, start=1):
         assert write.pins.released

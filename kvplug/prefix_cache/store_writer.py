@@ -133,9 +133,11 @@ class StoreWriter:
     def close(self, timeout_s: float = DEFAULT_CLOSE_S) -> bool:
         """Refuse new writes, let the queued ones finish for up to ``timeout_s``, drop the rest
         (counted); ``True`` when everything was written."""
+        deadline = time.monotonic() + timeout_s
         with self._condition:
             self._closed = True
             self._condition.notify_all()
+            thread = self._thread
         drained = self.flush(timeout_s)
         with self._condition:
             left = list(self._queue)
@@ -143,6 +145,8 @@ class StoreWriter:
             self._condition.notify_all()
         for write in left:
             self._drop(write, "closed before it was written")
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))  # ended, unless a store call outlasts the bound
         return drained and not left
 
     def detach(self) -> None:
