@@ -130,7 +130,7 @@ class RemoteKV:
             return RemoteKVStats(**self._counts)
 
     def count_write_queued(self, pages: int) -> None:
-        """A store writer took ``pages`` pages to write later."""
+        """A store writer was handed ``pages`` pages (it writes them, or counts them unwritten)."""
         self._add(queued_pages=pages)
 
     def count_unwritten(self, pages: int) -> None:

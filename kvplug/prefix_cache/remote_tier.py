@@ -54,8 +54,9 @@ class RemoteTierLink:
         errors = (stats.errors_unavailable + stats.errors_timeout + stats.errors_full + stats.errors_auth
                   + stats.errors_protocol + stats.errors_other)
         return dict(remote_hit_tokens=self.fetched_tokens, remote_written_pages=stats.written_pages,
-                    remote_dropped_pages=stats.dropped_pages + stats.unwritten_pages, remote_corrupt_pages=stats.corrupt_pages,
-                    remote_errors=errors, remote_queued_pages=stats.queued_pages)
+                    remote_dropped_pages=stats.dropped_pages + stats.unwritten_pages,
+                    remote_corrupt_pages=stats.corrupt_pages, remote_errors=errors,
+                    remote_queued_pages=stats.queued_pages)
 
     def write_back(self, written: list[tuple[RadixNode, np.ndarray]], ticket: int | None) -> None:
         """``written``: nodes whose copy to host memory was just queued (``ticket``, from
