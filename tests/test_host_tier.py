@@ -598,6 +598,27 @@ def test_cuda_write_backs_are_paced_and_a_failed_copy_worker_stops_the_tier_loud
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_write_tickets_say_when_host_pages_hold_the_bytes():
+    """Issue 30: ``write`` returns at once with a ticket; the pages are busy (a CPU write or a
+    store read must not touch them) until the copy is complete, which ``wait_written`` waits for."""
+    kv = torch.randn(2, 2, 17, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    host = HostKVPool(kv, 16)
+    pages, others = host.take(8), host.take(4)
+    locations = (np.arange(8)[:, None] * 16 + np.arange(16)).reshape(-1)
+    original = kv[:, :, :8].permute(2, 0, 1, 3, 4, 5).cpu()
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy: the gather, then the copy, wait for it
+    ticket = host.write(locations, pages)
+    assert ticket is not None and host.pages_busy(pages[3:4]) and not host.pages_busy(others)
+    host.wait_written(ticket)
+    assert not host.pages_busy(pages)
+    assert torch.equal(host.buffer[torch.from_numpy(pages)], original)
+    host.read(pages[:2], locations[: 2 * 16] + 8 * 16, wait=False)  # a load reads them: busy until done
+    torch.cuda.synchronize()
+    assert not host.pages_busy(pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_loads_run_behind_the_compute_stream_and_are_ordered_before_reads(page_size):
     """Real asynchronous loads on CUDA: a load started while the compute stream is busy does not

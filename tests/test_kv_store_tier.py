@@ -30,14 +30,15 @@ def fingerprint(tokens: list[int], begin: int, end: int, dtype) -> torch.Tensor:
 class Server:
     """One backend (memory only, no attention) whose "forward" writes the fingerprints."""
 
-    def __init__(self, url, *, model="tiny", dtype=torch.float32, num_pages=8):
+    def __init__(self, url, *, model="tiny", dtype=torch.float32, num_pages=8, host_pages=16, options=None,
+                 device="cpu"):
         shape = ModelShape(LAYERS, 2, KV_HEADS, HEAD_DIM, dtype)
         self.dtype = dtype
         self.backend = kvplug.create_backend(
             shape, page_size=PAGE, num_pages=num_pages, max_running_reqs=4, max_seq_len=16 * PAGE, attention=None,
-            prefix_cache="radix",
-            prefix_cache_options={"host_memory": 16 * shape.kv_bytes_per_token() * PAGE, "remote_kv": url,
-                                  "remote_kv_model": model},
+            prefix_cache="radix", device=device,
+            prefix_cache_options={"host_memory": host_pages * shape.kv_bytes_per_token() * PAGE, "remote_kv": url,
+                                  "remote_kv_model": model, **(options or {})},
         )
         self.rows = self.backend.pool.kv_buffer.view(2, LAYERS, -1, KV_HEADS, HEAD_DIM)
         self.cache = self.backend.prefix_cache
@@ -46,14 +47,17 @@ class Server:
         """Admit, check what was matched against the recompute, compute the rest, finish; the matched length."""
         request = self.backend.admit(tokens)
         matched = request.matched_len
+        if self.rows.is_cuda:
+            torch.cuda.synchronize()  # the test reads the pages: the host tier's loads must be done
         locations = self.backend.page_table[request.row, :matched].long()
-        assert torch.equal(self.rows[:, :, locations], fingerprint(tokens, 0, matched, self.dtype)), (
+        expected = fingerprint(tokens, 0, matched, self.dtype).to(self.rows.device)
+        assert torch.equal(self.rows[:, :, locations], expected), (
             f"{matched} matched tokens hold K/V other than the recompute's"
         )
         self.backend.allocate([request])
         cached, length = request.cached_len, request.device_len
         out = self.backend.page_table[request.row, cached:length].long()
-        self.rows[:, :, out] = fingerprint(tokens, cached, length, self.dtype)
+        self.rows[:, :, out] = fingerprint(tokens, cached, length, self.dtype).to(self.rows.device)
         self.backend.finish(request, computed=True)
         self.backend.check_integrity()
         return matched

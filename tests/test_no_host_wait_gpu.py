@@ -1,13 +1,16 @@
 """No call on the serving path makes the host wait for the device (SPEC section 7): with a long
 kernel queued before each call (``torch.cuda._sleep``), every lifecycle call of a CUDA backend -
-radix cache, triton attention, with and without a host-memory tier - returns long before the
-kernel ends, and a whole decode loop runs under ``torch.cuda.set_sync_debug_mode("error")``.
-Skipped without CUDA/Triton."""
+radix cache, triton attention, with and without a host-memory tier, and with a shared KV store
+(``redis-server`` on 127.0.0.1, issue 30: store writes wait for their copies on the writer thread)
+- returns long before the kernel ends, and a whole decode loop runs under
+``torch.cuda.set_sync_debug_mode("error")``. Skipped without CUDA/Triton (the store case also
+without ``redis-server``)."""
 
 from __future__ import annotations
 
 import gc
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ import torch
 import kvplug
 from kvplug.memory.model_shape import ModelShape
 from tests.attention_reference import importable, requires_cuda
+from tests.redis_server import REDIS_SERVER, redis_server
+from tests.redis_server import SKIP_REASON as NO_REDIS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,8 +44,10 @@ def _sleep_cycles() -> int:
     return int(QUEUED_S / per_cycle_s)
 
 
-def _backend(host_memory: str | None):
+def _backend(host_memory: str | None, remote_kv: str | None = None):
     options = {"host_memory": host_memory} if host_memory else None
+    if remote_kv:
+        options.update(remote_kv=remote_kv, remote_kv_model="no-host-wait")
     return kvplug.create_backend(
         SHAPE, page_size=16, num_pages=64, max_running_reqs=8, max_seq_len=1024, prefix_cache="radix",
         attention="triton", device="cuda", prefix_cache_options=options,
@@ -78,9 +85,17 @@ def _serve(backend, prompt, *, chunk: int | None = None, steps: int = 20, timed=
     return request
 
 
-@pytest.mark.parametrize("host_memory", [None, "64MiB"])
-def test_every_serving_call_returns_while_queued_device_work_runs(host_memory):
-    backend = _backend(host_memory)
+@pytest.mark.parametrize("host_memory, remote", [
+    (None, False), ("64MiB", False),
+    pytest.param("64MiB", True, marks=pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS)),
+])
+def test_every_serving_call_returns_while_queued_device_work_runs(host_memory, remote):
+    with redis_server() if remote else nullcontext() as server:
+        _every_serving_call_returns(host_memory, f"redis://127.0.0.1:{server[0]}/0" if remote else None)
+
+
+def _every_serving_call_returns(host_memory, remote_kv):
+    backend = _backend(host_memory, remote_kv)
     cycles = _sleep_cycles()
     shared = list(range(1000, 1200))
     warm_prompts = [shared + list(range(warm * 300, warm * 300 + 300)) for warm in range(5)]
@@ -115,6 +130,39 @@ def test_every_serving_call_returns_while_queued_device_work_runs(host_memory):
     if host_memory:
         assert backend.stats().host_hit_tokens > 0, "the tier run loaded nothing from host memory"
     backend.check_integrity()
+    if remote_kv:
+        _a_store_hit_returns_while_queued_device_work_runs(backend, remote_kv, warm_prompts[1] + [9], cycles)
+
+
+def _a_store_hit_returns_while_queued_device_work_runs(first, remote_kv, prompt, cycles):
+    """What ``first`` wrote, a fresh backend's admission finds in the store without a host wait."""
+    cache = first.prefix_cache
+    first.evict_prefix_cache(cache.size_info.evictable_size)  # everything cached reaches the store
+    assert cache.flush_remote_kv(30.0), "the store writer did not finish"
+    written = cache.tier_stats()
+    assert written.remote_written_pages > 0 and written.remote_errors == 0, written
+    assert written.remote_queued_pages == written.remote_written_pages + written.remote_dropped_pages
+    second = _backend("64MiB", remote_kv)
+    _serve(second, list(range(20_000, 20_100)))  # compile, and connect to the store
+    torch.cuda.synchronize()
+    durations = {}
+
+    def timed(name, call):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        result = call()
+        durations.setdefault(name, []).append(time.perf_counter() - start)
+        return result
+
+    _serve(second, prompt, timed=timed)  # admission: a store read, then the host tier's overlapped load
+    timed("evict", lambda: second.evict_prefix_cache(second.prefix_cache.size_info.evictable_size))  # writes queued
+    torch.cuda.synchronize()
+    slow = {name: max(values) for name, values in durations.items() if max(values) > RETURNS_S}
+    assert not slow, f"calls that waited for the queued {QUEUED_S} s of device work (store tier): {slow}"
+    assert second.prefix_cache.tier_stats().remote_hit_tokens > 0, "the second backend read nothing from the store"
+    assert second.prefix_cache.flush_remote_kv(30.0)
+    second.check_integrity()
 
 
 def test_the_decode_path_runs_under_sync_debug_mode_error():

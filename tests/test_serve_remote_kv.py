@@ -14,6 +14,7 @@ import pytest
 from tests.mooncake_server import INSTALLED as MOONCAKE_INSTALLED
 from tests.mooncake_server import SKIP_REASON as MOONCAKE_SKIP_REASON
 from tests.mooncake_server import mooncake_cluster
+from tests.attention_reference import requires_cuda
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, redis_server
 from tests.test_serve import (  # noqa: F401  (fixtures)
     _free_port,
@@ -53,9 +54,10 @@ def test_remote_kv_flag_is_validated_and_reaches_the_settings():
         parse("--host-memory", "1GiB", "--remote-kv", "nosuchstore://x")
 
 
-def _serve(port, url, cache_dir, log):  # noqa: F811
+def _serve(port, url, cache_dir, log, device="auto"):  # noqa: F811
     args = ["serve", "--port", str(port), "--kv-memory", "1536KiB", "--max-seq-len", "256", "--page-size", "16",
-            "--max-running-reqs", "2", "--host-memory", "16MiB", "--remote-kv", url, "--stats-interval", "1"]
+            "--max-running-reqs", "2", "--host-memory", "16MiB", "--remote-kv", url, "--stats-interval", "1",
+            "--device", device]
     return _run_kvplug(args, cache_dir, log)
 
 
@@ -73,14 +75,19 @@ def _stop(process, log):
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
-def test_a_second_server_loads_the_first_ones_prefix_from_the_store(server_deps, cache_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # a CUDA pool's store writes run on the writer thread; the first server drains them at exit
+    pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda]),
+])
+def test_a_second_server_loads_the_first_ones_prefix_from_the_store(device, server_deps, cache_dir, tmp_path):  # noqa: F811
     openai = server_deps
     topics = ["paged attention", "radix trees", "CUDA graphs", "pinned memory", "prefix caching"]
     prompts = [f"Question {number} about {topic}: " + f"explain {topic}. " * 5 for number, topic in enumerate(topics)]
     with redis_server("--requirepass", PASSWORD) as (redis_port, _):
         url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
         first_port, first_log = _free_port(), tmp_path / "first.log"
-        first = _serve(first_port, url, cache_dir, first_log)
+        first = _serve(first_port, url, cache_dir, first_log, device)
         try:
             stats = _wait_ready(first, first_port, first_log)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{first_port}/v1", api_key="unused", timeout=120)
@@ -97,7 +104,7 @@ def test_a_second_server_loads_the_first_ones_prefix_from_the_store(server_deps,
         assert f"redis://***@127.0.0.1:{redis_port}/0" in output
 
         second_port, second_log = _free_port(), tmp_path / "second.log"
-        second = _serve(second_port, url, cache_dir, second_log)
+        second = _serve(second_port, url, cache_dir, second_log, device)
         try:
             stats = _wait_ready(second, second_port, second_log)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{second_port}/v1", api_key="unused", timeout=120)

@@ -177,7 +177,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(  # issue 30
         "--remote-kv", metavar="URL",
-        help="a KV store shared by servers, under the host-memory tier (needs --host-memory; CPU only for now): "
+        help="a KV store shared by servers, under the host-memory tier (needs --host-memory): "
         "'redis://[:PASSWORD@]HOST:PORT/DB'; prefixes this server evicts are written there, and prompts whose "
         "prefix neither tier holds are looked up there",
     )

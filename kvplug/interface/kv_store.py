@@ -75,7 +75,13 @@ class BaseKVStore(ABC):
     whole prefix ending with it). A store that cannot answer raises ``kvplug.KVStoreError`` with
     its reason; it never raises for a key it does not hold. Values come back byte-identical to
     what was put, or not at all.
+
+    ``concurrent_calls`` (class attribute, default ``False``): the store may be called from two
+    threads at once (a store writer's ``put`` while the serving thread reads); ``False`` makes
+    ``RemoteKV`` make one call at a time, so a read may wait behind a write (issue 30).
     """
+
+    concurrent_calls: bool = False
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> int:

@@ -127,7 +127,11 @@ class TierStats:
         remote_hit_tokens, remote_written_pages, remote_dropped_pages, remote_corrupt_pages,
             remote_errors: a shared KV store under the tier (issue 30; 0 without one): tokens it
             brought into the tier, pages written to it and dropped by it (full or down), values
-            that failed their checksum, and store faults (``kvplug.kv_store.RemoteKVStats``).
+            that failed their checksum, and store faults (``kvplug.kv_store.RemoteKVStats``);
+            dropped pages include those the store writer dropped before writing (its queue full).
+        remote_queued_pages: pages handed to the store writer (issue 30); writes are done when
+            it equals ``remote_written_pages + remote_dropped_pages`` (on a CUDA pool they land
+            after the call that evicted them returns).
     """
 
     host_pages: int = 0
@@ -152,6 +156,7 @@ class TierStats:
     remote_dropped_pages: int = 0
     remote_corrupt_pages: int = 0
     remote_errors: int = 0
+    remote_queued_pages: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -35,6 +35,12 @@ def host_page_payloads(host_pool: HostKVPool, pages: Sequence[int]) -> list[memo
     """The bytes of host pages ``pages`` (views of the pool's memory: store them before the pages
     are reused)."""
     host_pool.synchronize()  # a queued write-back must have landed before its bytes are read
+    return host_page_views(host_pool, pages)
+
+
+def host_page_views(host_pool: HostKVPool, pages: Sequence[int]) -> list[memoryview]:
+    """``host_page_payloads`` without the wait: for a caller that waited for the write that filled
+    the pages (``HostKVPool.wait_written``) and keeps them from reuse (``HostPagePins``)."""
     words = host_pool.buffer.view(host_pool.num_pages, -1).view(torch.uint8).numpy()
     return [memoryview(words[_page(host_pool, page)]) for page in pages]
 

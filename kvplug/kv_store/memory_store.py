@@ -15,6 +15,8 @@ from kvplug.interface.kv_store import BaseKVStore, KVStoreConfig, check_batch
 
 
 class InMemoryKVStore(BaseKVStore):
+    concurrent_calls = True  # every call holds the table's lock
+
     def __init__(self, config: KVStoreConfig) -> None:
         capacity = config.options.get("capacity_bytes")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):

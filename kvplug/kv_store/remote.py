@@ -7,6 +7,11 @@ fault of the store, like an exception). Nothing a store does raises out of ``loo
 (so a dead server costs one timeout per interval, not one per request), a full one drops writes,
 a corrupt value is a miss; all are counted in ``stats``. A page is loaded only if its value is
 intact and its key's, so the worst a store can do is cost a recompute.
+
+Threads: a store writer (``prefix_cache.store_writer``) calls ``store_pages`` off the serving
+thread while the serving thread reads. Counters have their own lock, never held across a store
+call, so ``stats`` (read every step) never waits for the network; with ``write_store`` (a second
+connection to the same store) writes do not queue behind reads either, nor reads behind writes.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ class RemoteKVStats:
             by reason (``KVStoreError.reason``); errors_other: a store that raised anything else
             or answered out of contract.
         skipped_calls: calls not sent because the store failed less than ``retry_after_s`` ago.
+        queued_pages: pages handed to a store writer (``count_write_queued``); once it is flushed,
+            ``queued_pages == written_pages + dropped_pages + unwritten_pages`` for its writes.
+        unwritten_pages: pages a store writer dropped before any ``store`` call: its queue was
+            full or closed, or their device -> host copy failed (``count_unwritten``).
     """
 
     lookups: int = 0
@@ -64,6 +73,8 @@ class RemoteKVStats:
     errors_protocol: int = 0
     errors_other: int = 0
     skipped_calls: int = 0
+    queued_pages: int = 0
+    unwritten_pages: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -77,6 +88,9 @@ class RemoteKV:
         namespace: what a stored page must match to load here.
         retry_after_s: after a store is found down, slow or refusing, skip it this long.
         clock: monotonic seconds (a test passes its own).
+        write_store: a second connection to the same store for ``store_pages`` (owned as
+            ``store`` is); default: ``store`` (one call at a time over both, unless the store
+            allows ``concurrent_calls``).
     """
 
     def __init__(
@@ -86,9 +100,12 @@ class RemoteKV:
         *,
         retry_after_s: float = DEFAULT_RETRY_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        write_store: Optional[BaseKVStore] = None,
     ) -> None:
         if not isinstance(store, BaseKVStore):
             raise InvalidArgumentError(f"store must be a kvplug.BaseKVStore, got {type(store).__name__}")
+        if write_store is not None and not isinstance(write_store, BaseKVStore):
+            raise InvalidArgumentError(f"write_store must be a kvplug.BaseKVStore, got {type(write_store).__name__}")
         if not isinstance(namespace, KVNamespace):
             raise InvalidArgumentError(f"namespace must be a kvplug.kv_store.KVNamespace, got {type(namespace).__name__}")
         self.store = store
@@ -97,7 +114,11 @@ class RemoteKV:
         self._clock = clock
         self._down_until: Optional[float] = None
         self._counts = {field.name: 0 for field in fields(RemoteKVStats)}
+        self._counts_lock = threading.Lock()  # counters and the back-off; never held across a store call
         self._lock = threading.Lock()  # one call at a time: a store's connection is not shared
+        self.write_store = write_store if write_store is not None else store
+        separate = write_store is not None or store.concurrent_calls
+        self._write_lock = threading.Lock() if separate else self._lock
 
     @property
     def page_size(self) -> int:
@@ -105,8 +126,22 @@ class RemoteKV:
 
     @property
     def stats(self) -> RemoteKVStats:
-        with self._lock:
+        with self._counts_lock:
             return RemoteKVStats(**self._counts)
+
+    def count_write_queued(self, pages: int) -> None:
+        """A store writer was handed ``pages`` pages (it writes them, or counts them unwritten)."""
+        self._add(queued_pages=pages)
+
+    def count_unwritten(self, pages: int) -> None:
+        """A store writer dropped ``pages`` pages without a store call (see ``unwritten_pages``)."""
+        self._add(unwritten_pages=pages)
+
+    def _add(self, **deltas: int) -> None:
+        with self._counts_lock:
+            counts = self._counts
+            for name, delta in deltas.items():
+                counts[name] += delta
 
     def keys(self, token_ids: Sequence[int]) -> tuple[str, ...]:
         return page_keys(self.namespace, token_ids)
@@ -114,45 +149,44 @@ class RemoteKV:
     def lookup(self, token_ids: Sequence[int], start_page: int = 0) -> int:
         """How many whole pages of ``token_ids``, from page ``start_page`` on, the store holds."""
         keys = self.keys(token_ids)[_checked_start(start_page) :]
+        self._add(lookups=1)
+        if not keys:
+            return 0
         with self._lock:
-            self._counts["lookups"] += 1
-            if not keys:
-                return 0
-            found = self._call("exists", lambda: self.store.exists(keys), 0)
-            if isinstance(found, bool) or not isinstance(found, int) or not 0 <= found <= len(keys):
-                self._out_of_contract("exists", f"returned {found!r} for {len(keys)} keys")
-                return 0
-            self._counts["lookup_hit_pages"] += found
-            return found
+            found = self._call("exists", lambda: self.store.exists(keys), 0, self.store)
+        if isinstance(found, bool) or not isinstance(found, int) or not 0 <= found <= len(keys):
+            self._out_of_contract("exists", f"returned {found!r} for {len(keys)} keys", self.store)
+            return 0
+        self._add(lookup_hit_pages=found)
+        return found
 
     def load(self, token_ids: Sequence[int], start_page: int, num_pages: int) -> list[memoryview]:
         """The intact payloads of pages ``start_page .. start_page + num_pages``, up to the first
         one missing or corrupt (a prefix of what was asked; maybe empty)."""
         keys = self.keys(token_ids)[_checked_start(start_page) :][: max(0, int(num_pages))]
+        self._add(loads=1)
+        if not keys:
+            return []
         with self._lock:
-            self._counts["loads"] += 1
-            if not keys:
-                return []
-            values = self._call("get", lambda: self.store.get(keys), None)
-            if values is None:
-                return []
-            if not isinstance(values, list) or len(values) != len(keys):
-                self._out_of_contract("get", f"returned {type(values).__name__} for {len(keys)} keys")
-                return []
-            payloads = []
-            for key, value in zip(keys, values):
-                if value is None:
-                    self._counts["missing_pages"] += 1
-                    break
-                payload = unframe(key, value)
-                if payload is None:
-                    self._counts["corrupt_pages"] += 1
-                    logger.warning("kvplug remote KV: a corrupt page value in %s was not loaded", self.store.describe())
-                    break
-                payloads.append(payload)
-            self._counts["loaded_pages"] += len(payloads)
-            self._counts["loaded_bytes"] += sum(len(payload) for payload in payloads)
-            return payloads
+            values = self._call("get", lambda: self.store.get(keys), None, self.store)
+        if values is None:
+            return []
+        if not isinstance(values, list) or len(values) != len(keys):
+            self._out_of_contract("get", f"returned {type(values).__name__} for {len(keys)} keys", self.store)
+            return []
+        payloads = []
+        for key, value in zip(keys, values):
+            if value is None:
+                self._add(missing_pages=1)
+                break
+            payload = unframe(key, value)
+            if payload is None:
+                self._add(corrupt_pages=1)
+                logger.warning("kvplug remote KV: a corrupt page value in %s was not loaded", self.store.describe())
+                break
+            payloads.append(payload)
+        self._add(loaded_pages=len(payloads), loaded_bytes=sum(len(payload) for payload in payloads))
+        return payloads
 
     def store_pages(self, token_ids: Sequence[int], pages: Sequence[Any], start_page: int = 0) -> int:
         """Write ``pages`` (bytes-like payloads) as pages ``start_page ..`` of ``token_ids``; how
@@ -167,58 +201,63 @@ class RemoteKV:
                 raise InvalidArgumentError(f"page {index} must be non-empty bytes-like, got {type(page).__name__}")
         keys = keys[: len(pages)]
         values = [frame(key, page) for key, page in zip(keys, pages)]
-        with self._lock:
-            self._counts["stores"] += 1
-            if not keys:
-                return 0
-            stored = self._call("put", lambda: self.store.put(keys, values), _FAILED)
-            if stored is _FAILED:
-                stored = 0
-            elif isinstance(stored, bool) or not isinstance(stored, int) or not 0 <= stored <= len(keys):
-                self._out_of_contract("put", f"returned {stored!r} for {len(keys)} pages")
-                stored = 0
-            elif stored < len(keys):
-                self._counts["errors_full"] += 1  # the store kept fewer than it was given: full
-            self._counts["dropped_pages"] += len(keys) - stored
-            self._counts["written_pages"] += stored
-            self._counts["written_bytes"] += sum(len(page) for page in pages[:stored])
-            return stored
+        self._add(stores=1)
+        if not keys:
+            return 0
+        store = self.write_store
+        with self._write_lock:
+            stored = self._call("put", lambda: store.put(keys, values), _FAILED, store)
+        full = 0
+        if stored is _FAILED:
+            stored = 0
+        elif isinstance(stored, bool) or not isinstance(stored, int) or not 0 <= stored <= len(keys):
+            self._out_of_contract("put", f"returned {stored!r} for {len(keys)} pages", store)
+            stored = 0
+        elif stored < len(keys):
+            full = 1  # the store kept fewer than it was given: full
+        self._add(errors_full=full, dropped_pages=len(keys) - stored, written_pages=stored,
+                  written_bytes=sum(len(page) for page in pages[:stored]))
+        return stored
 
     def close(self) -> None:
-        with self._lock:
-            try:
-                self.store.close()
-            except Exception:  # closing a broken connection must not fail a shutdown
-                logger.warning("kvplug remote KV: closing %s failed", self.store.describe(), exc_info=True)
+        for store, lock in dict.fromkeys([(self.store, self._lock), (self.write_store, self._write_lock)]):
+            with lock:
+                try:
+                    store.close()
+                except Exception:  # closing a broken connection must not fail a shutdown
+                    logger.warning("kvplug remote KV: closing %s failed", store.describe(), exc_info=True)
 
-    def _call(self, operation: str, call: Callable[[], Any], default: Any) -> Any:
+    def _call(self, operation: str, call: Callable[[], Any], default: Any, store: BaseKVStore) -> Any:
         now = self._clock()
-        if self._down_until is not None:
-            if now < self._down_until:
-                self._counts["skipped_calls"] += 1
-                return default
-            self._down_until = None
+        with self._counts_lock:
+            if self._down_until is not None:
+                if now < self._down_until:
+                    self._counts["skipped_calls"] += 1
+                    return default
+                self._down_until = None
         try:
             return call()
         except KVStoreError as error:
-            self._counts[f"errors_{error.reason}"] += 1
+            with self._counts_lock:
+                self._counts[f"errors_{error.reason}"] += 1
+                if error.reason in _BACKS_OFF:
+                    self._down_until = now + self._retry_after_s
             if error.reason in _BACKS_OFF:
-                self._down_until = now + self._retry_after_s
                 logger.warning(
                     "kvplug remote KV: %s failed (%s); serving without it for %.1f s", operation, error, self._retry_after_s
                 )
             return default
         except Exception as error:  # a store plugin's bug costs a recompute, never a request
-            self._counts["errors_other"] += 1
+            self._add(errors_other=1)
             logger.warning(
                 "kvplug remote KV: store %s raised %s in %s; treated as a miss",
-                self.store.describe(), type(error).__name__, operation,
+                store.describe(), type(error).__name__, operation,
             )
             return default
 
-    def _out_of_contract(self, operation: str, what: str) -> None:
-        self._counts["errors_other"] += 1
-        logger.warning("kvplug remote KV: store %s %s %s; treated as a miss", self.store.describe(), operation, what)
+    def _out_of_contract(self, operation: str, what: str, store: BaseKVStore) -> None:
+        self._add(errors_other=1)
+        logger.warning("kvplug remote KV: store %s %s %s; treated as a miss", store.describe(), operation, what)
 
 
 def open_remote_kv(url: str, namespace: KVNamespace, *, manager: Any = None, retry_after_s: float = DEFAULT_RETRY_AFTER_S,

@@ -35,10 +35,15 @@ the gathers and scatters that touch the KV pool run on the current (compute) str
   worker issues writes in submission order, and a read waits until the writes of its pages are
   issued), so a host page released by one copy and taken by the next is never read and written
   out of order.
+- CPU access (the shared KV store, issue 30): a store writer reads host pages once the write that
+  filled them is complete (``write`` returns its ticket, ``wait_written`` waits for it, off the
+  serving thread); a store read fills free host pages from the CPU only when no copy that is not
+  complete touches them (``pages_busy``, which never blocks).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Sequence
 
@@ -109,6 +114,8 @@ class HostKVPool:
         self._ring_free: list[torch.cuda.Event | None] = [None, None]  # scatter out of each buffer done
         self._ring_next = 0
         self._writes = PacedHostCopies(self._copy_stream) if self._is_cuda else None
+        # loads' copies out of host pages, oldest first, maybe not done (one stream: they end in order)
+        self._reads: collections.deque[tuple[torch.cuda.Event, np.ndarray]] = collections.deque()
         self.write_seconds = 0.0
         self.read_seconds = 0.0
 
@@ -175,7 +182,29 @@ class HostKVPool:
             self._copy_stream.synchronize()
             self._load_stream.synchronize()
 
-    def write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
+    def wait_written(self, ticket: int | None) -> None:
+        """Block until the ``write`` that returned ``ticket`` has landed in host memory (at once
+        for ``None``: a pool on the CPU). Never on the serving thread: it waits for the device.
+        ``TierCopyError`` when the copy failed (its host pages hold no trustworthy bytes)."""
+        if ticket is None:
+            return
+        try:
+            self._writes.wait_complete(ticket)
+        except RuntimeError as error:
+            raise TierCopyError(f"the device -> host copy {ticket} failed: {error}") from error
+
+    def pages_busy(self, host_pages: np.ndarray) -> bool:
+        """Whether a copy not yet complete writes or reads any of ``host_pages`` (so the CPU must
+        not write them now); never blocks. Always ``False`` on the CPU (copies are done on return)."""
+        if not self._is_cuda:
+            return False
+        host_pages = np.asarray(host_pages, dtype=np.int64)
+        self._forget_finished_reads()
+        if any(np.intersect1d(pages, host_pages).size for _, pages in self._reads):
+            return True
+        return self._writes.pages_busy(host_pages)
+
+    def write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> int | None:
         """Copy device KV to host pages: token ``j`` of ``device_locations`` goes to token
         ``j % page_size`` of host page ``host_pages[j // page_size]``, for every layer, K and V.
 
@@ -185,11 +214,14 @@ class HostKVPool:
                 gathered page by page; anything else (a device tensor, partial pages) token by token.
             host_pages: shape ``[m]``, int64, host.
 
+        Returns the copy's ticket for ``wait_written`` (CUDA: the copy is still under way), or
+        ``None`` when it is done (a pool on the CPU).
+
         Raises ``TierCopyError`` when a copy fails (the host pages' contents are then undefined).
         """
         started = time.perf_counter()
         try:
-            self._write(device_locations, host_pages)
+            return self._write(device_locations, host_pages)
         except Exception as error:
             raise TierCopyError(f"device -> host copy of {len(host_pages)} pages failed: {error}") from error
         finally:
@@ -253,12 +285,15 @@ class HostKVPool:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
-    def _write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> None:
+    def _write(self, device_locations: np.ndarray | torch.Tensor, host_pages: np.ndarray) -> int | None:
         index, per_page = self._device_index(device_locations)
+        ticket = None
         for begin, end in self._chunks(len(host_pages)):
-            self._write_chunk(index[begin * per_page : end * per_page], per_page == 1, host_pages[begin:end])
+            ticket = self._write_chunk(index[begin * per_page : end * per_page], per_page == 1, host_pages[begin:end])
+        return ticket
 
-    def _write_chunk(self, index: torch.Tensor, by_page: bool, host_pages: np.ndarray) -> None:
+    def _write_chunk(self, index: torch.Tensor, by_page: bool, host_pages: np.ndarray) -> int | None:
+        """Copy one chunk; the ticket of its last queued copy (CUDA), else ``None`` (done)."""
         count = len(host_pages)
         two, layers, page_size, heads, head_dim = self._page_shape
         if by_page and not self._is_cuda:  # gather each run of pages straight into the host pages
@@ -267,7 +302,7 @@ class HostKVPool:
                 torch.index_select(self._by_page, 0, index[offset : offset + length],
                                    out=self._buffer_words[first : first + length])
                 offset += length
-            return
+            return None
         # one gather of every layer's pages (or rows) into page-contiguous staging [m, 2, L, P, H, D]
         if by_page:
             staging = torch.index_select(self._by_page, 0, index).view(self.buffer.dtype)
@@ -276,14 +311,16 @@ class HostKVPool:
             staging = gathered.permute(2, 0, 1, 3, 4, 5).contiguous()
         if not self._is_cuda:
             self._copy_runs(host_pages, staging, to_host=True)
-            return
+            return None
         gathered = torch.cuda.Event()
         gathered.record(torch.cuda.current_stream(self.device))
         offset = 0
+        ticket = None
         for first, length in _runs(host_pages):  # the worker keeps staging alive until copied
-            self._writes.submit(self.buffer[first : first + length], staging[offset : offset + length], gathered,
-                                np.arange(first, first + length, dtype=np.int64))
+            ticket = self._writes.submit(self.buffer[first : first + length], staging[offset : offset + length],
+                                         gathered, np.arange(first, first + length, dtype=np.int64))
             offset += length
+        return ticket
 
     def _copy_runs(self, host_pages: np.ndarray, staging: torch.Tensor, *, to_host: bool) -> None:
         """Copy between ``staging`` (``[m, 2, L, P, H, D]``) and the host pages, one copy per run
@@ -323,6 +360,8 @@ class HostKVPool:
                 self._copy_runs(host_pages[begin:end], staging, to_host=False)
                 copied = torch.cuda.Event()
                 copied.record(copy_stream)
+            self._forget_finished_reads()
+            self._reads.append((copied, host_pages[begin:end]))
             load_stream.wait_event(copied)
             with torch.cuda.stream(load_stream):
                 self._scatter(staging, index[begin * per_page : end * per_page], per_page == 1)
@@ -330,6 +369,11 @@ class HostKVPool:
                 scattered.record(load_stream)
             self._ring_free[slot] = scattered
         return scattered
+
+    def _forget_finished_reads(self) -> None:
+        reads = self._reads
+        while reads and reads[0][0].query():  # a query, never a wait
+            reads.popleft()
 
     def _read_chunk_cpu(self, host_pages: np.ndarray, index: torch.Tensor, by_page: bool) -> None:
         if by_page:  # scatter each run of host pages straight into the pool

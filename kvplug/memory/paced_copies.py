@@ -17,6 +17,12 @@ issued on one stream in submission order, and ``issue_through_pages`` lets a rea
 (a load) wait until the copies writing them have been *issued* before it issues its own copy on
 the same stream.
 
+Completion: the worker records an event after each chunk and waits on it (off the serving thread)
+before the next; when a copy's last chunk is done the copy is *complete*. ``wait_complete``
+(for a thread that may block: the store writer, issue 30) returns once a copy is complete, and
+``pages_busy`` tells without blocking whether an incomplete copy writes any of some host pages (a
+CPU write into host pages, a store read, must not race a copy still writing them).
+
 A copy that fails in the worker (a CUDA error) is logged, and every later ``submit`` and
 ``issue_through`` raises ``RuntimeError`` naming it: the host pages written since are not
 trustworthy, so the tier must stop serving them (the caller turns it into ``TierCopyError``; the
@@ -62,6 +68,8 @@ class PacedHostCopies:
         self._condition = threading.Condition()
         self._submitted = 0  # tickets handed out
         self._issued = 0     # every copy up to this ticket is issued on the stream
+        self._complete = 0   # every copy up to this ticket has completed on the device
+        self._incomplete: collections.deque[tuple[int, np.ndarray]] = collections.deque()  # (ticket, host pages)
         self._failure: Optional[BaseException] = None
         self._closing = False
         self._thread: Optional[threading.Thread] = None
@@ -73,6 +81,7 @@ class PacedHostCopies:
             self._raise_failure()
             self._submitted += 1
             self._queue.append(_Copy(self._submitted, host, device, ready, host_pages))
+            self._incomplete.append((self._submitted, host_pages))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvplug-host-tier-writes", daemon=True)
                 self._thread.start()
@@ -99,6 +108,22 @@ class PacedHostCopies:
                 self._condition.wait()
             self._raise_failure()
 
+    def wait_complete(self, ticket: int) -> None:
+        """Block until copy ``ticket`` (and every one before it) has completed on the device; for
+        a thread that may wait (never the serving thread). ``RuntimeError`` if the worker failed."""
+        with self._condition:
+            while self._complete < ticket and self._failure is None:
+                self._condition.wait()
+            self._raise_failure()
+
+    def pages_busy(self, host_pages: np.ndarray) -> bool:
+        """Whether a copy not yet complete writes any of ``host_pages``; never blocks (a failed
+        worker counts as busy: nothing it wrote may be trusted)."""
+        with self._condition:
+            if self._failure is not None:
+                return True
+            return any(np.intersect1d(pages, host_pages).size for _, pages in self._incomplete)
+
     @property
     def pending(self) -> int:
         """Copies submitted but not issued yet."""
@@ -119,7 +144,7 @@ class PacedHostCopies:
 
     # ------------------------------------------------------------------ the worker
     def _run(self) -> None:
-        in_flight: collections.deque[tuple[torch.cuda.Event, _Copy]] = collections.deque()
+        in_flight: collections.deque[tuple[torch.cuda.Event, _Copy, bool]] = collections.deque()
         try:
             while True:
                 with self._condition:
@@ -131,7 +156,7 @@ class PacedHostCopies:
                     if copy is None and self._closing and not in_flight:
                         return
                 if copy is None:  # idle: let the copies in flight finish, free their device views
-                    in_flight.popleft()[0].synchronize()
+                    self._finish(in_flight.popleft())
                     continue
                 self._issue(copy, in_flight)
                 with self._condition:
@@ -154,8 +179,19 @@ class PacedHostCopies:
             stream.wait_event(copy.ready)
             for begin in range(0, rows, step):
                 while len(in_flight) >= self._max_in_flight:
-                    in_flight.popleft()[0].synchronize()  # releases the GIL while it waits
+                    self._finish(in_flight.popleft())
                 copy.host[begin : begin + step].copy_(copy.device[begin : begin + step], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
-                in_flight.append((done, copy))  # keeps the device view alive until the chunk is done
+                in_flight.append((done, copy, begin + step >= rows))  # keeps the device view alive until done
+
+    def _finish(self, chunk: tuple[torch.cuda.Event, _Copy, bool]) -> None:
+        """Wait for one chunk in flight (releases the GIL); the last one of a copy completes it."""
+        done, copy, last = chunk
+        done.synchronize()
+        if last:
+            with self._condition:
+                self._complete = copy.ticket
+                while self._incomplete and self._incomplete[0][0] <= copy.ticket:
+                    self._incomplete.popleft()
+                self._condition.notify_all()

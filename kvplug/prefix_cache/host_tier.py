@@ -26,6 +26,10 @@ short, oldest first (their bytes are still on the device). An insert whose path 
 host-resident nodes makes them device-resident with the caller's own pages, keeping their host
 pages as copies the same way (``adopt``).
 
+Store writes (issue 30, ``remote_tier``): a write queued for the shared store reads its host pages
+after ``evict`` returns, so they are pinned (``HostPagePins``): a pinned page the tier frees is
+parked, and comes back to the pool at the next ``reserve_host_pages`` after the write released it.
+
 Loads: a started load's nodes are *in flight* until its copy completes (``loads_in_flight``).
 Faults: a load that raises (``TierCopyError``) changes nothing; a write-back that raises drops the
 nodes it was writing (their device pages were freed anyway), so no node points at bytes that were
@@ -58,6 +62,7 @@ from kvplug.interface import (
     TierStats,
 )
 from kvplug.memory.host_pool import HostKVPool
+from kvplug.prefix_cache.host_pins import HostPagePins
 from kvplug.prefix_cache.radix_arguments import location_array
 from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN, as_int32
 from kvplug.prefix_cache.radix_node import RadixNode
@@ -85,6 +90,7 @@ class HostTier(TierPolicy):
         self._in_flight: dict[RadixNode, HostLoad] = {}  # nodes a started load may still be writing
         self._host_copy_tokens = 0  # their tokens: tier_stats() runs every step, so no walk over them
         self.remote = None  # a RemoteTierLink to a shared KV store (issue 30), set by the cache
+        self.pins = HostPagePins()  # host pages queued store writes still read (issue 30)
         self._counters = dict(loads=0, loaded_tokens=0, loaded_bytes=0, write_backs=0, written_tokens=0,
                               written_bytes=0, host_dropped_tokens=0, reused_copy_tokens=0, copy_failures=0)
 
@@ -179,7 +185,7 @@ class HostTier(TierPolicy):
         device_locations = as_int32(b"".join(entry.device_locations for entry in entries))  # host: whole pages
         host_pages = np.concatenate([entry.host_pages for entry in entries])
         try:
-            self.pool.write(device_locations, host_pages)
+            ticket = self.pool.write(device_locations, host_pages)
         except TierCopyError as error:
             self._counters["copy_failures"] += 1
             logger.warning("kvplug host tier: %s; dropping the %d prefix node(s) it was writing", error, len(nodes))
@@ -192,7 +198,7 @@ class HostTier(TierPolicy):
         counters["written_tokens"] += int(host_pages.size) * tree.page_size
         counters["written_bytes"] += int(host_pages.size) * self.pool.bytes_per_page
         if written is not None:
-            self.remote.write_back(written)  # issue 30: through to the shared store
+            self.remote.write_back(written, ticket)  # issue 30: through to the shared store, never waiting
 
     @staticmethod
     def _refuse(write_backs: WriteBacks) -> None:
@@ -235,8 +241,9 @@ class HostTier(TierPolicy):
         if node.on_host:
             tokens = len(node.value) // BYTES_PER_TOKEN
             self._counters["host_dropped_tokens"] += tokens
-            # a write-back of this node still queued is not made (``WriteBacks.take`` skips it)
-            self.pool.release(self._host_pages(node.value))
+            # a write-back of this node still queued is not made (``WriteBacks.take`` skips it);
+            # pages a store write still reads are parked until it is done (``HostPagePins``)
+            self.pins.free(self.pool, self._host_pages(node.value))
         elif node.host_copy is not None:
             self._drop_host_copy(node)
 
@@ -247,6 +254,7 @@ class HostTier(TierPolicy):
         self._host_copy_tokens = 0
         if self.pool is not None:
             self.pool.reset()
+            self.pins.after_reset(self.pool)  # pages queued store writes read stay out of the pool
             if self.tree.has_kv_event_listeners:
                 self.tree.emit_kv_event(AllCleared(KV_MEDIUM_HOST))
 
@@ -344,7 +352,7 @@ class HostTier(TierPolicy):
             tree.emit_kv_event(BlockRemoved(tree.page_hashes(node), KV_MEDIUM_HOST))
         del self._copies[node]
         self._host_copy_tokens -= len(node.host_copy) // BYTES_PER_TOKEN
-        self.pool.release(self._host_pages(node.host_copy))
+        self.pins.free(self.pool, self._host_pages(node.host_copy))
         node.host_copy = None
 
     def reserve_host_pages(self, count: int) -> np.ndarray | None:
@@ -353,6 +361,7 @@ class HostTier(TierPolicy):
         pool = self.pool
         if count > pool.num_pages:
             return None
+        self.pins.reclaim(pool)  # the one place pages are taken: pages store writes are done with come back
         if pool.num_free_pages < count and self._copies:
             # copies first, least recently used first: their bytes are still on the device
             for node in sorted(self._copies, key=_last_access):
@@ -376,7 +385,8 @@ class HostTier(TierPolicy):
         """Host locations are whole host pages, each held by one node (as its host-resident value
         or as a device-resident node's host copy) or free in the host pool, never both (held + free
         == host pages); host copies only on device-resident nodes, as long as their value, and
-        exactly the nodes listed as having one; no evict's write-backs left untaken."""
+        exactly the nodes listed as having one; no evict's write-backs left untaken. Pages parked
+        for a store write (``HostPagePins``) count as neither held nor free, and are pinned."""
         assert self._open is None, f"an evict's {len(self._open)} write-back(s) were never taken (finish_evict)"
         page_size = self.tree.page_size
         held: list[bytes] = []
@@ -398,10 +408,14 @@ class HostTier(TierPolicy):
             expected = np.repeat(pages, page_size) * page_size + np.tile(np.arange(page_size), pages.size)
             assert np.array_equal(host, expected), "a host-resident node's (or host copy's) locations are not whole host pages"
             free = pool.free_pages()
-            held_and_free = np.concatenate([pages, free])
+            parked = self.pins.parked_pages
+            assert all(self.pins.is_pinned(page) for page in parked), "a parked host page is not pinned"
+            assert not any(self.pins.is_pinned(page) for page in free), "a pinned host page is free"
+            held_and_free = np.concatenate([pages, free, parked])
             assert np.unique(held_and_free).size == held_and_free.size, "a host page is held twice (or held and free)"
             assert held_and_free.size == pool.num_pages, (
-                f"host conservation broken: {pages.size} held + {free.size} free != {pool.num_pages} host pages"
+                f"host conservation broken: {pages.size} held + {free.size} free + {parked.size} parked != "
+                f"{pool.num_pages} host pages"
             )
             assert held_and_free.size == 0 or (held_and_free.min() >= 0 and held_and_free.max() < pool.num_pages), (
                 "a host page number lies outside the host pool"

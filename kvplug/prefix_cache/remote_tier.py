@@ -1,37 +1,52 @@
 """The shared KV store under the radix tree's host tier (issue 30): what goes down, what comes up.
 
-Writes: through from the host tier. When ``evict`` has copied evicted pages into host memory
-(``HostTier.finish_evict``), the same pages go to the store: their bytes are on the host then, so
-the write reads no GPU memory, and every prefix that leaves the device reaches the fleet (writing
-only when the host tier drops pages would keep hot prefixes from the other servers until both
-tiers of one server had filled). A node loaded back keeps its host copy, so evicting it again
-writes nothing. Reads: at admission, after the device and host tiers matched what they hold, the
-rest of the prompt's whole pages are looked up in the store; the pages found are copied into free
-host pages (the matched path locked meanwhile) and hung below the match as a host-resident leaf,
-so the host tier's own loads (overlapped, as for any host hit) bring them to the device.
+Writes: through from the host tier. When ``evict`` has queued the copy of evicted pages into host
+memory (``HostTier.finish_evict``), the same pages go to the store: their bytes are on the host
+then, so the write reads no GPU memory, and every prefix that leaves the device reaches the fleet
+(writing only when the host tier drops pages would keep hot prefixes from the other servers until
+both tiers of one server had filled). A node loaded back keeps its host copy, so evicting it
+again writes nothing. The write itself is the ``StoreWriter``'s: the serving thread computes the
+keys' tokens, pins the node's host pages (``HostPagePins``) and hands both over with the copy's
+ticket; on a CUDA pool a writer thread waits for the copy (the serving thread never waits for the
+device) and for the store, on a CPU pool the write is made at once (``StoreWriter``).
+
+Reads: at admission, after the device and host tiers matched what they hold, the rest of the
+prompt's whole pages are looked up in the store; the pages found are copied into free host pages
+(the matched path locked meanwhile) and hung below the match as a host-resident leaf, so the host
+tier's own loads (overlapped, as for any host hit) bring them to the device. The lookup and the
+get are blocking network calls on the serving thread, on CPU and CUDA pools alike (a miss costs
+one round trip, a hit saves a prefill); the copy to the device is the host tier's, asynchronous.
+On CUDA the host pages filled from the CPU must not be touched by a copy still running: when one
+is (``HostKVPool.pages_busy``, which never waits), the store is not read for that prompt (a miss).
 
 A store fault is a miss or a dropped write (``RemoteKV``); the tree only ever holds pages that
-arrived intact. CPU pools only for now: on CUDA the write-back's copy is asynchronous and the
-store write would have to wait for it (not on the serving thread: next step).
+arrived intact.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvplug.kv_store.host_pages import fill_host_pages, host_page_payloads
+from kvplug.kv_store.host_pages import fill_host_pages
 from kvplug.kv_store.remote import RemoteKV
 from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN
 from kvplug.prefix_cache.radix_node import RadixNode
+from kvplug.prefix_cache.store_writer import StoreWrite, StoreWriter
 
 
 class RemoteTierLink:
-    """Moves pages between one host tier (``HostTier``) and one ``RemoteKV``."""
+    """Moves pages between one host tier (``HostTier``) and one ``RemoteKV``.
 
-    def __init__(self, host_tier, remote: RemoteKV) -> None:
+    Args:
+        writer: writes the pages (``StoreWriter`` over ``remote`` and the tier's host pool).
+    """
+
+    def __init__(self, host_tier, remote: RemoteKV, writer: StoreWriter) -> None:
         self.host_tier = host_tier
         self.remote = remote
+        self.writer = writer
         self.fetched_tokens = 0  # tokens hung into the tree from the store
+        self.busy_skips = 0  # store reads not made: a copy was still using the host pages (CUDA)
 
     def counters(self) -> dict[str, int]:
         """The ``remote_*`` fields of ``TierStats``."""
@@ -39,19 +54,21 @@ class RemoteTierLink:
         errors = (stats.errors_unavailable + stats.errors_timeout + stats.errors_full + stats.errors_auth
                   + stats.errors_protocol + stats.errors_other)
         return dict(remote_hit_tokens=self.fetched_tokens, remote_written_pages=stats.written_pages,
-                    remote_dropped_pages=stats.dropped_pages, remote_corrupt_pages=stats.corrupt_pages,
-                    remote_errors=errors)
+                    remote_dropped_pages=stats.dropped_pages + stats.unwritten_pages,
+                    remote_corrupt_pages=stats.corrupt_pages, remote_errors=errors,
+                    remote_queued_pages=stats.queued_pages)
 
-    def write_back(self, written: list[tuple[RadixNode, np.ndarray]]) -> None:
-        """``written``: nodes just copied to host memory, with their host pages: store them."""
-        tree = self.host_tier.tree
-        page_size = tree.page_size
+    def write_back(self, written: list[tuple[RadixNode, np.ndarray]], ticket: int | None) -> None:
+        """``written``: nodes whose copy to host memory was just queued (``ticket``, from
+        ``HostKVPool.write``), with their host pages: hand them to the writer; never waits."""
+        tier = self.host_tier
+        page_size = tier.tree.page_size
         for node, host_pages in written:
             if node.parent is None:  # dropped meanwhile
                 continue
             tokens = _path_tokens(node)
             start_page = (node.cached_len - node.num_tokens) // page_size
-            self.remote.store_pages(tokens, host_page_payloads(self.host_tier.pool, host_pages), start_page)
+            self.writer.submit(StoreWrite(tokens, start_page, tier.pins.pin(host_pages), ticket))
 
     def fetch(self, node: RadixNode, prompt: np.ndarray) -> RadixNode:
         """Extend the match ``node`` of ``prompt`` (int32 token ids) with the pages the store holds
@@ -69,6 +86,10 @@ class RemoteTierLink:
         try:
             pages = tier.reserve_host_pages(count)
             if pages is None:
+                return node
+            if tier.pool.pages_busy(pages):  # CUDA: a copy still reads or writes them; never wait for it
+                tier.pool.release(pages)
+                self.busy_skips += 1
                 return node
             payloads = self.remote.load(usable, start_page, count)
             filled = fill_host_pages(tier.pool, pages[: len(payloads)], payloads) if payloads else 0

@@ -16,6 +16,7 @@ tokens, ``evict`` frees device tokens, so the version-1 conformance kit runs unc
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,9 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
     Options: ``host_memory`` (bytes, or a string like ``"32GiB"``; required); ``remote_kv`` (a
     shared KV store's URL, e.g. ``"redis://127.0.0.1:6379/0"``, or a ``kvplug.BaseKVStore``) with
     ``remote_kv_model`` (the model's identity in the store's keys; required with it), issue 30;
-    and the ``radix`` options (``split_refreshes_tail``).
+    ``remote_kv_writes``: ``"thread"`` (store writes on a writer thread, the default with a KV
+    pool on CUDA) or ``"inline"`` (in ``evict`` itself, the default on the CPU; see
+    ``store_writer``); and the ``radix`` options (``split_refreshes_tail``).
     """
 
     publishes_kv_events = True
@@ -53,8 +56,14 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         if "host_memory" not in options:
             raise InvalidArgumentError(f"the tiered radix cache needs the option host_memory, got {dict(config.options)}")
         self.host_memory = parse_memory_size(options.pop("host_memory"))
+        self._remote_url = options.get("remote_kv") if isinstance(options.get("remote_kv"), str) else None
         self._remote_store, self._remote_model = _remote_options(options.pop("remote_kv", None),
                                                                  options.pop("remote_kv_model", None))
+        self._remote_writes = options.pop("remote_kv_writes", None)
+        if self._remote_writes not in (None, "thread", "inline"):
+            raise InvalidArgumentError(f"remote_kv_writes must be 'thread' or 'inline', got {self._remote_writes!r}")
+        if self._remote_writes is not None and self._remote_store is None:
+            raise InvalidArgumentError(f"remote_kv_writes={self._remote_writes!r} is given without remote_kv")
         self._host_tier = HostTier(self, self.host_memory)
         super().__init__(dataclasses.replace(config, options=options), tier=self._host_tier)
 
@@ -65,20 +74,25 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     def attach_kv_pool(self, pool) -> None:
         kv_buffer = getattr(pool, "kv_buffer", None)
-        if self._remote_store is not None and isinstance(kv_buffer, torch.Tensor) and kv_buffer.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"remote_kv needs a KV pool on the CPU for now (issue 30), got one on {kv_buffer.device}"
-            )
         self._host_tier.attach_kv_pool(pool)
         if self._remote_store is not None:
             from kvplug.kv_store.host_pages import namespace_for_pool
             from kvplug.kv_store.remote import RemoteKV
             from kvplug.prefix_cache.remote_tier import RemoteTierLink
+            from kvplug.prefix_cache.store_writer import StoreWriter
 
             config = getattr(pool, "config", None)
             namespace = namespace_for_pool(self._remote_model, kv_buffer, tp_rank=getattr(config, "tp_rank", 0),
                                            tp_size=getattr(config, "tp_size", 1))
-            self._host_tier.remote = RemoteTierLink(self._host_tier, RemoteKV(self._remote_store, namespace))
+            threaded = (self._remote_writes or ("inline" if kv_buffer.device.type == "cpu" else "thread")) == "thread"
+            # a Redis store given by URL gets a second connection for the writer thread, so reads never
+            # queue behind writes (a store allowing concurrent_calls needs none; others share one)
+            second = threaded and self._remote_url is not None and self._remote_url.startswith("redis://")
+            write_store = _remote_options(self._remote_url, self._remote_model)[0] if second else None
+            remote = RemoteKV(self._remote_store, namespace, write_store=write_store)
+            writer = StoreWriter(remote, self._host_tier.pool, threaded=threaded)
+            self._host_tier.remote = RemoteTierLink(self._host_tier, remote, writer)
+            weakref.finalize(self, writer.detach)  # dropped: the writer finishes its queue, no wait here
 
     @property
     def remote_kv(self):
@@ -86,6 +100,25 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         faults), or ``None``: no ``remote_kv`` option, or no KV pool attached yet."""
         link = self._host_tier.remote
         return link.remote if link is not None else None
+
+    def flush_remote_kv(self, timeout_s: float | None = None) -> bool:
+        """Wait until every store write queued so far is done (written, dropped or failed): the one
+        call a test or benchmark makes before reading the store or ``remote_*`` stats; ``True``
+        without a store. ``False`` when ``timeout_s`` passed first. Waits for the device: not on
+        the serving path."""
+        link = self._host_tier.remote
+        return link.writer.flush(timeout_s) if link is not None else True
+
+    def close_remote_kv(self, timeout_s: float | None = None) -> bool:
+        """Stop writing to the store: queued writes get up to ``timeout_s`` (default
+        ``store_writer.DEFAULT_CLOSE_S``), the rest are dropped (counted); later writes are dropped.
+        Reads go on. ``True`` when everything queued was written."""
+        link = self._host_tier.remote
+        if link is None:
+            return True
+        from kvplug.prefix_cache.store_writer import DEFAULT_CLOSE_S
+
+        return link.writer.close(DEFAULT_CLOSE_S if timeout_s is None else timeout_s)
 
     def attach_host_pool(self, pool) -> None:
         """A host page pool built by the host instead of ``attach_kv_pool`` (see ``HostTier.attach_host_pool``)."""
