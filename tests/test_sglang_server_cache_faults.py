@@ -8,7 +8,8 @@ reports 72 such pages kept for them).
 - default policy (``fallback``): the scheduler quarantines the plugin and keeps serving: requests
   sent one at a time and eight at a time all complete; after the fault the same prompts give the
   same greedy tokens as before it; ``/server_info`` reports the quarantine (``internal_states[0]
-  ["kvplug_prefix_cache"]``); ``/flush_cache`` works; SIGTERM stops the server cleanly.
+  ["kvplug_prefix_cache"]``) and so does ``/health`` (``{"status": "degraded", "prefix_cache": ...}``,
+  still 200, as ``kvplug serve``'s); ``/flush_cache`` works; SIGTERM stops the server cleanly.
 - ``--kvplug-on-cache-failure fail``: the server stops, its log naming the plugin, SGLang's call
   and what the plugin answered.
 
@@ -17,6 +18,7 @@ Runs in the SGLang test environment (``scripts/test-sglang-host.sh``); skipped e
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +73,13 @@ def quarantine_record(server: Server) -> dict:
     return states[0]["kvplug_prefix_cache"]
 
 
+def health(server: Server) -> tuple[int, bytes]:
+    import requests
+
+    answer = requests.get(f"{server.url}/health", timeout=30)
+    return answer.status_code, answer.content
+
+
 def test_the_server_quarantines_the_plugin_and_keeps_serving(model, faulty_plugin_installed, tmp_path):
     server = faulty_server(model, tmp_path / "fallback.log").start()
     try:
@@ -78,6 +87,7 @@ def test_the_server_quarantines_the_plugin_and_keeps_serving(model, faulty_plugi
             "prefix_cache": "faulty", "cache_failures": 0, "last_cache_fault": None, "on_cache_failure": "fallback",
             "stopped": False, "quarantined_prefix_cache": None,
         }
+        assert health(server) == (200, b"")  # SGLang's own answer while nothing faulted
         before = [server.generate(prompt, TOKENS)["output_ids"] for prompt in PROMPTS]
         with ThreadPoolExecutor(8) as pool:  # running requests hold locked prefixes while others match
             answers = list(pool.map(lambda prompt: server.generate(prompt, 2 * TOKENS), PROMPTS * 2))
@@ -88,6 +98,8 @@ def test_the_server_quarantines_the_plugin_and_keeps_serving(model, faulty_plugi
         record = quarantine_record(server)  # /server_info reports it too, not only the log
         assert record["cache_failures"] >= 1 and record["prefix_cache"] == "naive" and not record["stopped"], record
         assert record["quarantined_prefix_cache"] == "faulty" and "outside the pool" in record["last_cache_fault"]
+        status, body = health(server)  # /health reports it as kvplug serve's does, still 200: it serves
+        assert status == 200 and json.loads(body) == {"status": "degraded", "prefix_cache": record}, body
         after = [server.generate(prompt, TOKENS)["output_ids"] for prompt in PROMPTS]
         assert after == before, "the tokens changed after the quarantine"
         assert server.post("/flush_cache").status_code == 200

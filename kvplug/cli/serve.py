@@ -292,8 +292,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stream-stall-timeout", type=float, default=30.0, metavar="S",
-        help="a client that reads nothing of its response for S seconds is cut off and its request aborted "
-        "(its KV row freed; default 30)",
+        help="a client that reads nothing of its response for S seconds, or does not keep up with it (once "
+        "16 KiB of its output waits unsent, that backlog must drain completely within S seconds; partial "
+        "reads do not restart the clock), is cut off and its request aborted (its KV row freed; default 30)",
     )
 
 

@@ -16,6 +16,7 @@ import os
 from importlib import metadata
 from typing import Mapping
 
+from kvplug.host_internals import PARAMETERS, SOURCE, HostInternal
 from kvplug.interface import KVPlugError
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,32 @@ WIRED: Mapping[str, Mapping[str, str]] = {
         "prefix-cache quarantine record in /server_info": (
             "yes (hook after SchedulerInternalStateController.get_internal_state)"
         ),
+        "prefix-cache quarantine in /health": (
+            "yes (hook after TokenizerManager.__init__ puts health.QuarantineHealth on the HTTP app; "
+            "it reads TokenizerManager.get_internal_state)"
+        ),
         "--enable-memory-saver": "no: kvplug's pool is allocated outside SGLang's memory-saver region",
     },
 }
+
+#: SGLang internals the plugin hooks, calls or relies on, pinned to 0.5.23 (``kvplug.host_internals``):
+#: ``tests/test_sglang_compat_internals.py`` recomputes them, so a release that changes one is seen.
+#: (The pool, registry and prefix-cache names above predate this table and are covered by the tests
+#: that drive them.)
+INTERNALS: tuple[HostInternal, ...] = (
+    HostInternal("sglang.srt.managers.tokenizer_manager.TokenizerManager", "__init__", "hooked",
+                 "after it, the HTTP process's /health gets the quarantine middleware (health.py)",
+                 PARAMETERS, "self, server_args, port_args, start_pd_bootstrap_service"),
+    HostInternal("sglang.srt.managers.tokenizer_manager.TokenizerManager", "get_internal_state", "called",
+                 "/health reads the schedulers' internal states, the quarantine record among them",
+                 PARAMETERS, "self"),
+    HostInternal("sglang.srt.entrypoints.http_server", "health_generate", "wrapped",
+                 "its 200 (empty) is what QuarantineHealth turns into kvplug's degraded answer; "
+                 "the module's FastAPI `app` gets the middleware", SOURCE, "4770bf2e87bb8a5a"),
+    HostInternal("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
+                 "get_internal_state", "hooked", "after it, a rank's state carries the quarantine record",
+                 PARAMETERS, "self, recv_req"),
+)
 
 
 class UnsupportedSGLangError(KVPlugError, ImportError):

@@ -16,7 +16,10 @@ SGLang's ``load_plugins`` applies them in every process:
   (``--kvplug-on-cache-failure fail``) likewise passes that policy to the factory;
 - after ``SchedulerInternalStateController.get_internal_state`` (what ``/server_info`` reports per
   DP rank): ``internal_states[rank]["kvplug_prefix_cache"]``, the prefix-cache quarantine record of
-  a kvplug tree cache (issue 32: a quarantined plugin is visible without reading the log).
+  a kvplug tree cache (issue 32: a quarantined plugin is visible without reading the log);
+- after ``TokenizerManager.__init__``, in the main process only (``HTTP_HOOKS``: the HTTP server's,
+  where the scheduler modules are not imported for it): ``health.QuarantineHealth`` on SGLang's
+  HTTP ``app``, so ``/health`` reports that record as ``kvplug serve``'s ``/health`` does.
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -111,6 +114,13 @@ def after_get_internal_state(result: Any, controller: Any, *args: Any, **kwargs:
     return result
 
 
+def after_tokenizer_manager_init(result: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
+    """The HTTP server's tokenizer manager exists and uvicorn has not started: wrap ``/health``."""
+    from kvplug_sglang.health import install_on_http_app
+
+    install_on_http_app(manager)
+
+
 _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
 HOOKS = (
@@ -119,4 +129,8 @@ HOOKS = (
     (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
     ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
     (f"{_INTERNAL_STATE}.get_internal_state", "AFTER", after_get_internal_state),
+)
+
+HTTP_HOOKS = (  # registered in the main process only (sglang_plugin.register)
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", "AFTER", after_tokenizer_manager_init),
 )

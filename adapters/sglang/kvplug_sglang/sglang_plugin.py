@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import multiprocessing
 from typing import Any, Callable
 
 from kvplug.plugins import PluginManager, default_manager
@@ -43,12 +44,13 @@ def register() -> bool:
         return False
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from kvplug_sglang.hooks import HOOKS
+    from kvplug_sglang.hooks import HOOKS, HTTP_HOOKS
     from kvplug_sglang.radix_backends import register_radix_cache_backends
 
     caches = register_radix_cache_backends(default_manager)
     attention = register_attention_backends(default_manager)
-    for target, hook_type, function in HOOKS:
+    in_main_process = multiprocessing.parent_process() is None  # the HTTP server's, not a scheduler's
+    for target, hook_type, function in HOOKS + (HTTP_HOOKS if in_main_process else ()):
         HookRegistry.register(target, function, HookType[hook_type])
     _installed = True
     logger.info(

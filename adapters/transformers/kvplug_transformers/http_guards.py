@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from kvplug_transformers.http_protocol import CONNECTION_ABORT_KEY, DEFAULT_STALL_TIMEOUT_S
+from kvplug_transformers.http_protocol import BACKLOG_WATCH_KEY, CONNECTION_ABORT_KEY, DEFAULT_STALL_TIMEOUT_S
 from kvplug_transformers.request_limits import RequestRefused
 
 logger = logging.getLogger("kvplug.serve")
@@ -157,8 +157,9 @@ class InFlightRequests:
     """The generation requests being answered, and whether new ones are accepted.
 
     A response the client does not read for ``stall_timeout`` s (its unsent output is held to
-    the connection's send buffers) is aborted: its generation is cancelled, its row freed, and
-    the connection closed. ``close``, ``abort_all`` and ``count`` may be called from any thread."""
+    the connection's send buffers), or whose full write buffer does not drain completely within
+    ``stall_timeout`` s (a client that reads, but slower than the stream; ``GuardedH11Protocol``
+    watches it), is aborted: its generation is cancelled, its row freed, and the connection closed. ``close``, ``abort_all`` and ``count`` may be called from any thread."""
 
     closed_reason: str | None = None
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
@@ -205,16 +206,16 @@ class InFlightRequests:
             entry.aborted.set()
             entry.task.cancel()
 
-    def _stalled(self, entry: _Running) -> None:
-        """The client read nothing for ``stall_timeout`` s: reset its connection first (so no send
-        of the request, ours or the app's, can wait on it any more), then cancel the request."""
+    def _stalled(self, entry: _Running, reason: str) -> None:
+        """The client does not take its response: reset its connection first (so no send of the
+        request, ours or the app's, can wait on it any more), then cancel the request."""
         if entry.stalled:
             return
         entry.stalled = True
         self.stalled_total += 1
         if entry.abort_connection is not None:
             entry.abort_connection()
-        self._abort(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
+        self._abort(entry, reason)
 
     async def _run(self, app: ASGIApp, scope: dict, receive: Callable, send: Callable) -> None:
         self._loop = asyncio.get_running_loop()
@@ -235,9 +236,14 @@ class InFlightRequests:
             try:
                 await asyncio.wait_for(send(message), self.stall_timeout)
             except asyncio.TimeoutError:
-                self._stalled(entry)
+                self._stalled(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
                 raise asyncio.CancelledError() from None
 
+        watch_backlog = scope.get(BACKLOG_WATCH_KEY)
+        if watch_backlog is not None:
+            watch_backlog(lambda: self._stalled(entry, (
+                f"the client did not keep up with its response: its unsent output did not drain within "
+                f"{self.stall_timeout:g} s of filling the connection's buffers (--stream-stall-timeout)")))
         scope[CANCEL_KEY] = entry.cancels
         entry.task = asyncio.ensure_future(app(scope, receive, watched_send))
         with self._lock:

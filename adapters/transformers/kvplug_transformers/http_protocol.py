@@ -13,6 +13,12 @@ write buffer), and such a connection cannot linger: the app cuts a stalled strea
 request's ``CONNECTION_ABORT_KEY`` (a reset, whatever is queued), and a connection uvicorn closes
 with output still queued (a finished response nobody read, at keep-alive's end or at shutdown) is
 reset after ``stall_timeout`` s instead of waiting forever for the client to read.
+
+A client that reads, but slower than its stream is produced, is cut off too: once the write
+buffer is full (the app's sends wait), it must drain *completely* within ``stall_timeout`` s of
+filling, and partial reads do not restart that clock (writing resumes only at an empty buffer).
+A client that keeps up never fills it. At the deadline the request's handler registered through
+``BACKLOG_WATCH_KEY`` aborts it (its row freed); a connection without one is reset.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import contextlib
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -33,6 +39,7 @@ SEND_BUFFER_BYTES = 64 << 10  # the kernel's send buffer per connection
 WRITE_BUFFER_BYTES = 16 << 10  # asyncio's buffer above it: uvicorn pauses the app's sends past this (its default: 64 KiB)
 DEFAULT_STALL_TIMEOUT_S = 30.0  # --stream-stall-timeout's default
 CONNECTION_ABORT_KEY = "kvplug.abort_connection"  # scope key: resets the request's connection (a stalled stream)
+BACKLOG_WATCH_KEY = "kvplug.watch_backlog"  # scope key: registers what to call when the backlog misses its deadline
 
 
 def raw_refusal(refusal: RequestRefused) -> bytes:
@@ -57,6 +64,8 @@ class GuardedH11Protocol(H11Protocol):
         self._phase: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._unsent_deadline: asyncio.TimerHandle | None = None
+        self._backlog_deadline: asyncio.TimerHandle | None = None  # armed while the write buffer is full
+        self._on_backlog_expired: Callable[[], None] | None = None  # the running request's abort
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -74,7 +83,8 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         super().connection_made(transport)
-        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)  # unsent output held in this process is bounded
+        # unsent output held in this process is bounded, and once full it must drain to empty
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES, low=0)
         sock = transport.get_extra_info("socket")
         if sock is not None:  # ... and in the kernel
             with contextlib.suppress(OSError):
@@ -99,6 +109,37 @@ class GuardedH11Protocol(H11Protocol):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()
 
+    def pause_writing(self) -> None:
+        """The write buffer is full: the client is not keeping up. Its backlog must be gone within
+        ``stall_timeout`` s from now, however much it reads meanwhile."""
+        super().pause_writing()
+        if self._backlog_deadline is None:
+            self._backlog_deadline = self.loop.call_later(self.limits.stall_timeout, self._backlog_expired)
+
+    def resume_writing(self) -> None:
+        """The write buffer drained to empty (the low-water mark is 0): the client caught up."""
+        super().resume_writing()
+        self._cancel_backlog_deadline()
+
+    def watch_backlog(self, on_expired: Callable[[], None]) -> None:
+        """``on_expired`` (the running request's abort) replaces the plain reset at the backlog
+        deadline, until the response completes."""
+        self._on_backlog_expired = on_expired
+
+    def _backlog_expired(self) -> None:
+        self._backlog_deadline = None
+        self.limits.backlog_timeouts += 1
+        on_expired, self._on_backlog_expired = self._on_backlog_expired, None
+        if on_expired is not None:
+            on_expired()  # resets the connection, then cancels the request
+        else:
+            self.abort_connection()
+
+    def _cancel_backlog_deadline(self) -> None:
+        if self._backlog_deadline is not None:
+            self._backlog_deadline.cancel()
+            self._backlog_deadline = None
+
     def timeout_keep_alive_handler(self) -> None:
         super().timeout_keep_alive_handler()
         self._bound_unsent()
@@ -116,6 +157,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_backlog_deadline()
+        self._on_backlog_expired = None
         if self._unsent_deadline is not None:
             self._unsent_deadline.cancel()
             self._unsent_deadline = None
@@ -125,6 +168,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
+        self._on_backlog_expired = None  # its request is answered: a later deadline just resets
         super().on_response_complete()
         self._follow_state()
 
@@ -132,6 +176,7 @@ class GuardedH11Protocol(H11Protocol):
         """Arm the deadline of what the client owes now: a request head, or the rest of a body."""
         if self.cycle is not None:  # the request's app runs from the next loop turn: it finds the key
             self.cycle.scope.setdefault(CONNECTION_ABORT_KEY, self.abort_connection)
+            self.cycle.scope.setdefault(BACKLOG_WATCH_KEY, self.watch_backlog)
         state = self.conn.their_state
         if state is h11.IDLE and self.timeout_keep_alive_task is None:
             phase = "head"
@@ -194,8 +239,9 @@ class ConnectionLimits:
         max_connections: open connections at once; one more gets a 503 and is closed.
         head_timeout: seconds a connection may take to send a request's line and headers.
         body_timeout: seconds a request may take to send its body.
-        stall_timeout: seconds a closed connection may keep output its client does not read
-            (``--stream-stall-timeout``) before it is reset.
+        stall_timeout: seconds a closed connection may keep output its client does not read, and
+            seconds a full write buffer may take to drain completely (``--stream-stall-timeout``),
+            before it is reset.
     """
 
     def __init__(self, max_connections: int, head_timeout: float, body_timeout: float,
@@ -208,6 +254,7 @@ class ConnectionLimits:
         self.head_timeouts = 0
         self.body_timeouts = 0
         self.closed_for_room = 0
+        self.backlog_timeouts = 0  # connections whose full write buffer did not drain within stall_timeout
         self.idle: dict[GuardedH11Protocol, None] = {}  # open connections with no request on them, oldest first
 
     def close_oldest_idle(self) -> None:
@@ -235,4 +282,5 @@ class ConnectionLimits:
         return {
             "refused_connections": self.refused_connections, "head_timeouts": self.head_timeouts,
             "body_timeouts": self.body_timeouts, "closed_for_room": self.closed_for_room,
+            "backlog_timeouts": self.backlog_timeouts,
         }
