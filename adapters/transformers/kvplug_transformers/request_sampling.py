@@ -65,6 +65,15 @@ class RequestSampling(WorkerSampling):
         with self._lock:
             return self._params.pop(request_id, self.defaults)
 
+    def admit(self, params: SamplingParams) -> SamplingParams | None:
+        """What a checked request's ``params`` register as (``None``: nothing): every request's, here."""
+        return params
+
+    def has(self, request_id: str) -> bool:
+        """Whether the request registered settings the worker has not taken yet."""
+        with self._lock:
+            return request_id in self._params
+
     def stops(self, request_id: str) -> tuple[str, ...]:
         """A registered request's stop strings (before the worker took its settings)."""
         with self._lock:
