@@ -65,7 +65,7 @@ class NativeStepSampler:
             output_ids: ``[1 or 2, max_batch_tokens + 1]``, int32, device; row 0 the ids, row 1 (with
                 ``return_logprobs``) their log-probabilities as int32 bits.
         """
-        if not self._states and not self._sampling.waiting:
+        if not self._states and not self._sampling.any_waiting:
             original(runner, scores, output_ids)  # no request has its own sampling: transformers' step as it is
             return
         states = _step_states(runner.inputs_and_outputs)

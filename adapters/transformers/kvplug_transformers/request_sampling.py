@@ -86,6 +86,12 @@ class RequestSampling(WorkerSampling):
             self._params.pop(request_id, None)
 
     @property
+    def any_waiting(self) -> bool:
+        """``waiting > 0`` without the lock (a dict's size is read atomically): the per-step check of
+        ``NativeStepSampler``. A request registers before it is submitted, so its first step sees it."""
+        return bool(self._params)
+
+    @property
     def waiting(self) -> int:
         """Registered requests the worker has not sampled yet."""
         with self._lock:
