@@ -164,6 +164,7 @@ def test_the_native_sampler_replaces_only_sample_and_uninstall_restores_it():
     and a step goes to the active sampler with the original to call."""
     from kvplug_transformers.native_installation import install_native_sampler, is_installed, uninstall_native_sampler
 
+    uninstall_native_sampler()  # an in-process native server of an earlier test leaves it until its stop
     owners = {entry.owner: compat.resolve(entry.owner) for entry in compat.INTERNALS}
     before = {f"{path}.{name}": value for path, owner in owners.items() for name, value in vars(owner).items()}
     runner_class = owners[f"{compat._CB}.model_runner.ModelRunner"]

@@ -67,7 +67,7 @@ class LimitedManager:
         started = getattr(self._inner, "_cb", None) is not None
         self._inner.init_cb(model, self._sampling.config(model))
         if not started:
-            self._sampling.started(self._inner._cb)
+            self._sampling.started(getattr(self._inner, "_cb", None))
 
     def generate_streaming(self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
         self._apply_limits(inputs, generation_config, kwargs)
