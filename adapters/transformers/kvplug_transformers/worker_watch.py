@@ -42,8 +42,8 @@ class WorkerSampling(ABC):
         """A request refused before it reached the worker."""
 
     def started(self, manager: Any) -> None:
-        """The worker's batching manager is built and started (transformers' ``ContinuousBatchingManager``,
-        or an engine process's stand-in)."""
+        """The worker's batching manager is built, before any request reaches it (transformers'
+        ``ContinuousBatchingManager``, or an engine process's stand-in)."""
 
     def stops(self, request_id: str) -> tuple[str, ...]:
         """A request's stop strings, which its response is cut at (none unless registered)."""
