@@ -6,7 +6,10 @@ with greedy, seeded and penalised requests sent concurrently, in-process and wit
 must be token-identical to ``model.generate(do_sample=False)``, seeded ones reproducible (alone and
 in a mixed batch), a request sent without sampling fields must sample (the checkpoint's default),
 ``stop`` strings cut the text (streaming or not) with ``finish_reason: "stop"``, and what the
-server cannot honour is a 400 in OpenAI's error shape."""
+server cannot honour is a 400 in OpenAI's error shape. Every test runs on both backends: with
+``--kv-backend native`` (transformers' own cache) a request with sampling fields is sampled by
+kvplug's sampler on transformers' logits, so greedy and seeded requests give the same tokens on
+both (``test_native_and_kvplug_give_the_same_tokens``)."""
 
 from __future__ import annotations
 
@@ -42,24 +45,35 @@ def checkpoint(cache_dir, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=[(), ("--engine-process",)], ids=["in-process", "engine-process"])
-def server(request, checkpoint, cache_dir, tmp_path_factory):
-    """One server per mode: in-process, and ``--engine-process`` (the settings travel with each
-    request to the engine process's sampler)."""
+def _serve(model, cache_dir, tmp_path_factory, *flags: str):
+    """Start ``kvplug serve`` on ``model`` with ``flags``; yields its port, then checks a clean stop."""
     for module in ("fastapi", "uvicorn", "openai"):
         pytest.importorskip(module)
     port, log = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     process = start(
-        ["-m", "kvplug", "serve", str(checkpoint), "--port", str(port), "--kv-memory", "4MiB", "--max-seq-len", "256",
-         "--log-level", "warning", *request.param],
+        ["-m", "kvplug", "serve", str(model), "--port", str(port), "--kv-memory", "4MiB", "--max-seq-len", "256",
+         "--log-level", "warning", *flags],
         cache_dir, log,
     )
-    wait_ready(process, port, log)
-    yield port
-    code, _ = stop(process)
+    try:
+        wait_ready(process, port, log)
+        yield port
+    finally:
+        code, _ = stop(process)
     output = log.read_text()
     assert code == 0, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
+
+
+BACKENDS = [(), ("--engine-process",), ("--kv-backend", "native"), ("--kv-backend", "native", "--engine-process")]
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=["kvplug", "kvplug-engine-process", "native",
+                                                       "native-engine-process"])
+def server(request, checkpoint, cache_dir, tmp_path_factory):
+    """One server per backend and mode: in-process, and ``--engine-process`` (the settings travel
+    with each request to the engine process's sampler)."""
+    yield from _serve(checkpoint, cache_dir, tmp_path_factory, *request.param)
 
 
 @pytest.fixture(scope="module")
@@ -195,69 +209,83 @@ def test_stop_strings_end_the_text_before_them(client, greedy_references, stream
         assert reply.usage.completion_tokens < MAX_TOKENS
 
 
-@pytest.fixture(scope="module", params=["sampling", "greedy"], ids=["sampling-checkpoint", "greedy-checkpoint"])
-def native_server(request, checkpoint, cache_dir, tmp_path_factory):
-    """``--kv-backend native`` (transformers' own cache, one sampling setting for the worker) on
-    the sampling checkpoint and on the embedded greedy one: ``(port, checkpoint kind)``."""
-    for module in ("fastapi", "uvicorn"):
-        pytest.importorskip(module)
+@pytest.fixture(scope="module", params=["greedy", "sampling"], ids=["greedy-checkpoint", "sampling-checkpoint"])
+def both_backends(request, cache_dir, tmp_path_factory):
+    """The embedded (greedy) checkpoint, and the sampling one (transformers' worker then runs its
+    per-request temperature / top-k / top-p, which kvplug's rows set neutral), served by kvplug's
+    cache and by transformers' own: ``(kvplug port, native port, checkpoint kind)``."""
+    pytest.importorskip("transformers")
     from kvplug_transformers.embedded_model import ensure_embedded_model
 
-    model = checkpoint if request.param == "sampling" else ensure_embedded_model(cache_dir)
-    port, log = free_port(), tmp_path_factory.mktemp("serve-native") / "serve.log"
-    process = start(
-        ["-m", "kvplug", "serve", str(model), "--port", str(port), "--kv-backend", "native", "--kv-memory", "4MiB",
-         "--max-seq-len", "256", "--log-level", "warning"],
-        cache_dir, log,
-    )
-    wait_ready(process, port, log)
-    yield port, request.param
-    code, _ = stop(process)
-    assert code == 0, log.read_text()[-4000:]
+    model = ensure_embedded_model(cache_dir) if request.param == "greedy" else request.getfixturevalue("checkpoint")
+    kvplug = _serve(model, cache_dir, tmp_path_factory)
+    native = _serve(model, cache_dir, tmp_path_factory, "--kv-backend", "native")
+    ports = (next(kvplug), next(native))
+    yield (*ports, request.param)
+    for server_process in (native, kvplug):
+        next(server_process, None)
 
 
-def _native_post(port: int, body: dict) -> tuple[int, dict]:
-    return post(port, "/v1/completions", json.dumps({"prompt": "The quick brown fox", "max_tokens": 4, **body}).encode())
+SAME_ON_BOTH = [
+    {"temperature": 0}, {"temperature": 0, "repetition_penalty": 1.8},
+    {"temperature": 1.0, "seed": 1234}, {"temperature": 1.3, "top_p": 0.9, "seed": 5},
+    {"temperature": 0.8, "top_k": 7, "min_p": 0.05, "seed": 11},
+    {"temperature": 0.7, "seed": 3, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+]
 
 
-NATIVE_SERVED = {
-    # what the worker does anyway: the checkpoint's own settings, or fields that play no part
-    "sampling": [{}, {"temperature": 0.9, "top_p": 0.95, "top_k": 50}, {"frequency_penalty": 0, "stop": []},
-                 {"min_p": 0, "repetition_penalty": 1}],
-    "greedy": [{}, {"temperature": 0}, {"temperature": 0, "top_p": 0.5, "top_k": 5, "seed": 3},
-               {"top_k": -1, "min_p": 0, "frequency_penalty": 0, "presence_penalty": 0}],
-}
-NATIVE_REFUSED = {
-    "sampling": [({"temperature": 0}, "temperature"), ({"temperature": 0.5}, "temperature"), ({"top_p": 0.5}, "top_p"),
-                 ({"top_k": -1}, "top_k"), ({"seed": 7}, "seed"), ({"min_p": 0.1}, "min_p")],
-    "greedy": [({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"),
-               ({"repetition_penalty": 1.3, "temperature": 0}, "repetition_penalty")],
-    "both": [({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 0.3}, "presence_penalty"),
-             ({"stop": ["fox"]}, "stop"), ({"logit_bias": {"5": 1}}, "logit_bias")],
-}
+def test_native_and_kvplug_give_the_same_tokens(both_backends):
+    """One command line serves both sides of an A/B: greedy and seeded requests (penalised, top-k,
+    top-p, min-p) give the same tokens on transformers' own cache as on kvplug's, sent one by one
+    and concurrently (a seeded request's stream is its own whatever shares its batch)."""
+    import openai
+
+    clients = [openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+               for port in both_backends[:2]]
+    unset = [{}] if both_backends[2] == "greedy" else []  # no field: the checkpoint's, greedy here on both
+    jobs = [(prompt, sampling) for sampling in SAME_ON_BOTH + unset for prompt in PROMPTS[:3]]
+    texts = []
+    # a top-k cut on this random model's near-uniform logits moves with a batch's float rounding
+    batch_invariant = [index for index, (_, sampling) in enumerate(jobs) if "top_k" not in sampling]
+    for client in clients:
+        alone = [_complete(client, prompt, **dict(sampling)) for prompt, sampling in jobs]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            together = list(pool.map(lambda job: _complete(client, job[0], **dict(job[1])), jobs))
+        assert [together[index] for index in batch_invariant] == [alone[index] for index in batch_invariant]
+        texts.append(alone)
+    assert texts[0] == texts[1]
+    assert len(set(texts[1])) > len(PROMPTS[:3])  # the seeds and penalties did change the text
 
 
-def test_native_serves_what_its_worker_does_anyway(native_server):
-    """The checkpoint's own settings, and fields that play no part (top_p with temperature 0 on a
-    greedy checkpoint, vLLM's "off" values), are served."""
-    port, kind = native_server
-    for body in NATIVE_SERVED[kind]:
-        status, reply = _native_post(port, body)
-        assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop"), (body, reply)
+@pytest.fixture(scope="module")
+def min_p_checkpoint(checkpoint, tmp_path_factory):
+    """The sampling checkpoint with ``min_p`` in its generation_config.json: transformers' worker
+    applies MinPLogitsWarper to every row (it has no per-request version)."""
+    path = tmp_path_factory.mktemp("min-p-checkpoint") / "model"
+    shutil.copytree(checkpoint, path)
+    config_file = path / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "min_p": 0.05}))
+    return path
 
 
-def test_native_refuses_other_sampling_naming_the_field_and_the_way_out(native_server):
-    """transformers' continuous batching samples every request with the worker's one config: any
-    other sampling is a 400 in OpenAI's shape naming the field the client sent (not transformers'
-    translation of it), the server's setting and ``--kv-backend kvplug``; never served with
-    settings the request did not ask for (``temperature: 0`` on a sampling checkpoint included)."""
-    port, kind = native_server
-    setting = "temperature 0.9, top_p 0.95, top_k 50" if kind == "sampling" else "(greedy)"
-    for body, param in NATIVE_REFUSED[kind] + NATIVE_REFUSED["both"]:
-        status, reply = _native_post(port, body)
-        assert status == 400, (body, reply)
+@pytest.fixture(scope="module")
+def native_min_p_server(min_p_checkpoint, cache_dir, tmp_path_factory):
+    yield from _serve(min_p_checkpoint, cache_dir, tmp_path_factory, "--kv-backend", "native")
+
+
+def test_native_refuses_what_transformers_applies_to_every_row(native_min_p_server):
+    """A checkpoint processor without a per-request version (min-p) would reach the rows kvplug's
+    sampler samples: a request with its own sampling is a 400 in OpenAI's shape naming its field,
+    the processor and the way out; a request without sampling fields is served (the checkpoint's)."""
+    port = native_min_p_server
+    body = {"prompt": "The quick brown fox", "max_tokens": 4}
+    status, reply = post(port, "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop"), reply
+    for fields, param in (({"temperature": 0}, "temperature"), ({"seed": 7}, "seed"), ({"stop": ["fox"]}, "stop"),
+                          ({"frequency_penalty": 0.5}, "frequency_penalty")):
+        status, reply = post(port, "/v1/completions", json.dumps({**body, **fields}).encode())
+        assert status == 400, (fields, reply)
         error = reply["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, reply)
-        message = error["message"]
-        assert message.startswith(f"{param} ") and "--kv-backend kvplug" in message, message
-        assert setting.strip("()") in message and "repetition_penalty 1.5" not in message, message
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (fields, reply)
+        assert error["message"].startswith(f"{param} ") and "MinPLogitsWarper" in error["message"], error
+        assert "--kv-backend kvplug" in error["message"], error

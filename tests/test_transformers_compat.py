@@ -38,7 +38,7 @@ def test_entries_are_well_formed_and_unique():
         assert entry.owner.startswith("transformers.") and entry.attribute and entry.why
         assert entry.kind in compat.KINDS
         assert entry.check in (compat.PARAMETERS, compat.SOURCE, compat.RETURNS, compat.ASSIGNED, compat.FIELDS,
-                               compat.INTERFACE)
+                               compat.INTERFACE, compat.MEMBERS)
     # the tuple position the scheduler wrapper reads (result[0]) is covered
     assert _entry("_process_candidates", compat.READ).fingerprint.startswith("(scheduled_requests,")
     # the re-implemented tail of the forward is guarded by its source
@@ -156,3 +156,32 @@ def test_a_drifted_release_installs_nothing(monkeypatch):
         TransformersHost().install()
     assert not is_installed()
     assert compat.resolve(f"{compat._CB}.continuous_api").PagedAttentionCache is cache_class
+
+
+@pinned
+def test_the_native_sampler_replaces_only_sample_and_uninstall_restores_it():
+    """``--kv-backend native``'s installation replaces one ``patched`` entry, ``ModelRunner._sample``,
+    and a step goes to the active sampler with the original to call."""
+    from kvplug_transformers.native_installation import install_native_sampler, is_installed, uninstall_native_sampler
+
+    uninstall_native_sampler()  # an in-process native server of an earlier test leaves it until its stop
+    owners = {entry.owner: compat.resolve(entry.owner) for entry in compat.INTERNALS}
+    before = {f"{path}.{name}": value for path, owner in owners.items() for name, value in vars(owner).items()}
+    runner_class = owners[f"{compat._CB}.model_runner.ModelRunner"]
+    original = runner_class._sample
+    seen = []
+
+    class Sampler:
+        def sample(self, runner, scores, output_ids, call_through):
+            seen.append(call_through)
+
+    install_native_sampler(Sampler())
+    try:
+        assert is_installed() and getattr(runner_class._sample, compat.ORIGINAL_ATTRIBUTE) is original
+        after = {f"{path}.{name}": value for path, owner in owners.items() for name, value in vars(owner).items()}
+        assert {name for name in after if after[name] is not before.get(name)} == {f"{compat._CB}.model_runner.ModelRunner._sample"}
+        runner_class._sample(object(), None, None)
+        assert seen == [original]
+    finally:
+        uninstall_native_sampler()
+    assert runner_class._sample is original and not is_installed()

@@ -21,7 +21,7 @@ from types import ModuleType
 
 from kvplug import host_internals
 from kvplug.host_internals import (  # noqa: F401  (the checks, re-exported for the table below and tests)
-    ASSIGNED, FIELDS, INTERFACE, ORIGINAL_ATTRIBUTE, PARAMETERS, RETURNS, SOURCE, HostInternal, resolve,
+    ASSIGNED, FIELDS, INTERFACE, MEMBERS, ORIGINAL_ATTRIBUTE, PARAMETERS, RETURNS, SOURCE, HostInternal, resolve,
 )
 from kvplug.interface import KVPlugError
 
@@ -87,7 +87,9 @@ INTERNALS: tuple[Internal, ...] = (
              RETURNS, "(scheduled_requests, one_allocation_failed, decode_fast_path, num_q_tokens, max_kv_read)"),
     Internal(f"{_CB}.model_runner.ModelRunner", "_sample", PATCHED,
              "with kvplug serve's per-request sampling the kvplug cache samples each row with its request's "
-             "settings (KVPlugPagedCache.sample_step); otherwise the original",
+             "settings (KVPlugPagedCache.sample_step); otherwise the original. With --kv-backend native "
+             "(native_installation) the rows of requests that sent sampling fields are kvplug's "
+             "(NativeStepSampler), the others the original's",
              PARAMETERS, "self, scores, output_ids"),
     # ---- called
     Internal(f"{_CB}.cache", "group_layers_by_attn_type", CALLED,
@@ -103,6 +105,22 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "__call__", CALLED,
              "runs transformers' logits processors over a replayed decode step's logits",
              PARAMETERS, "self, input_ids, scores, logits_processor_args"),
+    Internal("transformers.generation.utils.GenerationMixin", "_get_logits_processor", CALLED,
+             "--kv-backend native: the worker's processors, built as ContinuousBatchingManager builds them, tell "
+             "which ones apply to every row (a request with its own sampling is then a 400)",
+             PARAMETERS, "self, generation_config, input_ids_seq_length, encoder_input_ids, prefix_allowed_tokens_fn, "
+             "logits_processor, device, model_kwargs, negative_prompt_ids, negative_prompt_attention_mask"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "__init__", CALLED,
+             "--kv-backend native: the same list with per-request versions on, as the worker runs it",
+             PARAMETERS, "self, logits_processor, per_request_processors, drop_unsupported_processors"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "add_request", CALLED,
+             "--kv-backend native: wrapped on the manager instance (its class untouched) to give a request kvplug "
+             "samples neutral per-request temperature / top_k / top_p (logit_processor_kwargs)",
+             PARAMETERS, "self, input_ids, request_id, max_new_tokens, streaming, record_timestamps, eos_token_id, "
+             "**logit_processor_kwargs"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "cancel_request", CALLED,
+             "--kv-backend native: wrapped on the manager instance so a cancelled request's sampling state is freed",
+             PARAMETERS, "self, request_id"),
     # ---- re-implemented in part
     Internal(f"{_CB}.model_runner.ModelRunner", "_forward_process_and_sample", REIMPLEMENTED,
              "after a graph replay kvplug runs its tail (float logits, logits processors, _sample); it cannot be "
@@ -116,7 +134,7 @@ INTERNALS: tuple[Internal, ...] = (
              ASSIGNED, "self.return_logprobs set by the class"),
     Internal(f"{_CB}.requests.RequestState", "status", READ,
              "PENDING when free_blocks comes from a soft reset (the request is queued again): its sampling "
-             "state (seeded stream, penalty counts) is kept",
+             "state (seeded stream, penalty counts) is kept; --kv-backend native frees it once FINISHED / FAILED",
              SOURCE, "cc6bd89991cdccef"),
     Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "update_batch", READ,
              "calls the cache's mark_shareable_blocks_as_complete right after a request's token is appended: "
@@ -159,12 +177,56 @@ INTERNALS: tuple[Internal, ...] = (
              "request_id, initial_tokens, generated_tokens, max_new_tokens, _new_tokens_limit"),
     Internal("transformers.generation.configuration_utils", "ContinuousBatchingConfig", READ,
              "pool sizing is read, and transformers' own graphs, compile, offloading and decode fast path are "
-             "turned off, async batching set", FIELDS,
+             "turned off, async batching set; --kv-backend native sets per_request_processors", FIELDS,
              "num_blocks, block_size, max_batch_tokens, max_memory_percent, use_cuda_graph, use_async_batching, "
-             "varlen_compile_config, decode_compile_config, max_blocks_per_request, cpu_offload_space"),
+             "varlen_compile_config, decode_compile_config, max_blocks_per_request, cpu_offload_space, "
+             "per_request_processors"),
     Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "_original_attn_impl", READ,
              "the patched switch_to_cb_friendly_attn records the model's implementation where stop() reads it",
              ASSIGNED, "self._original_attn_impl set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "prepare_batch_tensors", READ,
+             "--kv-backend native: a step's logits rows are its requests_in_batch that have a new token, in order "
+             "(NativeStepSampler maps rows to requests so)", SOURCE, "50a0da9301a27d0d"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingIOs", "requests_in_batch", READ,
+             "--kv-backend native: the step's requests (FutureRequestState), in batch order", ASSIGNED,
+             "self.requests_in_batch set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "io_pairs", READ,
+             "--kv-backend native with async batching: the pairs whose current one holds the step's requests",
+             ASSIGNED, "self.io_pairs set by the class"),
+    Internal(f"{_CB}.input_outputs.ContinuousBatchingAsyncIOs", "current_pair", READ,
+             "the pair of the step being computed", ASSIGNED, "self.current_pair set by the class"),
+    Internal(f"{_CB}.input_outputs.HostDeviceIOPair", "host_io", READ,
+             "the pair's host-side ContinuousBatchingIOs (its requests_in_batch)", ASSIGNED,
+             "self.host_io set by the class"),
+    Internal(f"{_CB}.requests.FutureRequestState", "__init__", READ,
+             "--kv-backend native: a step entry's state (RequestState) and has_new_token (it has a logits row)",
+             PARAMETERS, "self, state, has_new_token, complete_blocks, query_length"),
+    Internal(f"{_CB}.requests", "RequestStatus", READ,
+             "--kv-backend native: FINISHED / FAILED requests' sampling state is freed at the next step",
+             MEMBERS, "PENDING, PREFILLING, DECODING, FINISHED, FAILED"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "continuous_batching_config", READ,
+             "--kv-backend native: the resolved config; its CUDA graphs or compile (which replay the sampling) "
+             "make a request with its own sampling a 400", ASSIGNED,
+             "self.continuous_batching_config set by the class"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "logits_processor", READ,
+             "--kv-backend native: the worker's processors (those without a per-request version apply to every row)",
+             ASSIGNED, "self.logits_processor set by the class"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingLogitsProcessorList", "supported_keys", READ,
+             "--kv-backend native: the per-request keys the worker takes (the ones set neutral)", ASSIGNED,
+             "self.supported_keys set by the class"),
+    Internal(f"{_CB}.cb_logits_processors", "ContinuousBatchingLogitsProcessor", READ,
+             "--kv-backend native: the base of the per-request processors (isinstance)", INTERFACE,
+             "3904bf50793b5140"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingTemperatureLogitsWarper", "__call__", READ,
+             "--kv-backend native: temperature 1 leaves a row as it is", SOURCE, "3425f8338a81c3b1"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingTopKLogitsWarper", "__call__", READ,
+             "--kv-backend native: top_k = the vocabulary leaves a row as it is", SOURCE, "9d84bcad8b61098d"),
+    Internal(f"{_CB}.cb_logits_processors.ContinuousBatchingTopPLogitsWarper", "__call__", READ,
+             "--kv-backend native: top_p 1 leaves a row as it is (but tokens whose probability is 0 in float32)",
+             SOURCE, "1d93788e7bb9b8d1"),
+    Internal("transformers.cli.serving.utils.CBGenerateManager", "_cb", READ,
+             "the ContinuousBatchingManager its init_cb built (--kv-backend native: started() wraps it)", ASSIGNED,
+             "self._cb set by the class"),
     # ---- stood in for
     Internal(f"{_CB}.cache", "PagedAttentionCache", IMPLEMENTED,
              "KVPlugPagedCache answers the scheduler's and model runner's calls in its place",

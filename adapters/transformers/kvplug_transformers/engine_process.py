@@ -77,16 +77,23 @@ def _build(spec: protocol.EngineSpec) -> tuple[Any, Any, Any]:
                           trust_remote_code=spec.trust_remote_code)
     model, processor = models.load_model_and_processor(models.process_model_name(spec.model_path))
     sampling = None
+    vocab_size = model.config.get_text_config().vocab_size
+    decode = lambda ids: processor.decode(ids, skip_special_tokens=True)  # noqa: E731
+    # what the in-process server builds: each request's SamplingParams come with its ADD
     if spec.per_request_sampling and host is not None:
         from kvplug_transformers.request_sampling import RequestSampling
 
-        # what the in-process server builds: each request's SamplingParams come with its ADD
-        sampling = RequestSampling(model.generation_config, model.config.get_text_config().vocab_size,
-                                   decode=lambda ids: processor.decode(ids, skip_special_tokens=True))
+        sampling = RequestSampling(model.generation_config, vocab_size, decode=decode)
         host.sample_per_request(sampling)
+    elif spec.per_request_sampling:  # transformers' own cache: kvplug's sampler for the requests that ask
+        from kvplug_transformers.native_sampling import NativeRequestSampling
+
+        sampling = NativeRequestSampling(model.generation_config, vocab_size, decode=decode, model=model)
     config = ContinuousBatchingConfig(**spec.cb_kwargs) if spec.cb_kwargs else None
     manager = model.init_continuous_batching(generation_config=spec.generation_config,
                                              continuous_batching_config=config)
+    if sampling is not None:
+        sampling.started(manager)
     manager.start()
     # the pool is built: what cannot be built fails now
     _wait_for(manager, lambda: getattr(manager, "batch_processor", None) is not None, "building the KV cache")
@@ -124,9 +131,9 @@ def _serve(conn: Any, manager: Any, host: Any, sampling: Any, send: Any, sender:
         if kind == protocol.ADD:
             _, request_id, input_ids, max_new_tokens, eos_token_id, streaming, params = message
             if params is not None:
-                if sampling is None:  # the frontend sends none without per_request_sampling
-                    send((protocol.STEP, [protocol.StepOutput(
-                        request_id, [], True, "this engine samples with the checkpoint's settings only")]))
+                refusal = _refusal(sampling, params)
+                if refusal is not None:
+                    send((protocol.STEP, [protocol.StepOutput(request_id, [], True, refusal)]))
                     continue
                 sampling.register(request_id, params)
             manager.add_request(input_ids, request_id=request_id, streaming=streaming,
@@ -204,6 +211,17 @@ class _OutputSender:
                 self._send((protocol.FATAL, f"{type(error).__name__}: {error}"))
             except OSError:
                 pass
+
+
+def _refusal(sampling: Any, params: Any) -> str | None:
+    """Why this engine cannot sample a request's own ``params`` (``None``: it can)."""
+    if sampling is None:  # the frontend sends none without per_request_sampling
+        return "this engine samples with the checkpoint's settings only"
+    try:
+        sampling.admit(params)  # the engine's worker may replay its sampling (the frontend cannot know)
+    except KVPlugError as error:
+        return str(error)
+    return None
 
 
 def _native_stats(manager: Any) -> dict | None:

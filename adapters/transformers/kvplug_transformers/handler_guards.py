@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextvars
 from typing import Any, Callable
 
-from kvplug_transformers.native_sampling import NativeSampling
 from kvplug_transformers.prompt_tokens import OffLoopTokenizer
 from kvplug_transformers.request_bodies import check_chat_completion, check_completion, check_response
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
@@ -37,8 +36,9 @@ class GuardedHandler:
         bytes_per_token: the most text bytes one token of the tokenizer covers.
         tokenizer: where prompts are tokenised.
         trust_request_chat_template: ``--trust-request-chat-template``.
-        sampling: where each request's sampling goes (the kvplug cache samples per request);
-            ``None`` (transformers' native cache): sampling other than the server's is refused.
+        sampling: where each request's sampling goes (``RequestSampling`` on the kvplug cache,
+            ``native_sampling.NativeRequestSampling`` on transformers' own); ``None``: the fields go
+            to transformers' handler as they are (a library caller's choice, not ``kvplug serve``'s).
     """
 
     def __init__(
@@ -71,17 +71,15 @@ class GuardedHandler:
         if self._sampling is not None:
             self._take_sampling(body)
             self._refuse_unknown_fields(body)
-        else:
-            # transformers' native cache: checked before its handler translates the fields
-            NativeSampling.of(self._resolve_model({})[1].generation_config).check(body)
-            self._refuse_unknown_fields(body)
         self._limits.check_text_size(prompt_bytes(body), self._bytes_per_token)
 
     def _take_sampling(self, body: dict) -> None:
         """Move the request's sampling fields out of ``body`` into its ``SamplingParams`` (under
         ``SAMPLING_KEY``): transformers' handler never sees them, the batching worker's sampler
-        applies them (``stop``: ``stop_strings``)."""
-        body[SAMPLING_KEY] = request_params(body, self._sampling.defaults, self._sampling.vocab_size)
+        applies them (``stop``: ``stop_strings``); on transformers' own cache only a request that asks
+        for other sampling than the checkpoint's registers (``NativeRequestSampling.admit``)."""
+        params = request_params(body, self._sampling.defaults, self._sampling.vocab_size)
+        body[SAMPLING_KEY] = self._sampling.admit(params)
 
     def _refuse_unknown_fields(self, body: dict) -> None:
         """Fields transformers' handler would answer with a 422 in its own shape are a 400 in

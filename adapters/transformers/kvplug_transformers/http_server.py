@@ -78,6 +78,10 @@ class HttpServer:
         cb_kwargs = {
             key.removeprefix("cb_"): value for key, value in cb_options.items() if value is not None
         }
+        if opts.kv_backend == "native":
+            # transformers' per-request temperature / top-k / top-p (the same math as its shared ones):
+            # a request kvplug's sampler samples sets them neutral, so its row's logits stay raw
+            cb_kwargs["per_request_processors"] = True
         generation_state = GenerationState(
             continuous_batching=True, cb_config=ContinuousBatchingConfig(**cb_kwargs) if cb_kwargs else None
         )
@@ -93,14 +97,18 @@ class HttpServer:
         _, model, processor = handlers["chat"]._resolve_model({})
         # the kvplug cache samples each request its own way; transformers' own applies one config to all.
         # With --engine-process the settings registered here travel with each request to the engine's sampler
-        self.sampling = None
+        decode = lambda ids: processor.decode(ids, skip_special_tokens=True)  # noqa: E731
+        vocab_size = model.config.get_text_config().vocab_size
         if opts.kv_backend == "kvplug":
-            self.sampling = RequestSampling(
-                model.generation_config, model.config.get_text_config().vocab_size,
-                decode=lambda ids: processor.decode(ids, skip_special_tokens=True),
-            )
+            self.sampling: RequestSampling = RequestSampling(model.generation_config, vocab_size, decode=decode)
             if not engine_process:
                 adapter.sample_per_request(self.sampling)
+        else:
+            # transformers' own cache: a request with sampling fields is sampled by kvplug's sampler
+            # on the logits, any other by transformers as the checkpoint says (native_sampling)
+            from kvplug_transformers.native_sampling import NativeRequestSampling
+
+            self.sampling = NativeRequestSampling(model.generation_config, vocab_size, decode=decode, model=model)
         if engine_process:
             from kvplug_transformers.engine_client import RemoteGenerateManager, RemoteStats
             from kvplug_transformers.engine_protocol import EngineSpec

@@ -1,105 +1,132 @@
-"""What a request may ask of ``kvplug serve --kv-backend native``'s sampling (issue 29 item 2).
+"""``NativeRequestSampling``: each request's sampling on ``kvplug serve --kv-backend native`` (issue 29 item 2).
 
-transformers' continuous batching samples every request with the one generation config its
-worker started with (the checkpoint's ``generation_config.json``); only kvplug's cache samples
-per request. So on the native cache a request's OpenAI / vLLM sampling fields are checked against
-that config *before* transformers translates them (its ``frequency_penalty`` becomes a
-``repetition_penalty``, which is why the refusal must speak of the field the client sent): a field
-that asks for what the server does anyway is served (and vLLM's extras, unknown to transformers'
-handler, dropped from the body), any other is a 400 naming the field, the server's setting and the
-way out. ``worker_watch.ServerSampling`` stays the check of record at the worker.
+transformers' continuous batching samples every request with the one generation config its worker
+started with; it takes temperature, top-k and top-p per request (``per_request_processors``,
+``add_request(**logit_processor_kwargs)``) only where that config already samples with them, and
+has one worker-wide ``do_sample`` and one random stream: no per-request greedy, seed, min-p,
+penalties or stop strings. So a request that sends sampling fields is sampled by kvplug's sampler
+on the logits (``NativeStepSampler``), each field meaning what it means on the kvplug cache (one
+seed, the same tokens on both backends); transformers' own per-request settings are what keeps
+its logits raw: such a request asks the worker's per-request processors for temperature 1, top-k
+the vocabulary and top-p 1. A request that sends none (or only the checkpoint's own values) is
+transformers' own, untouched: the A/B baseline.
+
+What cannot be honoured is a 400 naming the field: a logits processor the checkpoint's
+``generation_config.json`` gives the worker that has no per-request version (min-p, typical-p, ...:
+transformers applies it to every row), and transformers' CUDA graphs or ``torch.compile`` of its
+step (a replay repeats the sampling captured once).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import copy
+import dataclasses
+from typing import Any, Callable
 
+from kvplug_transformers.native_installation import install_native_sampler
+from kvplug_transformers.native_step_sampler import NativeStepSampler
 from kvplug_transformers.request_limits import RequestRefused
+from kvplug_transformers.request_sampling import RequestSampling
+from kvplug_transformers.sampling_params import SamplingParams
 
-EXTRAS = ("top_k", "min_p", "repetition_penalty")  # vLLM's fields transformers' handler does not know
 WAY_OUT = "serve with --kv-backend kvplug (the default), which samples each request its own way"
 
 
-class NativeSampling(NamedTuple):
-    """The worker's one sampling setting. ``greedy``: argmax, the other fields play no part."""
+class NativeRequestSampling(RequestSampling):
+    """``RequestSampling`` for transformers' own cache: only requests that ask for their own sampling
+    are registered (``admit``), the worker starts with the checkpoint's generation config.
 
-    greedy: bool
-    temperature: float
-    top_p: float
-    top_k: int  # 0: none
-    min_p: float  # 0.0: none
-    repetition_penalty: float  # 1.0: none
+    Args:
+        generation_config, vocab_size, decode: as ``RequestSampling``.
+        model: the served model (its worker's logits processors are read from it); ``None``: none.
+    """
 
-    @classmethod
-    def of(cls, config: Any) -> "NativeSampling":
-        def value(name: str, off: float) -> float:
-            found = getattr(config, name, None)
-            return off if found is None else found
+    def __init__(self, generation_config: Any, vocab_size: int, decode: Callable[[list[int]], str] | None = None,
+                 model: Any = None) -> None:
+        super().__init__(generation_config, vocab_size, decode)
+        self.fixed, keys = worker_processors(model) if model is not None else ((), set())
+        # what makes transformers' per-request processors leave a row's logits as they are
+        self.neutral = {key: value for key, value in (("temperature", 1.0), ("top_p", 1.0), ("top_k", vocab_size))
+                        if key in keys}
+        self.worker_limit: str | None = None  # why the started worker cannot let kvplug sample (graphs, compile)
+        self.step_sampler = NativeStepSampler(self, decode)
 
-        temperature = float(value("temperature", 1.0))
-        return cls(not getattr(config, "do_sample", False) or temperature == 0, temperature, float(value("top_p", 1.0)),
-                   max(int(value("top_k", 0)), 0), float(value("min_p", 0.0)), float(value("repetition_penalty", 1.0)))
+    def take(self, request_id: str) -> SamplingParams | None:  # type: ignore[override]
+        """A registered request's settings, forgotten here; ``None`` for any other (transformers samples it)."""
+        with self._lock:
+            return self._params.pop(request_id, None)
 
-    def describe(self) -> str:
-        shown = ["greedy"] if self.greedy else [f"temperature {self.temperature:g}", f"top_p {self.top_p:g}"]
-        if not self.greedy and self.top_k:
-            shown.append(f"top_k {self.top_k}")
-        if not self.greedy and self.min_p:
-            shown.append(f"min_p {self.min_p:g}")
-        if self.repetition_penalty != 1.0:
-            shown.append(f"repetition_penalty {self.repetition_penalty:g}")
-        return ", ".join(shown)
-
-    def check(self, body: dict) -> None:
-        """Raise ``RequestRefused`` (400, ``param`` the field) for sampling this worker would not
-        apply; drop from ``body`` the vLLM extras it does apply (they equal its setting)."""
-        greedy_request = body.get("temperature") == 0
-        if self.greedy and not greedy_request:
-            # temperature unset means 1 in OpenAI's API: top_p / top_k / min_p then ask for sampling
-            self._expect(body, "temperature", None, "send temperature 0 or leave it out")
-            for name, off in (("top_p", 1.0), ("top_k", None), ("min_p", None)):
-                self._expect(body, name, off, f"leave {name} out (or send it with temperature 0)")
-        elif greedy_request and not self.greedy:
-            self._refuse("temperature", 0, f"send temperature {self.temperature:g} or leave it out")
-        elif not greedy_request:
-            for name, served in (("temperature", self.temperature), ("top_p", self.top_p),
-                                 ("top_k", self.top_k or None), ("min_p", self.min_p or None)):
-                shown = "off" if served is None else f"{served:g}"
-                self._expect(body, name, served, f"send {name} {shown} or leave it out")
-            if body.get("seed") is not None:
-                self._refuse("seed", body["seed"], "leave seed out (transformers' worker draws from one random stream)")
-        self._expect(body, "repetition_penalty", self.repetition_penalty,
-                     f"send repetition_penalty {self.repetition_penalty:g} or leave it out")
-        for name in ("frequency_penalty", "presence_penalty"):
-            self._expect(body, name, 0.0, f"send {name} 0 or leave it out")
-        for name in ("stop", "logit_bias"):
-            if body.get(name):
-                self._refuse(name, body[name], f"leave {name} out")
-        for name in EXTRAS:
-            body.pop(name, None)
-        if body.get("frequency_penalty") == 0:
-            body.pop("frequency_penalty")  # transformers would make it repetition_penalty 1, overriding the server's
-
-    def _expect(self, body: dict, name: str, served: float | None, remedy: str) -> None:
-        """Refuse ``body[name]`` unless unset or ``served`` (``None``: off, which top_k / min_p
-        spell -1 or 0 in vLLM's API)."""
-        value = body.get(name)
-        if value is None or _same(value, served) or (served is None and name in ("top_k", "min_p") and value in (-1, 0)):
-            return
-        self._refuse(name, value, remedy)
-
-    def _refuse(self, name: str, value: Any, remedy: str) -> None:
-        raise RequestRefused(
-            f"{name} {value!r} cannot be applied with --kv-backend native: transformers' continuous batching samples "
-            f"every request as the model's generation_config.json says ({self.describe()}); {remedy}, or {WAY_OUT}",
-            param=name,
+    def admit(self, params: SamplingParams) -> SamplingParams | None:
+        """``None`` when ``params`` are the checkpoint's own (transformers samples the request);
+        otherwise ``params``, or ``RequestRefused`` (400) when this worker cannot let kvplug sample it."""
+        if params == self.defaults:
+            return None
+        reason = self.worker_limit or (
+            f"the model's generation_config.json gives transformers' worker {', '.join(self.fixed)}, which its "
+            "continuous batching applies to every request (no per-request version)" if self.fixed else None
         )
+        if reason is not None:
+            name = next(field.name for field in dataclasses.fields(SamplingParams)
+                        if getattr(params, field.name) != getattr(self.defaults, field.name))
+            raise RequestRefused(
+                f"{name} {getattr(params, name)!r} cannot be honoured with --kv-backend native: {reason}; "
+                f"send no sampling fields (the checkpoint's sampling), or {WAY_OUT}",
+                param=name,
+            )
+        return params
+
+    def config(self, model: Any) -> Any:
+        """The worker's generation config: the checkpoint's, as transformers would start it."""
+        if self._config is None:
+            config = copy.deepcopy(model.generation_config)
+            config.use_cache = False  # continuous batching manages its own paged cache
+            self._config = config
+        return self._config
+
+    def started(self, manager: Any) -> None:
+        """transformers' ``ContinuousBatchingManager`` is built: requests admitted here reach it with
+        neutral per-request settings, cancellations reach the sampler, its steps pass ``NativeStepSampler``."""
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+        if not isinstance(manager, ContinuousBatchingManager):
+            return  # an engine process's stand-in: the engine's own NativeRequestSampling starts there
+        self.worker_limit = _replays_sampling(manager.continuous_batching_config)
+        add_request, cancel_request = manager.add_request, manager.cancel_request
+
+        def add(input_ids: Any, request_id: str | None = None, *args: Any, **kwargs: Any) -> Any:
+            if request_id is not None and self.neutral and self.has(request_id):
+                kwargs = {**self.neutral, **kwargs}
+            return add_request(input_ids, request_id, *args, **kwargs)
+
+        def cancel(request_id: str) -> None:
+            self.step_sampler.cancel(request_id)
+            cancel_request(request_id)
+
+        manager.add_request, manager.cancel_request = add, cancel  # on the instance: its class is untouched
+        install_native_sampler(self.step_sampler)
 
 
-def _same(value: Any, served: float | None) -> bool:
-    if served is None:
-        return False
-    try:
-        return abs(float(value) - float(served)) <= 1e-6 * max(1.0, abs(float(served)))
-    except (TypeError, ValueError):
-        return False
+def worker_processors(model: Any) -> tuple[tuple[str, ...], set[str]]:
+    """``(fixed, keys)`` of the processors transformers' worker builds from ``model.generation_config``
+    (as ``ContinuousBatchingManager`` does, per-request versions on): the names of those it applies
+    to every row alike, and the per-request keys it takes."""
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+
+    processors = ContinuousBatchingLogitsProcessorList(
+        model._get_logits_processor(model.generation_config), per_request_processors=True
+    )
+    fixed = tuple(type(processor).__name__ for processor in processors.logits_processor
+                  if not isinstance(processor, ContinuousBatchingLogitsProcessor))
+    return fixed, set(processors.supported_keys)
+
+
+def _replays_sampling(config: Any) -> str | None:
+    graphs = config.use_cuda_graph
+    if graphs is True or (isinstance(graphs, (tuple, list)) and any(graphs)):
+        return "transformers' CUDA graphs of its step replay the sampling they captured"
+    if config.varlen_compile_config is not None or config.decode_compile_config is not None:
+        return "transformers' torch.compile of its step compiles the sampling in"
+    return None

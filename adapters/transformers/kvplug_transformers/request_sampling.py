@@ -65,6 +65,15 @@ class RequestSampling(WorkerSampling):
         with self._lock:
             return self._params.pop(request_id, self.defaults)
 
+    def admit(self, params: SamplingParams) -> SamplingParams | None:
+        """What a checked request's ``params`` register as (``None``: nothing): every request's, here."""
+        return params
+
+    def has(self, request_id: str) -> bool:
+        """Whether the request registered settings the worker has not taken yet."""
+        with self._lock:
+            return request_id in self._params
+
     def stops(self, request_id: str) -> tuple[str, ...]:
         """A registered request's stop strings (before the worker took its settings)."""
         with self._lock:
@@ -75,6 +84,12 @@ class RequestSampling(WorkerSampling):
         """A request that will never reach the worker (refused, failed before submission)."""
         with self._lock:
             self._params.pop(request_id, None)
+
+    @property
+    def any_waiting(self) -> bool:
+        """``waiting > 0`` without the lock (a dict's size is read atomically): the per-step check of
+        ``NativeStepSampler``. A request registers before it is submitted, so its first step sees it."""
+        return bool(self._params)
 
     @property
     def waiting(self) -> int:

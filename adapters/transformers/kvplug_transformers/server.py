@@ -145,6 +145,10 @@ def serve(adapter: Any, **options: Any) -> int:
         finally:
             if opts.kv_backend == "kvplug":
                 adapter.uninstall()
+            else:
+                from kvplug_transformers.native_installation import uninstall_native_sampler
+
+                uninstall_native_sampler()  # installed when the worker started (native_sampling)
             if publisher is not None:
                 adapter.publish_kv_events(None)
                 publisher.close()

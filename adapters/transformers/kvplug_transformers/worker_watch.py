@@ -41,6 +41,10 @@ class WorkerSampling(ABC):
     def discard(self, request_id: str) -> None:
         """A request refused before it reached the worker."""
 
+    def started(self, manager: Any) -> None:
+        """The worker's batching manager is built, before any request reaches it (transformers'
+        ``ContinuousBatchingManager``, or an engine process's stand-in)."""
+
     def stops(self, request_id: str) -> tuple[str, ...]:
         """A request's stop strings, which its response is cut at (none unless registered)."""
         return ()
@@ -60,7 +64,10 @@ class LimitedManager:
         applies its sampling to every request; start it with the server's instead, and refuse a
         request asking for other sampling (it would be silently ignored)."""
         self._sampling.check(model, generation_config)
+        started = getattr(self._inner, "_cb", None) is not None
         self._inner.init_cb(model, self._sampling.config(model))
+        if not started:
+            self._sampling.started(getattr(self._inner, "_cb", None))
 
     def generate_streaming(self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
         self._apply_limits(inputs, generation_config, kwargs)
