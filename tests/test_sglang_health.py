@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from kvplug_sglang import health
+import pytest
+
+health = pytest.importorskip(
+    "kvplug_sglang.health", reason="kvplug-sglang is not installed: pip install -e adapters/sglang"
+)
 
 CLEAN = {"prefix_cache": "faulty", "cache_failures": 0, "last_cache_fault": None, "on_cache_failure": "fallback",
          "stopped": False, "quarantined_prefix_cache": None}

@@ -10,8 +10,11 @@ Workloads, at each page size (default 1 and 16):
   prefix with 100 leaves of 32 tokens each); 50 timed calls leave over 9,500 leaves.
 
 Every call is timed on its own (``perf_counter_ns``, cyclic GC paused during the timed loop);
-``--repeat N`` runs each workload N times per cache, the caches taking turns, and reports the
-median of the runs' percentiles with the lowest and highest run p50 beside it;
+each workload first runs once untimed per cache (a warm-up: in a fresh process the first workload
+otherwise pays the heap's growth, which a serving process has paid long ago: BENCHMARKS.md);
+``--repeat N`` then runs each workload N times per cache,
+the caches taking turns, and reports the median of the runs' percentiles with the lowest and
+highest run p50 beside it;
 inputs are built in each implementation's native form before timing (kvplug's own caches: host
 int32 arrays, as its allocator passes them; ``--tensor-inputs``: tensors, as a third party would). SGLang's RadixCache runs
 the same workloads in the same process when it imports (see ``sglang_anchor``), and
@@ -205,6 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for workload, function in WORKLOADS.items():
             runs: dict[tuple[str, str], list[dict]] = {}
             facts_of: dict[str, dict] = {}
+            for driver in _drivers(args, page_size, sglang_version, baseline):  # warm-up, not timed
+                function(driver, sizes, np.random.default_rng(args.seed))
             for round_ in range(repeat):
                 drivers = _drivers(args, page_size, sglang_version, baseline)  # fresh caches every round
                 for driver in drivers if round_ % 2 == 0 else drivers[::-1]:
