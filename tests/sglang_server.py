@@ -30,14 +30,15 @@ def free_port() -> int:
 
 
 class Server:
-    """One SGLang server; ``start()`` returns once it answers ``/health`` (or raises with its log)."""
+    """One SGLang server; ``start()`` returns once it answers ``/health`` (or raises with its log).
+    ``python``: the interpreter of SGLang's environment (default: this one)."""
 
-    def __init__(self, model: Path, log: Path, *flags: str) -> None:
+    def __init__(self, model: Path, log: Path, *flags: str, python: str = sys.executable) -> None:
         self.port = free_port()
         self.model = model
         self.log = log
         self.command = [
-            sys.executable, "-m", "sglang.launch_server",
+            python, "-m", "sglang.launch_server",
             "--model-path", str(model), "--device", "cpu", "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-total-tokens", "2048", "--max-running-requests", "8", "--random-seed", "1",
@@ -51,8 +52,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
-        import requests
+        self.launch()
+        return self.wait_ready()
 
+    def launch(self) -> None:
+        """Start the process (several servers may start at once); ``wait_ready()`` then waits."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SUPPORT), env.get("PYTHONPATH")]))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,6 +64,10 @@ class Server:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
+
+    def wait_ready(self) -> "Server":
+        import requests
+
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -16,7 +16,10 @@ SGLang's ``load_plugins`` applies them in every process:
   (``--kvplug-on-cache-failure fail``) likewise passes that policy to the factory;
 - after ``SchedulerInternalStateController.get_internal_state`` (what ``/server_info`` reports per
   DP rank): ``internal_states[rank]["kvplug_prefix_cache"]``, the prefix-cache quarantine record of
-  a kvplug tree cache (issue 32: a quarantined plugin is visible without reading the log).
+  a kvplug tree cache (issue 32: a quarantined plugin is visible without reading the log);
+- after ``SchedulerKvEventsPublisher.init_kv_events`` (``--kv-events-config``): with a kvplug tree
+  cache, SGLang's ZMQ publisher numbers its batches from the server's start time, as ``kvplug serve``
+  does, so a router sees a restart (``event_sequence``; issue 27).
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -111,6 +114,23 @@ def after_get_internal_state(result: Any, controller: Any, *args: Any, **kwargs:
     return result
 
 
+def after_init_kv_events(result: Any, events_publisher: Any, *args: Any, **kwargs: Any) -> Any:
+    """A kvplug tree cache's events are numbered from the start time (``event_sequence``); another
+    publisher kind (``"null"``, one registered by someone else) is left alone."""
+    from sglang.srt.disaggregation.kv_events import ZmqEventPublisher
+
+    from kvplug_sglang.prefix_cache import KvplugPrefixCache
+
+    publisher = getattr(events_publisher, "kv_event_publisher", None)
+    tree_cache = getattr(events_publisher, "tree_cache", None)
+    if isinstance(publisher, ZmqEventPublisher) and isinstance(tree_cache, KvplugPrefixCache):
+        from kvplug_sglang.event_sequence import number_from_start_time
+
+        number_from_start_time(publisher)
+    return result
+
+
+_KV_EVENTS = "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher"
 _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
 HOOKS = (
@@ -119,4 +139,5 @@ HOOKS = (
     (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
     ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
     (f"{_INTERNAL_STATE}.get_internal_state", "AFTER", after_get_internal_state),
+    (f"{_KV_EVENTS}.init_kv_events", "AFTER", after_init_kv_events),
 )
