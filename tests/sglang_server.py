@@ -31,10 +31,14 @@ def free_port() -> int:
 
 class Server:
     """One SGLang server; ``start()`` returns once it answers ``/health`` (or raises with its log).
-    ``python``: the interpreter of SGLang's environment (default: this one)."""
+    ``python``: the interpreter of SGLang's environment (default: this one); ``start_timeout_s``: how
+    long a start may take (several servers starting at once on a small machine take longer)."""
 
-    def __init__(self, model: Path, log: Path, *flags: str, python: str = sys.executable) -> None:
+    def __init__(
+        self, model: Path, log: Path, *flags: str, python: str = sys.executable, start_timeout_s: float = START_TIMEOUT_S
+    ) -> None:
         self.port = free_port()
+        self.start_timeout_s = start_timeout_s
         self.model = model
         self.log = log
         self.command = [
@@ -68,7 +72,7 @@ class Server:
     def wait_ready(self) -> "Server":
         import requests
 
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"SGLang server exited with {self.process.returncode} at startup:\n{self.log_tail()}")
@@ -80,7 +84,7 @@ class Server:
                 pass
             time.sleep(0.5)
         self.kill()
-        raise AssertionError(f"SGLang server not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        raise AssertionError(f"SGLang server not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def generate(self, text: str, max_new_tokens: int = 8) -> dict:
         import requests

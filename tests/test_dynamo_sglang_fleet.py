@@ -35,6 +35,7 @@ MODEL = "tiny-llama"
 PAGE = 16
 SGLANG_VERSION = "0.5.23"
 ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 600.0  # two servers start at once (one alone: one to two minutes on 2 cores)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,7 @@ class SGLangWorker:
             "--kv-events-config",
             json.dumps(config),
             python=python,
+            start_timeout_s=START_TIMEOUT_S,
         )
 
     @property
@@ -169,8 +171,8 @@ def test_the_next_turn_goes_to_the_server_holding_the_prefix(fleet):
         scores = dynamo.wait_scores(turn1, lambda s: s.get(first_worker, 0) >= held, "after the first turn")
         assert set(scores) == {first_worker}  # the other server never saw it
         turn2 = turn1 + prompt(seed + 100, 2 * PAGE)
-        chosen, overlap = dynamo.select(turn2)
-        assert chosen == first_worker and overlap >= held
+        chosen, overlap = dynamo.wait_select(turn2, lambda selected: selected[1] >= held, "after the first turn")
+        assert chosen == first_worker
         reply = workers[chosen].generate(turn2)
         assert reply["meta_info"]["cached_tokens"] >= overlap  # the server Dynamo chose reports the cached tokens
 
