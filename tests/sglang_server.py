@@ -31,14 +31,16 @@ def free_port() -> int:
 
 class Server:
     """One SGLang server; ``start()`` returns once it answers ``/health`` (or raises with its log).
-    ``python``: the interpreter of SGLang's environment (default: this one); ``start_timeout_s``: how
-    long a start may take (several servers starting at once on a small machine take longer)."""
+    ``python``: the interpreter of SGLang's environment (default: this one); ``start_timeout_s`` and
+    ``stop_timeout_s``: how long a start and a stop may take (longer with several servers on a small
+    machine)."""
 
     def __init__(
-        self, model: Path, log: Path, *flags: str, python: str = sys.executable, start_timeout_s: float = START_TIMEOUT_S
-    ) -> None:
+        self, model: Path, log: Path, *flags: str, python: str = sys.executable,
+        start_timeout_s: float = START_TIMEOUT_S, stop_timeout_s: float = STOP_TIMEOUT_S,
+    ) -> None:  # fmt: skip
         self.port = free_port()
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.model = model
         self.log = log
         self.command = [
@@ -106,16 +108,16 @@ class Server:
 
     def stop(self) -> int:
         """SIGTERM the server (the launcher process only, as a process manager would); returns its
-        exit status. Raises when it or one of its processes outlives ``STOP_TIMEOUT_S``."""
+        exit status. Raises when it or one of its processes outlives ``stop_timeout_s``."""
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            status = self.process.wait(timeout=STOP_TIMEOUT_S)
+            status = self.process.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"SGLang server ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{self.log_tail()}") from None
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+            raise AssertionError(f"SGLang server ignored SIGTERM for {self.stop_timeout_s:.0f} s:\n{self.log_tail()}") from None
+        deadline = time.monotonic() + self.stop_timeout_s
         while time.monotonic() < deadline and any(_alive(pid) for pid in self.children):
             time.sleep(0.2)
         left = [pid for pid in self.children if _alive(pid)]

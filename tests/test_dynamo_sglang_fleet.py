@@ -36,6 +36,7 @@ PAGE = 16
 SGLANG_VERSION = "0.5.23"
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # two servers start at once (one alone: one to two minutes on 2 cores)
+STOP_TIMEOUT_S = 90.0  # SGLang kills a scheduler that is not gone 15 s after its shutdown request
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,7 @@ class SGLangWorker:
             json.dumps(config),
             python=python,
             start_timeout_s=START_TIMEOUT_S,
+            stop_timeout_s=STOP_TIMEOUT_S,
         )
 
     @property
