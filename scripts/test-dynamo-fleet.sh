@@ -12,7 +12,12 @@
 # (both listen on 0.0.0.0 without authentication: run this on a machine you trust), and checks that a
 # conversation's next turn is selected for the worker holding it, and that a flush, an eviction and a
 # restart leave no stale score.
-#   usage: bash scripts/test-dynamo-fleet.sh [DYNAMO_VENV]   (default: $TMPDIR/kvplug-dynamo-venv)
+#
+# With KVPLUG_SGLANG_PYTHON set to the Python of an SGLang environment (scripts/test-sglang-host.sh
+# builds one; .ci/run builds it in an earlier step and passes it), tests/test_dynamo_sglang_fleet.py
+# does the same with two real SGLang servers on kvplug (tiny random models, a few requests); without
+# it that file is skipped, saying why.
+#   usage: [KVPLUG_SGLANG_PYTHON=...] bash scripts/test-dynamo-fleet.sh [DYNAMO_VENV]   (default: $TMPDIR/kvplug-dynamo-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-${TMPDIR:-/tmp}/kvplug-dynamo-venv}"
@@ -36,5 +41,13 @@ found="$("$venv/bin/python" -c "import importlib.metadata as m, dynamo.llm; prin
   exit 1
 }
 
+if [ -n "${KVPLUG_SGLANG_PYTHON:-}" ]; then
+  "$KVPLUG_SGLANG_PYTHON" -c "import sglang, kvplug_sglang" || {
+    echo "test-dynamo-fleet: KVPLUG_SGLANG_PYTHON=$KVPLUG_SGLANG_PYTHON cannot import sglang and kvplug_sglang (bash scripts/test-sglang-host.sh builds that environment)" >&2
+    exit 1
+  }
+fi
+
 phase "Dynamo $DYNAMO_VERSION ready; tests"
-KVPLUG_DYNAMO_PYTHON="$venv/bin/python" exec "$python" -m pytest -q -p no:cacheprovider tests/test_dynamo_fleet.py
+KVPLUG_DYNAMO_PYTHON="$venv/bin/python" exec "$python" -m pytest -q -p no:cacheprovider tests/test_dynamo_fleet.py \
+  tests/test_dynamo_sglang_fleet.py

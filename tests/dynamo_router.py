@@ -117,6 +117,15 @@ class Dynamo:
             assert time.monotonic() < deadline, f"{what}: Dynamo's scores are still {scores}"
             time.sleep(0.1)
 
+    def wait_select(self, token_ids: list[int], expected, what: str) -> tuple[int, int]:
+        """``select`` until ``expected((worker, overlap))``: the selection service reads the events on
+        its own, so it may lag the indexer (a gap it replays, say)."""
+        deadline = time.monotonic() + SETTLE_S
+        while not expected(selected := self.select(token_ids)):
+            assert time.monotonic() < deadline, f"{what}: Dynamo still selects {selected}"
+            time.sleep(0.1)
+        return selected
+
     def wait_selected_overlap(self, token_ids: list[int], overlap: int, what: str) -> None:
         """The selection service reads the events on its own, so it may lag the indexer."""
         deadline = time.monotonic() + SETTLE_S

@@ -30,14 +30,21 @@ def free_port() -> int:
 
 
 class Server:
-    """One SGLang server; ``start()`` returns once it answers ``/health`` (or raises with its log)."""
+    """One SGLang server; ``start()`` returns once it answers ``/health`` (or raises with its log).
+    ``python``: the interpreter of SGLang's environment (default: this one); ``start_timeout_s`` and
+    ``stop_timeout_s``: how long a start and a stop may take (longer with several servers on a small
+    machine)."""
 
-    def __init__(self, model: Path, log: Path, *flags: str) -> None:
+    def __init__(
+        self, model: Path, log: Path, *flags: str, python: str = sys.executable,
+        start_timeout_s: float = START_TIMEOUT_S, stop_timeout_s: float = STOP_TIMEOUT_S,
+    ) -> None:  # fmt: skip
         self.port = free_port()
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.model = model
         self.log = log
         self.command = [
-            sys.executable, "-m", "sglang.launch_server",
+            python, "-m", "sglang.launch_server",
             "--model-path", str(model), "--device", "cpu", "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-total-tokens", "2048", "--max-running-requests", "8", "--random-seed", "1",
@@ -51,8 +58,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
-        import requests
+        self.launch()
+        return self.wait_ready()
 
+    def launch(self) -> None:
+        """Start the process (several servers may start at once); ``wait_ready()`` then waits."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SUPPORT), env.get("PYTHONPATH")]))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,7 +70,11 @@ class Server:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
+
+    def wait_ready(self) -> "Server":
+        import requests
+
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"SGLang server exited with {self.process.returncode} at startup:\n{self.log_tail()}")
@@ -72,7 +86,7 @@ class Server:
                 pass
             time.sleep(0.5)
         self.kill()
-        raise AssertionError(f"SGLang server not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        raise AssertionError(f"SGLang server not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def generate(self, text: str, max_new_tokens: int = 8) -> dict:
         import requests
@@ -94,16 +108,16 @@ class Server:
 
     def stop(self) -> int:
         """SIGTERM the server (the launcher process only, as a process manager would); returns its
-        exit status. Raises when it or one of its processes outlives ``STOP_TIMEOUT_S``."""
+        exit status. Raises when it or one of its processes outlives ``stop_timeout_s``."""
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            status = self.process.wait(timeout=STOP_TIMEOUT_S)
+            status = self.process.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"SGLang server ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{self.log_tail()}") from None
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+            raise AssertionError(f"SGLang server ignored SIGTERM for {self.stop_timeout_s:.0f} s:\n{self.log_tail()}") from None
+        deadline = time.monotonic() + self.stop_timeout_s
         while time.monotonic() < deadline and any(_alive(pid) for pid in self.children):
             time.sleep(0.2)
         left = [pid for pid in self.children if _alive(pid)]

@@ -166,3 +166,41 @@ def array_of(values):
     from array import array
 
     return array("q", values)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "radix"])
+def test_batches_are_numbered_from_the_start_time_with_a_kvplug_cache(kind, tmp_path):
+    """With kvplug's tree cache, SGLang's ZMQ publisher numbers batches from the start time in
+    microseconds (a router then sees a restart as a jump forward, not as old batches); SGLang's own
+    cache keeps SGLang's numbering from 0."""
+    import time
+    from types import SimpleNamespace
+
+    import zmq
+    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+
+    from kvplug_sglang.hooks import after_init_kv_events
+
+    endpoint = f"ipc://{tmp_path}/events"
+    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint, replay_endpoint=f"ipc://{tmp_path}/replay")
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.connect(endpoint)
+        time.sleep(0.5)  # ZMQ's slow joiner
+        started = time.time_ns() // 1000
+        world = make_world(kind, page_size=1, enable_kv_cache_events=True)
+        after_init_kv_events(None, SimpleNamespace(kv_event_publisher=publisher, tree_cache=world.cache))
+        numbers = []
+        for _ in range(2):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            assert subscriber.poll(10_000), "no batch published"
+            numbers.append(int.from_bytes(subscriber.recv_multipart()[1], "big"))
+    finally:
+        subscriber.close()
+        publisher.shutdown()
+    if kind == "sglang":
+        assert numbers == [0, 1]
+    else:
+        assert started <= numbers[0] <= time.time_ns() // 1000 and numbers[1] == numbers[0] + 1

@@ -16,7 +16,7 @@ import os
 from importlib import metadata
 from typing import Mapping
 
-from kvplug.host_internals import PARAMETERS, SOURCE, HostInternal
+from kvplug.host_internals import ASSIGNED, PARAMETERS, SOURCE, HostInternal
 from kvplug.interface import KVPlugError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ WIRED: Mapping[str, Mapping[str, str]] = {
             "yes (hook after TokenizerManager.__init__ puts health.QuarantineHealth on the HTTP app; "
             "it reads TokenizerManager.get_internal_state)"
         ),
+        "KV-event batches numbered from the start time (a router sees a restart)": (
+            "yes, with a kvplug tree cache (hook after SchedulerKvEventsPublisher.init_kv_events)"
+        ),
         "--enable-memory-saver": "no: kvplug's pool is allocated outside SGLang's memory-saver region",
     },
 }
@@ -67,6 +70,15 @@ INTERNALS: tuple[HostInternal, ...] = (
     HostInternal("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController",
                  "get_internal_state", "hooked", "after it, a rank's state carries the quarantine record",
                  PARAMETERS, "self, recv_req"),
+    HostInternal("sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher",
+                 "init_kv_events", "hooked", "after it, a kvplug tree cache's ZMQ publisher numbers its batches "
+                 "from the start time (event_sequence.py)", PARAMETERS, "self, kv_events_config"),
+    HostInternal("sglang.srt.disaggregation.kv_events.ZmqEventPublisher", "_seq_gen", "replaced",
+                 "the batch counter event_sequence.number_from_start_time restarts at the start time",
+                 ASSIGNED, "self._seq_gen set by the class"),
+    HostInternal("sglang.srt.disaggregation.kv_events.ZmqEventPublisher", "__init__", "read",
+                 "builds _seq_gen as an itertools.count and binds or connects by the endpoint's form",
+                 SOURCE, "51f9614cf02f95ad"),
 )
 
 

@@ -20,6 +20,9 @@ SGLang's ``load_plugins`` applies them in every process:
 - after ``TokenizerManager.__init__``, in the main process only (``HTTP_HOOKS``: the HTTP server's,
   where the scheduler modules are not imported for it): ``health.QuarantineHealth`` on SGLang's
   HTTP ``app``, so ``/health`` reports that record as ``kvplug serve``'s ``/health`` does.
+- after ``SchedulerKvEventsPublisher.init_kv_events`` (``--kv-events-config``): with a kvplug tree
+  cache, SGLang's ZMQ publisher numbers its batches from the server's start time, as ``kvplug serve``
+  does, so a router sees a restart (``event_sequence``; issue 27).
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -121,6 +124,23 @@ def after_tokenizer_manager_init(result: Any, manager: Any, *args: Any, **kwargs
     install_on_http_app(manager)
 
 
+def after_init_kv_events(result: Any, events_publisher: Any, *args: Any, **kwargs: Any) -> Any:
+    """A kvplug tree cache's events are numbered from the start time (``event_sequence``); another
+    publisher kind (``"null"``, one registered by someone else) is left alone."""
+    from sglang.srt.disaggregation.kv_events import ZmqEventPublisher
+
+    from kvplug_sglang.prefix_cache import KvplugPrefixCache
+
+    publisher = getattr(events_publisher, "kv_event_publisher", None)
+    tree_cache = getattr(events_publisher, "tree_cache", None)
+    if isinstance(publisher, ZmqEventPublisher) and isinstance(tree_cache, KvplugPrefixCache):
+        from kvplug_sglang.event_sequence import number_from_start_time
+
+        number_from_start_time(publisher)
+    return result
+
+
+_KV_EVENTS = "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher"
 _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
 HOOKS = (
@@ -129,6 +149,7 @@ HOOKS = (
     (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
     ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
     (f"{_INTERNAL_STATE}.get_internal_state", "AFTER", after_get_internal_state),
+    (f"{_KV_EVENTS}.init_kv_events", "AFTER", after_init_kv_events),
 )
 
 HTTP_HOOKS = (  # registered in the main process only (sglang_plugin.register)
