@@ -17,7 +17,8 @@
 # distribution named "vllm"), and pytest runs tests/test_vllm_compat.py (version gate, drift check,
 # settings, block-cache properties), tests/test_vllm_host.py (LLM engines vs native vLLM, about
 # five minutes), tests/test_vllm_server.py (real `vllm serve` processes, about two minutes),
-# tests/test_vllm_cache_faults.py (faulty plugins quarantined), tests/test_vllm_kv_events.py and
+# tests/test_vllm_cache_faults.py (faulty plugins quarantined), tests/test_vllm_health.py (/health
+# reports a quarantine), tests/test_vllm_kv_events.py and
 # tests/test_vllm_namespaces.py (LoRA adapters, cache_salt and prompt embeddings never share pages).
 #   usage: bash scripts/test-vllm-host.sh [VENV_DIR]   (default: $TMPDIR/kvplug-vllm-venv)
 set -euo pipefail
@@ -55,4 +56,5 @@ PY
 
 phase "environment ready; tests"
 exec "$py" -m pytest -q -p no:cacheprovider tests/test_vllm_compat.py tests/test_vllm_host.py tests/test_vllm_server.py \
-    tests/test_vllm_cache_faults.py tests/test_vllm_kv_events.py tests/test_vllm_namespaces.py tests/test_vllm_readme.py
+    tests/test_vllm_cache_faults.py tests/test_vllm_health.py tests/test_vllm_kv_events.py tests/test_vllm_namespaces.py \
+    tests/test_vllm_readme.py

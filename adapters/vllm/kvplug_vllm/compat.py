@@ -217,6 +217,9 @@ INTERNALS: tuple[Internal, ...] = (
              "self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx"),
     Internal("vllm.plugins.endpoint_plugins.interface", "EndpointPlugin", IMPLEMENTED,
              "KvplugStatsEndpoint adds GET /kvplug/stats", INTERFACE, "82686de715c61cb3"),
+    Internal("vllm.entrypoints.serve.instrumentator.health", "health", READ,
+             "its 200 (empty) is what QuarantineHealth turns into kvplug's degraded answer (503: the engine died)",
+             SOURCE, "da0b16866360b720"),
     Internal("vllm.entrypoints.cli.main", "main", CALLED, "python -m kvplug_vllm.launch runs vLLM's CLI",
              PARAMETERS, ""),
     # ---- KV events (--kv-events-config): kvplug's cache changes through vLLM's publisher

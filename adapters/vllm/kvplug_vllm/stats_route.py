@@ -56,7 +56,7 @@ class KvplugStatLogger(StatLoggerBase):
 
 
 class KvplugStatsEndpoint:
-    """vLLM endpoint plugin adding ``GET /kvplug/stats``."""
+    """vLLM endpoint plugin adding ``GET /kvplug/stats``, and the quarantine to ``/health`` (``health``)."""
 
     name = "kvplug"
     required_tasks = None  # any server with an engine
@@ -77,6 +77,9 @@ class KvplugStatsEndpoint:
             return JSONResponse(body)
 
         app.add_api_route("/kvplug/stats", kvplug_stats, methods=["GET"], name="kvplug_stats")
+        from kvplug_vllm.health import QuarantineHealth
+
+        app.add_middleware(QuarantineHealth, engines=board.read)  # build_app has not built the stack yet
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         return None
