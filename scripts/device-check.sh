@@ -6,6 +6,7 @@
 # ends (with its logs) inside the 10-minute device limit.
 #   FLASHINFER=0  skip everything FlashInfer (no wheels needed, no JIT compile: ~4 min saved)
 #   TESTS=0       skip the GPU tests (benchmarks only)
+#   SERVE_TESTS=1 also the `kvplug serve --device cuda` tests (carry .whl-serve/ and .redis-dev/)
 #   BENCH=0       skip the attention / graphs / host-step benchmarks
 #   E2E=0         skip the end-to-end benchmark; E2E=decode (default) runs the decode-heavy
 #                 workload (256 requests, 256 output tokens, concurrency 64 and 256: kvplug with
@@ -71,10 +72,11 @@ PYTEST=(python3 -m pytest -q -rfEs -p no:cacheprovider)
 TESTS=${TESTS:-1}
 [ "$TESTS" = 1 ] && {
     step tf_host_other 150 "${PYTEST[@]}" tests/test_transformers_host.py -k "cuda and not flashinfer and not auto"
-    step tests_gpu_other 240 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
+    step tests_gpu_other 300 "${PYTEST[@]}" tests/test_attention_gpu.py tests/test_graphs_gpu.py \
         tests/test_store_kv_gpu.py tests/test_page_lists_gpu.py tests/test_decode_staging_gpu.py tests/test_mha_pool.py \
         tests/test_radix_cache.py tests/test_backend.py tests/test_decode_step.py tests/test_decode_graphs.py \
-        tests/test_host_tier.py tests/test_no_host_wait_gpu.py tests/test_transformers_host_tier.py -k "not flashinfer"
+        tests/test_host_tier.py tests/test_no_host_wait_gpu.py tests/test_transformers_host_tier.py \
+        tests/test_vllm_layout_gpu.py tests/test_remote_kv_gpu.py -k "not flashinfer"
 } &
 OTHER=$!
 [ "$FLASHINFER" = 1 ] && step warmup 280 python3 -c "
@@ -113,6 +115,17 @@ fi
 # `kvplug bench e2e` finds the transformers host through its entry point: install both, editable
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e ./adapters/transformers > "$OUT/install_editable.log" 2>&1 \
     || note "editable install FAILED (see install_editable.log)"
+
+# ---------------------------------------------------------------- kvplug serve on CUDA (SERVE_TESTS=1)
+# real `kvplug serve --device cuda` processes: they need the server's wheels (.whl-serve/, carried) and,
+# for the shared-store case, a redis-server (.redis-dev/bin + lib, carried: the binary and its libraries)
+if [ "${SERVE_TESTS:-0}" = 1 ] && [ "$TESTS" = 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve .whl-serve/*.whl \
+        > "$OUT/install_serve.log" 2>&1 || note "serve wheels install FAILED (see install_serve.log)"
+    [ -d .redis-dev ] && export PATH=$PWD/.redis-dev/bin:$PATH LD_LIBRARY_PATH=$PWD/.redis-dev/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    PYTHONPATH=/tmp/site-serve:$PYTHONPATH step tests_serve_gpu 200 "${PYTEST[@]}" -m gpu tests/test_serve_graphs_gpu.py \
+        tests/test_serve_native_sampling_gpu.py tests/test_serve_remote_kv.py
+fi
 # qwen3-0.6b shape, bf16, triton attention; a warm-up run per variant precedes the timed ones
 E2E=${E2E:-decode}
 SHAPE_ARGS=(); [ -n "${SHAPE:-}" ] && SHAPE_ARGS=(--model-shape "$SHAPE")
@@ -141,7 +154,7 @@ for workload in ${E2E//,/ }; do
 done
 
 # ---------------------------------------------------------------- summary
-for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer; do
+for name in tests_flashinfer tests_gpu_other tf_host_other tf_host_flashinfer tests_serve_gpu; do
     [ -f "$OUT/$name.log" ] && { echo "--- $name"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/$name.log" | tail -8; }
 done | tee -a "$SUMMARY"
 for name in bench_attention bench_graphs bench_graphs_baseline bench_host_step bench_host_step_baseline $(cd "$OUT" && ls bench_e2e_*.log 2>/dev/null | sed 's/.log$//'); do
