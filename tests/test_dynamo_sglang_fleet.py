@@ -13,7 +13,7 @@ servers. Each server publishes kvplug's pages through SGLang's own ``--kv-events
 batch is ever delivered and neither side reports an error. (``kvplug serve`` binds by default.)
 
 A prompt's next turn is selected for the server that holds its prefix, which then reports the
-cached tokens; ``/flush_cache`` removes the score; a restarted server (same addresses) leaves no
+cached tokens; ``/flush_cache`` and an eviction (a pool of ``POOL_TOKENS``) remove the score; a restarted server (same addresses) leaves no
 stale score, since kvplug-sglang numbers SGLang's batches from the start time
 (``kvplug_sglang.event_sequence``).
 """
@@ -24,6 +24,7 @@ import json
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ PAGE = 16
 SGLANG_VERSION = "0.5.23"
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # two servers start at once (one alone: one to two minutes on 2 cores)
+POOL_TOKENS = 1024  # a small pool: a few other prompts evict a prefix
 STOP_TIMEOUT_S = 90.0  # SGLang kills a scheduler that is not gone 15 s after its shutdown request
 
 
@@ -85,6 +87,8 @@ class SGLangWorker:
             MODEL,
             "--kv-events-config",
             json.dumps(config),
+            "--max-total-tokens",
+            str(POOL_TOKENS),
             python=python,
             start_timeout_s=START_TIMEOUT_S,
             stop_timeout_s=STOP_TIMEOUT_S,
@@ -187,6 +191,21 @@ def test_a_flush_removes_the_score(fleet):
     assert workers[1].server.post("/flush_cache").status_code == 200
     dynamo.wait_scores(turn1, lambda s: 1 not in s, "after /flush_cache")
     dynamo.wait_selected_overlap(turn1, 0, "after /flush_cache")
+
+
+def test_an_eviction_removes_the_score(fleet):
+    dynamo, workers = fleet
+    first = prompt(11)
+    workers[1].generate(first)
+    dynamo.wait_scores(first, lambda s: s.get(1, 0) > 0, "after the request")
+    other = 0
+    while dynamo.scores(first).get(1, 0) > 0:  # other prompts push it out of server 1's small pool
+        assert other < 3 * POOL_TOKENS // len(first), "server 1 never evicted the first prompt"
+        workers[1].generate(prompt(1000 + other))
+        other += 1
+        time.sleep(0.3)  # the events of the last step reach Dynamo
+    assert other > 1 and dynamo.scores(first) == {}
+    dynamo.wait_selected_overlap(first, 0, "after the eviction")
 
 
 def test_a_restarted_server_leaves_no_stale_score(fleet):
