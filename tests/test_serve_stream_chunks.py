@@ -177,3 +177,37 @@ def test_send_within_times_out_a_blocked_send_and_passes_a_quick_one():
             await send_within(blocked, {"n": 2}, 0.05)
 
     asyncio.run(scenario())
+
+
+class _Output:
+    def __init__(self, request_id: str, tokens: list[int], finished: bool = False) -> None:
+        self.request_id, self.generated_tokens, self.error, self._finished = request_id, tokens, None, finished
+
+    def is_finished(self) -> bool:
+        return self._finished
+
+
+def test_the_engine_sends_the_first_token_at_once_then_n_at_a_time_and_the_end():
+    from kvplug_transformers.engine_process import _OutputSender
+
+    sender = _OutputSender(manager=None, send=None, interval=3)
+    sent = []
+    for count in range(0, 9):
+        item = sender._delta(_Output("r", list(range(count))))
+        sent.append(None if item is None else item.new_tokens)
+    assert sent == [[], [0], None, None, [1, 2, 3], None, None, [4, 5, 6], None]
+    last = sender._delta(_Output("r", list(range(9)), finished=True))
+    assert last.new_tokens == [7, 8] and last.finished  # the end is never held back
+    every = _OutputSender(manager=None, send=None)
+    assert [every._delta(_Output("s", list(range(n)))).new_tokens for n in (1, 2, 3)] == [[0], [1], [2]]
+
+
+def test_stream_interval_is_checked_and_needs_the_engine_process():
+    from kvplug_transformers.serve_options import InvalidArgumentError, ServeOptions
+
+    assert ServeOptions(engine_process=True, stream_interval=4).stream_interval == 4
+    for bad in (0, -1, 2.0, True, 100_000):
+        with pytest.raises(InvalidArgumentError, match="--stream-interval must be an int"):
+            ServeOptions(engine_process=True, stream_interval=bad)
+    with pytest.raises(InvalidArgumentError, match="needs --engine-process"):
+        ServeOptions(stream_interval=2)
