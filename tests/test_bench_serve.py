@@ -47,3 +47,23 @@ def test_an_ab_run_against_two_real_servers(server_deps, cache_dir, tmp_path, mo
         assert side["output_throughput"] > 0 and side["ttft_ms"]["p50"] > 0
     assert result["ratios"][0]["versus"] == result["sides"][1]["name"]
     assert os.environ["KVPLUG_CACHE_DIR"] == str(cache_dir)
+
+
+def test_serve_args_may_set_the_side_environment_and_server_cpu_is_read_from_proc():
+    import pytest as _pytest
+
+    from kvplug.bench.process_cpu import CpuPerToken, process_cpu
+    from kvplug.bench.serve import serve_environment
+    from kvplug.interface import KVPlugError
+
+    assert serve_environment("PYTHONPATH=/tmp/old A_1=x --engine-process --x Y=1") == (
+        {"PYTHONPATH": "/tmp/old", "A_1": "x"}, ["--engine-process", "--x", "Y=1"])
+    assert serve_environment("--max-seq-len 2048") == ({}, ["--max-seq-len", "2048"])
+    before = process_cpu(os.getpid())
+    sum(i * i for i in range(3_000_000))  # some CPU of our own
+    spent = process_cpu(os.getpid()) - before
+    assert spent.own_s > 0 and spent.descendants_s == 0
+    per = CpuPerToken(0.5, 2.0, 1000)
+    assert per.http_us_per_token == _pytest.approx(500.0) and per.to_json()["engine_cpu_us_per_token"] == 2000.0
+    with _pytest.raises(KVPlugError, match="expected a live process"):
+        process_cpu(2**22 + 12345)

@@ -92,9 +92,10 @@ def _greedy_reference(cache_dir: Path, prompt: str) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_streamed_text_is_the_plain_answer_and_greedy_generate(cache_dir, tmp_path):
+@pytest.mark.parametrize("interval", [1, 4], ids=["every-token", "stream-interval-4"])
+def test_streamed_text_is_the_plain_answer_and_greedy_generate(cache_dir, tmp_path, interval):
     log = tmp_path / "serve.log"
-    process, port = _serve(cache_dir, log)
+    process, port = _serve(cache_dir, log, "--stream-interval", str(interval))
     try:
         client = _client(port)
         messages = {prompt: [{"role": "user", "content": prompt}] for prompt in PROMPTS}
@@ -107,13 +108,16 @@ def test_streamed_text_is_the_plain_answer_and_greedy_generate(cache_dir, tmp_pa
         def streamed(prompt: str) -> tuple[str, str | None, int | None]:
             stream = client.chat.completions.create(model="kvplug-default", messages=messages[prompt],
                                                     max_tokens=MAX_TOKENS, stream=True)
-            text, finish, tokens = [], None, None
+            text, finish, tokens, pieces = [], None, None, 0
             for chunk in stream:
                 if chunk.choices:
                     text.append(chunk.choices[0].delta.content or "")
+                    pieces += bool(chunk.choices[0].delta.content)
                     finish = chunk.choices[0].finish_reason or finish
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
+            # the first token alone, then N at a time (the last group may be shorter)
+            assert interval == 1 or pieces <= 1 + -(-(MAX_TOKENS - 1) // interval), pieces
             return "".join(text), finish, tokens
 
         with ThreadPoolExecutor(6) as pool:  # concurrent: the engine batches them

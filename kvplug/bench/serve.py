@@ -4,7 +4,8 @@
 ``openai`` client (streaming unless ``--no-stream``) and reports TTFT, TPOT, ITL and end-to-end
 latency (p50 / p90 / p99), request and output-token throughput. ``--serve-args "ARGS"`` (repeat
 it for an A/B in one run) starts ``kvplug serve ARGS`` on a free loopback port for each side in
-turn, warms it up, measures it and stops it. Datasets:
+turn, warms it up, measures it and stops it; leading ``NAME=VALUE`` words of ``ARGS`` are set in
+that server's environment (``"PYTHONPATH=/tmp/old --engine-process"``: another checkout's server). Datasets:
 
 - ``multi-turn``: ``--conversations`` chats of ``--turns`` turns over one shared system prompt of
   ``--system-chars`` characters; a turn's prompt is the whole conversation so far, so a prefix
@@ -16,6 +17,11 @@ turn, warms it up, measures it and stops it. Datasets:
 arrivals; default: all at once) paces the starts. Lengths are in characters (one token each for
 the embedded model's byte-level tokenizer). A request that fails is counted and reported, not
 retried. Needs the ``openai`` package (the transformers adapter's ``serve`` extra).
+
+The CPU the server's processes spend over the measured requests (``process_cpu``: its own process,
+the HTTP side, and its descendants, the engine of ``--engine-process``) is reported per output
+token for a server it starts, or for ``--server-pid`` beside ``--base-url``: a streaming server's
+HTTP interpreter is bounded by it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import shlex
 import socket
 import subprocess
@@ -35,6 +42,8 @@ import urllib.request
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
+
+from kvplug.bench.process_cpu import CpuPerToken, process_cpu
 
 SUITE = "serve"
 SCHEMA = 1
@@ -62,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="requests sent before measuring (per side)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --base-url: the server's process id, to report its CPU per output token")
 
 
 class RequestRecord(NamedTuple):
@@ -197,14 +208,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def serve_environment(serve_args: str) -> tuple[dict[str, str], list[str]]:
+    """``--serve-args`` split as a shell reads a command line: leading ``NAME=VALUE`` words are
+    the server's environment (``PYTHONPATH=/tmp/old`` serves another checkout in an A/B), the rest
+    its arguments."""
+    words = shlex.split(serve_args)
+    environment: dict[str, str] = {}
+    while words and _ASSIGNMENT.match(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        environment[name] = value
+    return environment, words
+
+
 @contextlib.contextmanager
-def started_server(serve_args: str, timeout: float) -> Iterator[str]:
-    """``kvplug serve SERVE_ARGS`` on a free loopback port until the block ends; yields its base URL."""
+def started_server(serve_args: str, timeout: float) -> Iterator[tuple[str, int]]:
+    """``kvplug serve SERVE_ARGS`` on a free loopback port until the block ends; yields its base
+    URL and process id."""
     port = _free_port()
-    command = [sys.executable, "-m", "kvplug", "serve", *shlex.split(serve_args), "--host", "127.0.0.1",
-               "--port", str(port)]
+    environment, words = serve_environment(serve_args)
+    command = [sys.executable, "-m", "kvplug", "serve", *words, "--host", "127.0.0.1", "--port", str(port)]
     log = open(os.path.join(tempfile.gettempdir(), f"kvplug-bench-serve-{port}.log"), "w", encoding="utf-8")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **environment})
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -219,7 +246,7 @@ def started_server(serve_args: str, timeout: float) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"kvplug serve {serve_args} was not healthy within {timeout:.0f} s (log: {log.name})")
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", process.pid
     finally:
         process.terminate()
         try:
@@ -229,12 +256,20 @@ def started_server(serve_args: str, timeout: float) -> Iterator[str]:
         log.close()
 
 
-def _measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+def _measure(base_url: str, args: argparse.Namespace, server_pid: int | None = None) -> dict[str, Any]:
+    """The side's summary; with ``server_pid``, its processes' CPU over the measured requests too
+    (``server_cpu``; the warm-up excluded)."""
     if args.warmup:
         warm = argparse.Namespace(**{**vars(args), "dataset": "random", "num_prompts": args.warmup, "seed": args.seed + 7})
         asyncio.run(_drive(base_url, warm, conversations(warm), progress=False))
+    before = process_cpu(server_pid) if server_pid is not None else None
     records, elapsed = asyncio.run(_drive(base_url, args, conversations(args)))
-    return summarize(records, elapsed)
+    summary = summarize(records, elapsed)
+    if before is not None:
+        spent = process_cpu(server_pid) - before
+        tokens = sum(record.output_tokens for record in records if record.ok)
+        summary["server_cpu"] = CpuPerToken(spent.own_s, spent.descendants_s, tokens).to_json()
+    return summary
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,17 +279,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sides: list[tuple[str, dict[str, Any]]] = []
     if args.serve_args:
         for serve_args in args.serve_args:
-            with started_server(serve_args, args.startup_timeout) as base_url:
-                sides.append((serve_args, _measure(base_url, args)))
+            with started_server(serve_args, args.startup_timeout) as (base_url, pid):
+                sides.append((serve_args, _measure(base_url, args, pid)))
     else:
-        sides.append((args.base_url or "http://127.0.0.1:8000/v1", _measure(args.base_url or "http://127.0.0.1:8000/v1",
-                                                                           args)))
+        base_url = args.base_url or "http://127.0.0.1:8000/v1"
+        sides.append((base_url, _measure(base_url, args, args.server_pid)))
     print(f"{'side':<40} {'req':>5} {'fail':>4} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
           f"{'ITL p50':>8} {'lat p50':>8}")
     for name, result in sides:
         print(f"{name[:40]:<40} {result['requests']:>5} {result['failed']:>4} {result['output_throughput']:>10.1f} "
               f"{result['ttft_ms']['p50']:>9.1f} {result['ttft_ms']['p99']:>8.1f} {result['tpot_ms']['p50']:>9.2f} "
               f"{result['itl_ms']['p50']:>8.2f} {result['latency_ms']['p50']:>8.1f}")
+    for name, result in sides:
+        cpu = result.get("server_cpu")
+        if cpu is not None:
+            print(f"{name[:40]:<40} server CPU per output token: HTTP process {cpu['http_cpu_us_per_token']:.1f} us, "
+                  f"engine processes {cpu['engine_cpu_us_per_token']:.1f} us ({cpu['output_tokens']} tokens; "
+                  f"{cpu['http_cpu_s']:.2f} s / {cpu['engine_cpu_s']:.2f} s)")
     ratios = []
     if len(sides) > 1:
         base_name, base = sides[-1]

@@ -261,6 +261,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "take the interpreter from the batching worker",
     )
     parser.add_argument(
+        "--stream-interval", type=int, default=1, metavar="N",
+        help="with --engine-process: a stream gets its tokens N at a time (the first at once, the last with the "
+        "end), as vLLM's and SGLang's --stream-interval; text and usage are the same (default 1: every token)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
     )
@@ -509,6 +514,7 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "log_requests": not getattr(args, "disable_log_requests", False),
         "uvicorn_log_level": getattr(args, "uvicorn_log_level", None),
         "engine_process": bool(getattr(args, "engine_process", False)),
+        "stream_interval": getattr(args, "stream_interval", 1),
     }
 
 

@@ -36,6 +36,7 @@ PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED = "patched", "read", "called",
 KINDS = (PATCHED, READ, CALLED, REIMPLEMENTED, IMPLEMENTED)
 
 _CB = "transformers.generation.continuous_batching"
+_SERVING = "transformers.cli.serving"
 
 
 class UnsupportedTransformersError(KVPlugError, ImportError):
@@ -126,7 +127,18 @@ INTERNALS: tuple[Internal, ...] = (
              "after a graph replay kvplug runs its tail (float logits, logits processors, _sample); it cannot be "
              "called through: it runs the model's forward itself",
              SOURCE, "ef713c18ac82e9c2"),
+    Internal(f"{_SERVING}.chat_completion.ChatCompletionHandler", "_build_chunk_sse", REIMPLEMENTED,
+             "kvplug serve writes the per-token chunks (a content, reasoning or role delta) without pydantic, byte for "
+             "byte the same (sse_chunks.ChatChunkBuilder, on the handler instance); every other chunk calls it",
+             SOURCE, "04d2a61e208ea779"),
+    Internal(f"{_SERVING}.utils.BaseHandler", "chunk_to_sse", REIMPLEMENTED,
+             "the SSE framing and JSON dump (exclude_none) ChatChunkBuilder writes the same way",
+             SOURCE, "c77ce0d71647a425"),
     # ---- read
+    Internal(f"{_SERVING}.chat_completion.ChatCompletionHandler", "_streaming", READ,
+             "reads its stream queue through get / get_nowait only and builds one chunk per item: kvplug serve's "
+             "CoalescedQueue joins the text pieces already waiting",
+             SOURCE, "34f300db7dbb3cbd"),
     Internal(f"{_CB}.model_runner.ModelRunner", "logit_processor", READ,
              "the step's logits processors (decode graphs)", ASSIGNED, "self.logit_processor set by the class"),
     Internal(f"{_CB}.model_runner.ModelRunner", "return_logprobs", READ,

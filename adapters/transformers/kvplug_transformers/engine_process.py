@@ -46,7 +46,7 @@ def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
     except Exception as error:  # whatever stops the build is the start's failure, told to the frontend
         send((protocol.FATAL, f"{type(error).__name__}: {error}"))
         sys.exit(1)  # the frontend reports it (no traceback in the server's log)
-    sender = _OutputSender(manager, send)
+    sender = _OutputSender(manager, send, spec.stream_interval)
     threading.Thread(target=sender.run, name="kvplug-engine-sender", daemon=True).start()
     send((protocol.READY, _pid()))
     try:
@@ -157,11 +157,14 @@ def _serve(conn: Any, manager: Any, host: Any, sampling: Any, send: Any, sender:
 
 class _OutputSender:
     """Drains the worker's output queue into ``STEP`` messages (new token ids only); reports the
-    worker's death (``FATAL``) before the failed outputs it delivers."""
+    worker's death (``FATAL``) before the failed outputs it delivers. With ``interval`` > 1 a
+    request's tokens wait until that many are new (``--stream-interval``); its first token and its
+    end are sent at once."""
 
-    def __init__(self, manager: Any, send: Any) -> None:
+    def __init__(self, manager: Any, send: Any, interval: int = 1) -> None:
         self._manager = manager
         self._send = send
+        self._interval = interval
         self._sent: dict[str, int] = {}  # request id -> tokens already sent
         self._stopped = threading.Event()
         self._fatal_sent = False
@@ -185,17 +188,22 @@ class _OutputSender:
                     batch.append(outputs.get_nowait())
             except queue.Empty:
                 pass
-            items = [self._delta(output) for output in batch]
+            items = [item for item in map(self._delta, batch) if item is not None]
             self._check_fatal()
+            if not items:
+                continue
             try:
                 self._send((protocol.STEP, items))
             except OSError:
                 return
 
-    def _delta(self, output: Any) -> protocol.StepOutput:
+    def _delta(self, output: Any) -> protocol.StepOutput | None:
+        """The output's new tokens, or ``None`` while fewer than the interval wait (after the first)."""
         tokens = output.generated_tokens
         done = self._sent.get(output.request_id, 0)
         finished = output.error is not None or output.is_finished()
+        if not finished and done and len(tokens) - done < self._interval:
+            return None
         if finished:
             self._sent.pop(output.request_id, None)
         else:

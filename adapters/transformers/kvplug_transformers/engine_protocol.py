@@ -48,6 +48,8 @@ class EngineSpec:
             ``SamplingParams`` its ``ADD`` carries, as the in-process server does.
         seed: ``--seed``.
         log_level, uvicorn_log_level, log_requests: the server's logging options.
+        stream_interval: a streamed request's new tokens are sent once this many have come (its
+            first token and its end at once): ``--stream-interval``.
     """
 
     model_path: str
@@ -62,3 +64,4 @@ class EngineSpec:
     uvicorn_log_level: str | None
     log_requests: bool
     per_request_sampling: bool = False
+    stream_interval: int = 1

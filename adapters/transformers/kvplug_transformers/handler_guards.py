@@ -18,6 +18,7 @@ from kvplug_transformers.request_bodies import check_chat_completion, check_comp
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 from kvplug_transformers.request_sampling import RequestSampling
 from kvplug_transformers.sampling_fields import request_params
+from kvplug_transformers.sse_chunks import ChatChunkBuilder
 from kvplug_transformers.stats_routes import ServedModel
 from kvplug_transformers.token_id_prompts import TokenIdsProcessor
 
@@ -156,6 +157,7 @@ def guard_handlers(
         guarded[path] = GuardedHandler(
             handler, check, served, limits, bytes_per_token, tokenizer, trust_request_chat_template, sampling
         )
+    chat._build_chunk_sse = ChatChunkBuilder(chat._build_chunk_sse)  # the per-token chunks without pydantic
     return guarded
 
 

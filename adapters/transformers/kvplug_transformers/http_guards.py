@@ -234,7 +234,7 @@ class InFlightRequests:
             if entry.stalled:
                 raise asyncio.CancelledError()  # its connection is reset: nothing more reaches it
             try:
-                await asyncio.wait_for(send(message), self.stall_timeout)
+                await send_within(send, message, self.stall_timeout)
             except asyncio.TimeoutError:
                 self._stalled(entry, f"the client read nothing of its response for {self.stall_timeout:g} s")
                 raise asyncio.CancelledError() from None
@@ -310,6 +310,19 @@ class InFlightRequests:
                 entry.abort_connection()
         except Exception:  # the client is gone or the connection closed: nothing left to tell it
             pass
+
+
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
+async def send_within(send: Callable, message: dict, seconds: float | None) -> None:
+    """``send(message)``, raising ``asyncio.TimeoutError`` past ``seconds``: a timer on the running
+    task (``asyncio.wait_for`` of Python 3.11 starts a task per call: per streamed chunk)."""
+    if _TIMEOUT is None:
+        await asyncio.wait_for(send(message), seconds)
+        return
+    async with _TIMEOUT(seconds):
+        await send(message)
 
 
 def _retrieve(task: asyncio.Task) -> None:

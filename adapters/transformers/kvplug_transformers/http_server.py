@@ -119,7 +119,7 @@ class HttpServer:
                     trust_remote_code=opts.trust_remote_code, cb_kwargs=cb_kwargs, kvplug_settings=kvplug_settings,
                     generation_config=generation_config, seed=opts.seed, log_level=opts.log_level,
                     uvicorn_log_level=opts.uvicorn_log_level, log_requests=opts.log_requests,
-                    per_request_sampling=self.sampling is not None,
+                    per_request_sampling=self.sampling is not None, stream_interval=opts.stream_interval,
                 )
 
             generation_state._cb_manager = RemoteGenerateManager(spec_for, self.sampling)

@@ -26,6 +26,7 @@ DEFAULT_STREAM_STALL_TIMEOUT = 30.0  # a client reading nothing for this long, o
 DESCRIPTOR_RESERVE = 128  # file descriptors kept for the model, logs and the process besides connections
 ACCEPT_BACKLOG = 64  # connections the event loop may accept in one go (each a descriptor before it is counted)
 MAX_TIMEOUT = 3600.0
+MAX_STREAM_INTERVAL = 1024  # tokens a stream may be sent at a time (--stream-interval)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class ServeOptions:
     log_requests: bool = True  # False: --disable-log-requests drops transformers' per-request line
     uvicorn_log_level: str | None = None  # uvicorn's loggers only (None: --log-level)
     engine_process: bool = False  # issue 28: model and batching worker in their own process
+    stream_interval: int = 1  # issue 28: streamed tokens sent N at a time by the engine process (1: each)
 
 
     def __post_init__(self) -> None:
@@ -104,6 +106,14 @@ class ServeOptions:
         if self.engine_process and self.kv_events is not None and self.kv_events.enabled:
             # NOTE: the caches publishing the events live in the engine process; the publisher is not built there yet
             raise InvalidArgumentError("--kv-events-config does not work with --engine-process yet: drop one of them")
+        interval = self.stream_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= MAX_STREAM_INTERVAL:
+            raise InvalidArgumentError(
+                f"--stream-interval must be an int in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval!r}")
+        if interval > 1 and not self.engine_process:
+            raise InvalidArgumentError(
+                f"--stream-interval {interval} needs --engine-process (its engine sends the tokens N at a time); "
+                "add --engine-process or drop --stream-interval")
 
     def connection_limit(self) -> int:
         """``--limit-concurrency``, or what the process's file-descriptor limit leaves for

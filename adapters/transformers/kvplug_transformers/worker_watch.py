@@ -19,6 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+from kvplug_transformers.coalesced_stream import CoalescedQueue
 from kvplug_transformers.http_guards import InFlightRequests
 from kvplug_transformers.request_limits import RequestLimits, RequestRefused
 from kvplug_transformers.stop_strings import StopStringQueue, cut_at_stop
@@ -74,7 +75,7 @@ class LimitedManager:
         self._log(inputs, generation_config, kwargs, streaming=True)
         stops = self._sampling.stops(kwargs.get("request_id"))
         queue, streamer = self._inner.generate_streaming(model, processor, inputs, generation_config, **kwargs)
-        return (StopStringQueue(queue, stops) if stops else queue), streamer
+        return CoalescedQueue(StopStringQueue(queue, stops) if stops else queue), streamer
 
     async def generate_non_streaming(
         self, model: Any, processor: Any, inputs: Any, generation_config: Any, **kwargs: Any

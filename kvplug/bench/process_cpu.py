@@ -1,0 +1,100 @@
+"""CPU time a server's processes spent, read from ``/proc`` (Linux), for ``kvplug bench serve``.
+
+A streaming server's HTTP process is one interpreter: its CPU per output token bounds what it can
+stream (about one second of CPU per second of wall time), so the benchmark reports it beside the
+throughput. ``kvplug serve --engine-process`` runs the engine in a child process: the server's own
+process is the HTTP side, its descendants the engine side.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from kvplug.interface import KVPlugError
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class ProcessCpu(NamedTuple):
+    """CPU seconds (user + system, every thread) of a process and of all its descendants."""
+
+    own_s: float
+    descendants_s: float
+
+    def __sub__(self, earlier: "ProcessCpu") -> "ProcessCpu":  # type: ignore[override]
+        return ProcessCpu(self.own_s - earlier.own_s, self.descendants_s - earlier.descendants_s)
+
+
+class CpuPerToken(NamedTuple):
+    """A measured stretch: the CPU of the server's processes over it, per output token."""
+
+    http_s: float
+    engine_s: float
+    output_tokens: int
+
+    @property
+    def http_us_per_token(self) -> float:
+        return 1e6 * self.http_s / self.output_tokens if self.output_tokens else float("nan")
+
+    @property
+    def engine_us_per_token(self) -> float:
+        return 1e6 * self.engine_s / self.output_tokens if self.output_tokens else float("nan")
+
+    def to_json(self) -> dict:
+        return {
+            "http_cpu_s": self.http_s,
+            "engine_cpu_s": self.engine_s,
+            "output_tokens": self.output_tokens,
+            "http_cpu_us_per_token": self.http_us_per_token,
+            "engine_cpu_us_per_token": self.engine_us_per_token,
+        }
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads); waited-for children are not counted."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 is fields[0]
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # fields 14 and 15
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+                children.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return children
+
+
+def process_cpu(pid: int) -> ProcessCpu:
+    """The CPU ``pid`` and its live descendants have used so far.
+
+    Raises:
+        KVPlugError: ``pid`` is not a live process of this machine (or ``/proc`` is missing).
+    """
+    try:
+        own = _cpu_seconds(pid)
+    except (OSError, IndexError, ValueError) as error:
+        raise KVPlugError(
+            f"cannot read the CPU time of process {pid} from /proc: expected a live process on "
+            f"Linux, got {type(error).__name__}: {error}"
+        ) from error
+    total, stack, seen = 0.0, _children(pid), {pid}
+    while stack:
+        child = stack.pop()
+        if child in seen:
+            continue
+        seen.add(child)
+        try:
+            total += _cpu_seconds(child)
+        except (OSError, IndexError, ValueError):
+            continue  # it exited meanwhile
+        stack.extend(_children(child))
+    return ProcessCpu(own, total)
