@@ -19,7 +19,9 @@
 # five minutes), tests/test_vllm_server.py (real `vllm serve` processes, about two minutes),
 # tests/test_vllm_cache_faults.py (faulty plugins quarantined), tests/test_vllm_health.py (/health
 # reports a quarantine), tests/test_vllm_kv_events.py and
-# tests/test_vllm_namespaces.py (LoRA adapters, cache_salt and prompt embeddings never share pages).
+# tests/test_vllm_namespaces.py (LoRA adapters, cache_salt and prompt embeddings never share pages),
+# tests/test_vllm_readme.py, tests/test_vllm_host_tier.py (the host tier's index and copies) and
+# tests/test_vllm_attention*.py (the KVPLUG attention backend and its registration).
 #   usage: bash scripts/test-vllm-host.sh [VENV_DIR]   (default: $TMPDIR/kvplug-vllm-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,4 +59,4 @@ PY
 phase "environment ready; tests"
 exec "$py" -m pytest -q -p no:cacheprovider tests/test_vllm_compat.py tests/test_vllm_host.py tests/test_vllm_server.py \
     tests/test_vllm_cache_faults.py tests/test_vllm_health.py tests/test_vllm_kv_events.py tests/test_vllm_namespaces.py \
-    tests/test_vllm_readme.py
+    tests/test_vllm_readme.py tests/test_vllm_host_tier.py tests/test_vllm_attention.py tests/test_vllm_attention_compat.py

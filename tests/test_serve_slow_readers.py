@@ -143,8 +143,11 @@ def test_forty_silent_streams_are_cut_off_and_the_server_keeps_answering(tmp_pat
 # send happened to wait too long), far slower than the stream is produced. Its full buffer must
 # drain completely within the stall timeout, so it is cut off within a bound. A steady client reads all that has arrived every
 # STEADY_INTERVAL_S: it keeps up with the token rate and must get its whole stream.
-TRICKLE_BYTES = 4096
-TRICKLE_INTERVAL_S = 0.1
+# The server joins a stream's waiting text into one event when it is behind (coalesced_stream), so a
+# reader falls behind only when it drains less than the write buffer within the stall timeout, whatever
+# the token rate: 512 B every 0.25 s drains 16 KiB in 8 s, past the 5 s stall timeout.
+TRICKLE_BYTES = 512
+TRICKLE_INTERVAL_S = 0.25
 STEADY_INTERVAL_S = 0.1
 STEADY_MAX_TOKENS = 150
 # each single send of a trickling stream waits ~1 s for the buffers to drain (the kernel wakes the

@@ -275,7 +275,7 @@ def test_a_drifted_vllm_fails_when_the_builder_is_built(vllm_config, monkeypatch
     from vllm.v1.attention.backends import utils
 
     monkeypatch.setattr(utils, "PAD_SLOT_ID", -2)
-    with pytest.raises(registration.UnsupportedVllmAttentionError, match=r"PAD_SLOT_ID \(value.*found '-2'"):
+    with pytest.raises(registration.UnsupportedVllmAttentionError, match=r"PAD_SLOT_ID \(read: .*\): value expected '-1', found '-2'"):
         make_group(vllm_config)
 
 
