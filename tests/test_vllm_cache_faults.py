@@ -34,7 +34,7 @@ from tests.test_vllm_host import model_dir, run_engine  # noqa: E402,F401  (the 
 BLOCK, NUM_BLOCKS = 4, 24
 
 
-def faulty_cache(fault: str, after: int, model: RefModel) -> BlockPrefixCache:
+def faulty_cache(fault: str, after: int, model: RefModel, policy: str = "fallback") -> BlockPrefixCache:
     manager = kvplug.PluginManager(entry_points=False)
     manager.register(FaultyCachePlugin(), "faulty-cache-vllm-tests")
 
@@ -42,7 +42,7 @@ def faulty_cache(fault: str, after: int, model: RefModel) -> BlockPrefixCache:
         inner = manager.create_prefix_cache("faulty", device="cpu", page_size=BLOCK, fault=fault, after=after)
         return CheckedPrefixCache(inner, num_pages=NUM_BLOCKS, page_size=BLOCK, name="faulty")
 
-    return BlockPrefixCache(factory, BLOCK, model.take, model.drop, name="faulty")
+    return BlockPrefixCache(factory, BLOCK, model.take, model.drop, name="faulty", on_cache_failure=policy)
 
 
 class HypothesisChoices:
@@ -179,6 +179,64 @@ def test_a_locked_prefix_keeps_its_blocks_until_its_request_releases_it() -> Non
     assert cache.match("a", tokens, 8).num_tokens == 0 and cache.name == "naive"  # no more hits
     model.drop(blocks)
     assert cache.reset() and len(model.free) == NUM_BLOCKS
+
+
+def test_on_cache_failure_is_read_from_the_extra_config_and_checked() -> None:
+    from kvplug.interface import InvalidArgumentError
+    from kvplug_vllm.settings import parse_settings
+
+    assert parse_settings({}).on_cache_failure == "fallback"
+    assert parse_settings({"on_cache_failure": "fail"}).on_cache_failure == "fail"
+    assert parse_settings({"on_cache_failure": "fallback"}).to_json()["on_cache_failure"] == "fallback"
+    for bad in ("stop", "", None, 1):
+        with pytest.raises(InvalidArgumentError) as error:
+            parse_settings({"on_cache_failure": bad})
+        assert str(error.value) == (f"KvplugConnector: on_cache_failure must be one of ['fallback', 'fail'], "
+                                    f"got {bad!r}")
+
+
+@pytest.mark.parametrize("fault", ["match_prefix:raise", "match_prefix:outside_pool", "lock_handle:raise",
+                                   "insert_prefix:raise"])
+def test_policy_fail_raises_the_fault_and_every_later_call(fault: str) -> None:
+    """``on_cache_failure: "fail"``: no hand-over, no fallback; the call that met the fault raises a
+    ``PrefixCacheFault`` naming the plugin, the call and the option (out of vLLM's scheduler: the
+    engine dies), and so does every later call, the nested namespace creation counted once."""
+    from kvplug.interface import PrefixCacheFault
+
+    model = RefModel(NUM_BLOCKS)
+    cache = faulty_cache(fault, 0, model, policy="fail")
+    tokens = list(range(9))
+    with pytest.raises(PrefixCacheFault) as stopped:
+        for _ in range(4):
+            blocks = model.allocate(2)
+            cache.lock(cache.insert("a", tokens, blocks))
+            cache.lock(cache.match("a", tokens, 8))
+    message = str(stopped.value)
+    method = fault.partition(":")[0]
+    assert message.startswith("kvplug prefix cache 'faulty' failed in ")
+    assert "and the engine stops (on_cache_failure='fail' in kv_connector_extra_config): " in message
+    assert f"prefix cache 'faulty': {method}" in message and stopped.value.plugin == "faulty"
+    assert isinstance(stopped.value.__cause__, PrefixCacheFault)
+    record = cache.quarantine.as_dict()
+    assert record == {"on_cache_failure": "fail", "cache_failures": 1, "last_cache_fault": record["last_cache_fault"],
+                      "quarantined_prefix_cache": None, "stopped": True}
+    assert record["last_cache_fault"].startswith(f"prefix cache 'faulty': {method}")
+    assert cache.name == "faulty" and cache.quarantine.stopped is stopped.value
+    for later in (lambda: cache.match("b", tokens, 8), lambda: cache.evictable_blocks, cache.reset,
+                  lambda: cache.evict_blocks(1), cache.check_integrity):
+        with pytest.raises(PrefixCacheFault) as again:
+            later()
+        assert again.value is stopped.value
+    assert cache.quarantine.failures == 1
+
+
+def test_policy_fallback_is_the_default_and_reports_itself() -> None:
+    model = RefModel(NUM_BLOCKS)
+    cache = faulty_cache("match_prefix:raise", 0, model)
+    assert cache.match("a", list(range(9)), 8).num_tokens == 0  # quarantined, naive answered
+    assert cache.quarantine.as_dict() == {"on_cache_failure": "fallback", "cache_failures": 1,
+                                          "last_cache_fault": cache.quarantine.last_fault,
+                                          "quarantined_prefix_cache": "faulty", "stopped": False}
 
 
 # ---------------------------------------------------------------------- LLM(...) engines

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -203,19 +204,24 @@ def test_vllm_serve_refuses_a_bad_configuration_before_it_is_healthy(model_dir: 
     assert all(part in text for part in expected), (expected, tail(log))
 
 
-def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, tmp_path: Path) -> None:
-    """Issue 32 through ``vllm serve``: the fault-injecting plugin of ``tests.faulty_cache``, installed as
-    a kvplug entry point (``tests.faulty_cache_entry``) in every vLLM process, answers a location
-    outside the pool from its third match on: every completion is answered, ``/kvplug/stats``
-    reports the quarantine (``naive`` took over), ``/health`` is vLLM's empty 200 before the fault and
-    kvplug's ``degraded`` 200 after it, while a request is running too, and SIGTERM exits 0."""
+def faulty_plugin_path(tmp_path: Path) -> str:
+    """A ``PYTHONPATH`` on which every vLLM process finds ``faulty`` as a kvplug entry point."""
     site = tmp_path / "faulty-plugin-site"
     info = site / "kvplug_test_faulty_cache-0.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvplug-test-faulty-cache\nVersion: 0.0\n")
     (info / "entry_points.txt").write_text("[kvplug]\nfaulty = tests.faulty_cache_entry\n")
     root = Path(__file__).resolve().parents[1]
-    python_path = os.pathsep.join(filter(None, [str(site), str(root), os.environ.get("PYTHONPATH")]))
+    return os.pathsep.join(filter(None, [str(site), str(root), os.environ.get("PYTHONPATH")]))
+
+
+def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, tmp_path: Path) -> None:
+    """Issue 32 through ``vllm serve``: the fault-injecting plugin of ``tests.faulty_cache``, installed as
+    a kvplug entry point (``tests.faulty_cache_entry``) in every vLLM process, answers a location
+    outside the pool from its third match on: every completion is answered, ``/kvplug/stats``
+    reports the quarantine (``naive`` took over), ``/health`` is vLLM's empty 200 before the fault and
+    kvplug's ``degraded`` 200 after it, while a request is running too, and SIGTERM exits 0."""
+    python_path = faulty_plugin_path(tmp_path)
     port, log = free_port(), tmp_path / "serve-faulty.log"
     process = start(model_dir, port, connector_config(prefix_cache="faulty"), log, PYTHONPATH=python_path,
                     KVPLUG_TEST_FAULT="match_prefix:outside_pool", KVPLUG_TEST_FAULT_AFTER="2")
@@ -256,3 +262,52 @@ def test_vllm_serve_quarantines_a_faulty_plugin_and_reports_it(model_dir: Path, 
     # the quarantine logs no traceback; vLLM's own shutdown on a busy machine sometimes force-kills
     # its engine core and logs one (EngineDeadError from its output handler), which is not kvplug's
     assert b"Traceback" not in log.read_bytes()[:served], tail(log)
+
+
+def test_vllm_serve_on_cache_failure_fail_stops_the_engine(model_dir: Path, tmp_path: Path) -> None:
+    """``on_cache_failure: "fail"``: the plugin's first bad answer (a location outside the pool, on
+    its third match) fails the request that met it, vLLM's engine core dies of it as of any
+    scheduler exception (its log names the plugin and the option), ``/health`` is never 200 again
+    (vLLM's 503, or no answer once the server is gone) and ``vllm serve`` ends on its own. Its exit
+    status is vLLM's for a dead engine: 0 (``terminate_if_errored`` asks uvicorn to exit)."""
+    port, log = free_port(), tmp_path / "serve-fail.log"
+    process = start(model_dir, port, connector_config(prefix_cache="faulty", on_cache_failure="fail"), log,
+                    PYTHONPATH=faulty_plugin_path(tmp_path), KVPLUG_TEST_FAULT="match_prefix:outside_pool",
+                    KVPLUG_TEST_FAULT_AFTER="2")
+    try:
+        wait_ready(process, port, log)
+        assert health(port) == (200, b"")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        rng = random.Random(7)
+        shared = [rng.randrange(256) for _ in range(256)]
+        answered, failed = 0, None
+        for _ in range(6):
+            prompt = shared + [rng.randrange(256) for _ in range(40)]
+            try:
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+            except (openai.APIError, openai.APIConnectionError) as error:
+                failed = error
+                break
+            answered += 1
+        assert isinstance(failed, openai.InternalServerError), f"{failed!r}:\n{tail(log)}"
+        assert answered >= 1  # the plugin answered well before its fault
+        statuses = []
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                statuses.append(health(port)[0])
+            except urllib.error.HTTPError as error:
+                statuses.append(error.code)
+            except OSError:
+                statuses.append(None)  # the server stopped listening
+            time.sleep(0.2)
+        assert process.poll() is not None, f"vllm serve kept running after its engine died:\n{tail(log)}"
+        assert statuses and set(statuses) <= {503, None}, statuses
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, tail(log)  # vLLM's own exit after its engine died (see the docstring)
+    text = log.read_text(errors="replace")
+    assert "EngineCore encountered a fatal error" in text, tail(log)
+    assert "kvplug prefix cache 'faulty' failed in " in text, tail(log)
+    assert "(on_cache_failure='fail' in kv_connector_extra_config)" in text and "match_prefix" in text, tail(log)

@@ -19,7 +19,8 @@ request's blocks are inserted, that listener's ``context`` is the request (its e
 hashes name the new pages); a quarantine clears everything published (``events.clear_all()``).
 
 A ``PrefixCacheFault`` from any call into a cache quarantines the plugin: every namespace's cache
-is handed over to the fallback (``naive``) and the call runs again on it (``quarantine``).
+is handed over to the fallback (``naive``) and the call runs again on it (``quarantine``); with
+``on_cache_failure="fail"`` the fault is raised instead and stops vLLM's engine.
 
 No vLLM import: the vLLM side (``prefix_caching``) passes token ids, block ids and two callbacks.
 """
@@ -101,12 +102,13 @@ class BlockPrefixCache:
         fallback: builds the replacement of a faulty cache (empty, trusted); default: ``naive``.
         events: the KV event sink (``kv_events.VLLMEventRecorder``: ``listener(namespace)`` builds the
             listener of a namespace's cache, ``clear_all()`` after a quarantine), or ``None``.
+        on_cache_failure: ``"fallback"`` (quarantine) or ``"fail"`` (raise: ``BlockQuarantine.stop``).
     """
 
     def __init__(self, factory: Callable[[], BasePrefixCache], block_size: int, take_refs: BlockRefs,
                  drop_refs: BlockRefs, name: str = "prefix cache",
                  fallback: Optional[Callable[[], BasePrefixCache]] = None,
-                 events: Any = None) -> None:
+                 events: Any = None, on_cache_failure: str = "fallback") -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be positive, got {block_size}")
         if fallback is None:
@@ -117,7 +119,7 @@ class BlockPrefixCache:
 
         self._factory = factory
         self._events = events
-        self.quarantine = BlockQuarantine(name, fallback)
+        self.quarantine = BlockQuarantine(name, fallback, on_cache_failure)
         self.block_size = block_size
         self._take_refs = take_refs
         self._drop_refs = drop_refs
@@ -131,14 +133,19 @@ class BlockPrefixCache:
     @property
     def name(self) -> str:
         """The prefix cache in use: the plugin's name, the fallback's once it was quarantined."""
-        return LAST_RESORT if self.quarantine.tripped else self.quarantine.name
+        quarantined = self.quarantine.tripped and self.quarantine.stopped is None
+        return LAST_RESORT if quarantined else self.quarantine.name
 
     def _guarded(self, during: str, call: Callable[[], Any]) -> Any:
         """``call()``; after a fault, the plugin quarantined, ``call()`` once more (on the fallback:
-        ``call`` reads the namespace's cache when it runs)."""
+        ``call`` reads the namespace's cache when it runs). Policy ``"fail"``: the fault stops every
+        call (``BlockQuarantine.stop``)."""
+        self.quarantine.check_running()
         try:
             return call()
         except PrefixCacheFault as fault:
+            if fault is self.quarantine.stopped:  # a nested call stopped the cache: not a second fault
+                raise
             self._quarantine(fault, during)
         return call()
 

@@ -12,7 +12,8 @@ Selected with::
   manager (blocks already in the KV pool), so the connector reports no external tokens and builds
   empty metadata; ``get_kv_connector_stats`` carries kvplug's counters into vLLM's stats pipeline
   (logged by vLLM, kept by ``stats_route`` for ``GET /kvplug/stats``), with the quarantine of a
-  faulty plugin (``quarantine``); ``take_events`` hands kvplug's KV events to vLLM's publisher
+  faulty plugin (``quarantine``; ``on_cache_failure: "fail"`` stops the engine instead);
+  ``take_events`` hands kvplug's KV events to vLLM's publisher
   when ``--kv-events-config`` enables them (``kv_events``).
 - worker: nothing to load or save without a host tier.
 
@@ -26,7 +27,8 @@ host pages live in the worker). The host tier's page count comes from ``host_mem
 cache's page size, the same in both processes; too small (no page) or beyond free host memory is a
 startup error.
 
-Configuration errors (unknown prefix-cache name or option, a ``host_memory`` that is unreadable,
+Configuration errors (unknown prefix-cache name or option, an ``on_cache_failure`` other than
+``fallback``/``fail``, a ``host_memory`` that is unreadable,
 below one page or beyond free host memory, an unsupported vLLM) are raised from the constructor,
 which vLLM calls while starting the engine: one startup error.
 """
@@ -172,7 +174,8 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._events = VLLMEventRecorder(kv_cache_manager.block_pool.hash_block_size,
                                              kv_cache_manager.kv_cache_event_metadata[0])
-        self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache, self._events)
+        self._prefixes = install(kv_cache_manager, self._factory, self.settings.prefix_cache, self._events,
+                                 self.settings.on_cache_failure)
         if pool is not None:
             from kvplug_vllm.host_prefixes import HostPrefixes
 
@@ -225,6 +228,8 @@ class KvplugConnector(KVConnectorBase_V1, SupportsHMA):
         if self._prefixes is None:
             return {"prefix_cache": self.settings.prefix_cache, "bound": False}
         cache = self._prefixes.cache
+        if cache.quarantine.stopped is not None:  # on_cache_failure "fail": every size would raise the stop
+            return {"prefix_cache": cache.name, **cache.quarantine.as_dict()}
         pool = self._kv_cache_manager.block_pool if self._kv_cache_manager is not None else None
         stats = cache.stats
         return {

@@ -10,8 +10,9 @@ whose plugin was quarantined turns the answer into ``kvplug serve``'s shape, ``{
 "degraded", "prefix_cache": RECORD}`` with 200 (it still serves, on ``naive``). Reading the board
 asks the engine nothing, so ``/health`` waits on kvplug's account for no engine step, however
 busy the engine is. With no fault, or any answer but 200, vLLM's own answer goes out unchanged.
-The vLLM host has no ``fail`` policy (a quarantine always falls back), so it never answers 503
-on kvplug's account.
+With ``on_cache_failure: "fail"`` a fault stops vLLM's engine (``quarantine``): vLLM's own
+``/health`` then answers 503, which passes through unchanged, as for any dead engine; kvplug adds
+no 503 of its own.
 """
 
 from __future__ import annotations

@@ -224,13 +224,14 @@ class KvplugKVCacheManager(KVCacheManager):
 
 
 def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cache",
-            events: Any = None) -> RequestPrefixes:
+            events: Any = None, on_cache_failure: str = "fallback") -> RequestPrefixes:
     """Make ``manager`` (a plain ``KVCacheManager``) and its pool use kvplug's prefix cache.
 
     ``cache_factory()`` builds one empty kvplug prefix cache with the manager's block size as its
     page size; ``name`` is its registered name (a faulty one is quarantined: ``quarantine``);
     ``events`` gives every namespace's cache its KV event listener (``kv_events.VLLMEventRecorder``;
-    ``None``: events off). Raises ``InvalidArgumentError`` for what kvplug does not support (hybrid
+    ``None``: events off); ``on_cache_failure`` is ``BlockPrefixCache``'s. Raises
+    ``InvalidArgumentError`` for what kvplug does not support (hybrid
     models, another manager or pool class) before changing anything.
     """
     if type(manager) is not KVCacheManager or type(manager.block_pool) is not BlockPool:
@@ -254,6 +255,7 @@ def install(manager: KVCacheManager, cache_factory: Any, name: str = "prefix cac
         drop_refs=lambda ids: pool.free_blocks([pool.blocks[block_id] for block_id in ids]),
         name=name,
         events=events,
+        on_cache_failure=on_cache_failure,
     )
     prefixes = RequestPrefixes(cache)
     pool.__class__ = KvplugBlockPool

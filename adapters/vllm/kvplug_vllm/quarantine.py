@@ -20,6 +20,13 @@ vLLM takes its own reference (``prefix_caching.RequestPrefixes.admit``), so drop
 could free a block vLLM is about to adopt. Every lookup answered by the faulty cache is stale
 after the hand-over (the cache's ``epoch`` moves), so waiting requests look up again and miss:
 outputs stay vLLM's, only the hits are lost.
+
+With ``on_cache_failure: "fail"`` (``settings``) there is no hand-over: the fault is recorded and
+raised (``stop``) out of vLLM's scheduler, which is what vLLM does with any scheduler exception:
+EngineCore logs "EngineCore encountered a fatal error", tells the API server its engine is dead
+(the request's answer is an error, ``/health`` is vLLM's 503) and exits; ``vllm serve`` then stops
+on its own (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``). Every later call into the cache raises
+the same stop (``check_running``), for an in-process engine that is driven again.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from kvplug.cache_guard import LAST_RESORT
+from kvplug.cache_guard import LAST_RESORT, check_policy
 from kvplug.interface import BasePrefixCache, PrefixCacheFault
 from kvplug.prefix_cache.checked import CheckedHandle, CheckedPrefixCache
 
@@ -43,17 +50,21 @@ class BlockQuarantine:
     Args:
         name: the plugin's registered name.
         build_fallback: builds one empty trusted cache (``naive``) with the blocks' page size.
+        policy: ``"fallback"`` (quarantine, ``naive`` takes over) or ``"fail"`` (``stop``).
 
     Attributes:
-        failures: faults met (each one quarantined the caches in use then).
+        failures: faults met (each one quarantined the caches in use then, or stopped them).
         last_fault: the message of the latest fault, ``None`` before any.
+        stopped: the error raised for the fault that stopped the cache (policy ``"fail"``), else ``None``.
     """
 
-    def __init__(self, name: str, build_fallback: Callable[[], BasePrefixCache]) -> None:
+    def __init__(self, name: str, build_fallback: Callable[[], BasePrefixCache], policy: str = "fallback") -> None:
         self.name = name
         self._build_fallback = build_fallback
+        self.policy = check_policy(policy)
         self.failures = 0
         self.last_fault: Optional[str] = None
+        self.stopped: Optional[PrefixCacheFault] = None
         self._locked: dict[int, int] = {}  # block id -> locks of quarantined matches not released yet
 
     @property
@@ -65,8 +76,26 @@ class BlockQuarantine:
         return self._build_fallback()
 
     def record(self, fault: PrefixCacheFault, during: str) -> None:
+        """Count ``fault``; under policy ``"fail"`` raise the stop (``stop``) instead of a hand-over."""
         self.failures += 1
         self.last_fault = str(fault)
+        if self.policy == "fail":
+            self.stop(fault, during)
+
+    def stop(self, fault: PrefixCacheFault, during: str) -> None:
+        """Raise the error that stops vLLM's engine (see the module docstring), naming the plugin,
+        the call and the option that chose it; later calls raise it again (``check_running``)."""
+        self.stopped = PrefixCacheFault(
+            f"kvplug prefix cache {self.name!r} failed in {during} and the engine stops "
+            f"(on_cache_failure='fail' in kv_connector_extra_config): {fault}",
+            plugin=fault.plugin or self.name, method=fault.method)
+        logger.error("%s", self.stopped)
+        raise self.stopped from fault
+
+    def check_running(self) -> None:
+        """Raise the stop again once policy ``"fail"`` met a fault."""
+        if self.stopped is not None:
+            raise self.stopped
 
     def hand_over(self, old: CheckedPrefixCache, blocks: Iterable[int], drop_refs: BlockRefs) -> tuple[int, int]:
         """Take ``blocks`` (those kvplug references for ``old``) back from ``old`` (see the module
@@ -116,9 +145,12 @@ class BlockQuarantine:
 
     def as_dict(self) -> dict[str, Any]:
         """For the connector's snapshot (``/kvplug/stats``): the keys of ``kvplug serve``'s
-        ``CacheGuard.as_dict`` the vLLM host has, and the plugin that was quarantined."""
+        ``CacheGuard.as_dict`` the vLLM host has, and the plugin that was quarantined (none when
+        policy ``"fail"`` stopped it instead)."""
         return {
+            "on_cache_failure": self.policy,
             "cache_failures": self.failures,
             "last_cache_fault": self.last_fault,
-            "quarantined_prefix_cache": self.name if self.tripped else None,
+            "quarantined_prefix_cache": self.name if self.tripped and self.stopped is None else None,
+            "stopped": self.stopped is not None,
         }

@@ -12,6 +12,9 @@ named kind at startup also proves the name and options (``kvplug.UnknownComponen
 the names that exist and their plugins). ``host_memory`` (bytes or ``"4GiB"``) adds kvplug's
 host-memory tier under a tiered cache (``radix``); whether it holds at least one page and fits in
 free host memory is checked once the KV cache's page size is known (the connector).
+``on_cache_failure`` is what a run-time fault of an untrusted plugin does (``quarantine``):
+``"fallback"`` (default: ``naive`` takes over) or ``"fail"`` (the engine stops, as ``kvplug serve
+--on-cache-failure fail`` does).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from kvplug.cache_guard import POLICIES
 from kvplug.interface import InvalidArgumentError
 from kvplug.memory.capacity import parse_memory_size
 
-KNOWN_KEYS = ("prefix_cache", "prefix_cache_options", "host_memory", "attention")
+KNOWN_KEYS = ("prefix_cache", "prefix_cache_options", "host_memory", "attention", "on_cache_failure")
 DEFAULT_PREFIX_CACHE = "radix"
 
 
@@ -35,18 +39,20 @@ class KvplugSettings:
         prefix_cache: the kvplug prefix-cache name.
         prefix_cache_options: keyword options for its factory.
         host_memory: bytes of kvplug's host-memory tier (``None``: no tier).
+        on_cache_failure: ``"fallback"`` or ``"fail"`` (``kvplug.cache_guard.POLICIES``).
     """
 
     prefix_cache: str = DEFAULT_PREFIX_CACHE
     prefix_cache_options: Mapping[str, Any] = field(default_factory=dict)
     host_memory: int | None = None
+    on_cache_failure: str = "fallback"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_cache_options", MappingProxyType(dict(self.prefix_cache_options)))
 
     def to_json(self) -> dict[str, Any]:
         return {"prefix_cache": self.prefix_cache, "prefix_cache_options": dict(self.prefix_cache_options),
-                "host_memory": self.host_memory}
+                "host_memory": self.host_memory, "on_cache_failure": self.on_cache_failure}
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> KvplugSettings:
@@ -79,4 +85,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> KvplugSettings:
         )
     if host_memory is not None and "host_memory" in options:
         raise InvalidArgumentError("KvplugConnector: give host_memory once, not also in prefix_cache_options")
-    return KvplugSettings(prefix_cache=name, prefix_cache_options=options, host_memory=host_memory)
+    policy = extra.get("on_cache_failure", "fallback")
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise InvalidArgumentError(
+            f"KvplugConnector: on_cache_failure must be one of {list(POLICIES)}, got {policy!r}")
+    return KvplugSettings(prefix_cache=name, prefix_cache_options=options, host_memory=host_memory,
+                          on_cache_failure=policy)
