@@ -41,7 +41,8 @@ class ChatChunkBuilder:
         usage: Any = None,
         reasoning_content: str | None = None,
     ) -> str:
-        if (
+        delta = None
+        if not (
             finish_reason is not None
             or tool_calls is not None
             or usage is not None
@@ -49,23 +50,13 @@ class ChatChunkBuilder:
             or type(request_id) is not str
             or type(model) is not str
         ):
-            return self._original(
-                request_id,
-                content=content,
-                model=model,
-                role=role,
-                finish_reason=finish_reason,
-                tool_calls=tool_calls,
-                usage=usage,
-                reasoning_content=reasoning_content,
-            )
-        if isinstance(content, str) and role is None and reasoning_content is None:
-            delta = '"content":' + _ENCODE(content)
-        elif isinstance(reasoning_content, str) and role is None and content is None:  # ReasoningText
-            delta = '"reasoning_content":' + _ENCODE(reasoning_content)
-        elif role == "assistant" and content is None and reasoning_content is None:  # the stream's first chunk
-            delta = '"role":"assistant"'
-        else:
+            if isinstance(content, str) and role is None and reasoning_content is None:
+                delta = '"content":' + _ENCODE(content)
+            elif isinstance(reasoning_content, str) and role is None and content is None:  # ReasoningText
+                delta = '"reasoning_content":' + _ENCODE(reasoning_content)
+            elif role == "assistant" and content is None and reasoning_content is None:  # the stream's first chunk
+                delta = '"role":"assistant"'
+        if delta is None:  # any other chunk: transformers' own builder
             return self._original(
                 request_id,
                 content=content,
