@@ -18,10 +18,11 @@ HTTP server's process (before uvicorn starts), which hands it the tokenizer mana
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 from typing import Any, Awaitable, Callable
+
+from kvplug.health_override import answer_over_ok
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +58,7 @@ class QuarantineHealth:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("path") not in HEALTH_PATHS:
             return await self.app(scope, receive, send)
-        held: list[dict] = []
-
-        async def hold(message: dict) -> None:
-            held.append(message)
-
-        await self.app(scope, receive, hold)
-        status = next((m["status"] for m in held if m["type"] == "http.response.start"), None)
-        answer = await self._answer() if status == 200 else None
-        if answer is None:
-            for message in held:
-                await send(message)
-            return
-        code, body = answer
-        data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": code,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await answer_over_ok(self.app, scope, receive, send, self._answer)
 
     async def _answer(self) -> tuple[int, dict] | None:
         try:

@@ -17,8 +17,9 @@ no 503 of its own.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable, Mapping, Optional
+
+from kvplug.health_override import Answer, answer_over_ok
 
 HEALTH_PATH = "/health"
 #: the snapshot's keys that make up the record (``BlockQuarantine.as_dict`` and the cache in use)
@@ -58,20 +59,7 @@ class QuarantineHealth:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or _route_path(scope) != HEALTH_PATH:
             return await self.app(scope, receive, send)
-        held: list[dict] = []
+        async def answer() -> Answer:
+            return health_answer(self._engines())
 
-        async def hold(message: dict) -> None:
-            held.append(message)
-
-        await self.app(scope, receive, hold)
-        status = next((m["status"] for m in held if m["type"] == "http.response.start"), None)
-        answer = health_answer(self._engines()) if status == 200 else None
-        if answer is None:
-            for message in held:
-                await send(message)
-            return
-        code, body = answer
-        data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": code,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await answer_over_ok(self.app, scope, receive, send, answer)
