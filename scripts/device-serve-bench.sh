@@ -9,6 +9,9 @@
 #   BENCH_ARGS                 extra `kvplug bench serve` arguments
 #   MODE=stream                issue 28: kvplug only, 512 random prompts x 256 tokens at concurrency 256,
 #                              clients streaming and not, then `kvplug bench e2e` in-process, same call
+#   MODE=sweep                 issue 28 items 3-4: multi-turn chats at concurrency $SWEEP (kvplug beside
+#                              native; native only up to NATIVE_MAX_C) for benchmarks/plot_serve.py, then
+#                              the shared-prefix e2e shape through the client: radix, naive, native
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/device-serve-bench-out}
@@ -43,6 +46,23 @@ tokenizer.save_pretrained(sys.argv[1])
 print("checkpoint written to", sys.argv[1])
 PY
 COMMON="--max-seq-len 4096 --log-level warning"
+if [ "${MODE:-ab}" = sweep ]; then
+  for c in ${SWEEP:-16 64 256}; do
+    native=(); [ "$c" -le "${NATIVE_MAX_C:-64}" ] && native=(--serve-args "$CKPT $COMMON --kv-backend native")
+    timeout 300 python3 -m kvplug bench serve \
+        --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 256 --cuda-graph-max-bs 256 ${KVPLUG_ARGS:-}" \
+        "${native[@]}" --dataset multi-turn --conversations "$c" --turns 3 --system-chars 2000 \
+        --question-chars 100 --output-tokens 64 --max-concurrency "$c" --warmup 8 ${BENCH_ARGS:-} \
+        --out "$OUT/serve_multi_turn_c$c.json" 2>&1 | tail -14 | tee "$OUT/bench_c$c.log"
+  done
+  timeout 200 python3 -m kvplug bench serve \
+      --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 64 --cuda-graph-max-bs 64" \
+      --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 64 --cuda-graph-max-bs 64 --prefix-cache naive" \
+      --serve-args "$CKPT $COMMON --kv-backend native" \
+      --dataset shared-prefix --num-prompts 64 --system-chars 2048 --question-chars 128 --output-tokens 32 \
+      --max-concurrency 64 --warmup 4 --out "$OUT/serve_shared_prefix.json" 2>&1 | tail -14 | tee "$OUT/bench_shared.log"
+  exit 0
+fi
 if [ "${MODE:-ab}" = stream ]; then
   # issue 28: one kvplug server config, clients streaming and not, beside the in-process figure
   ARGS="$CKPT $COMMON --attention triton --max-running-reqs 256 --cuda-graph-max-bs 256 ${KVPLUG_ARGS:-}"
