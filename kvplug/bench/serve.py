@@ -155,6 +155,8 @@ async def _drive(base_url: str, args: argparse.Namespace, chats: list[list[str]]
     rng = np.random.default_rng(args.seed)
     records: list[RequestRecord] = []
     total = sum(len(chat) for chat in chats)
+    # a terminal redraws one line per request; a log (not a TTY) gets a line per tenth of the run
+    every = 1 if sys.stderr.isatty() else max(1, total // 10)
 
     async def converse(index: int, turns: list[str], delay: float) -> None:
         await asyncio.sleep(delay)
@@ -165,15 +167,16 @@ async def _drive(base_url: str, args: argparse.Namespace, chats: list[list[str]]
                 record, text = await _one(client, model, messages, args)
             records.append(record)
             messages.append({"role": "assistant", "content": text})
-            if progress:
-                print(f"\r  {len(records)}/{total} requests", end="", file=sys.stderr, flush=True)
+            if progress and (len(records) % every == 0 or len(records) == total):
+                end = "" if every == 1 else "\n"
+                print(f"\r  {len(records)}/{total} requests", end=end, file=sys.stderr, flush=True)
 
     rate = args.request_rate
     delays = np.zeros(len(chats)) if not np.isfinite(rate) else np.cumsum(rng.exponential(1.0 / rate, len(chats)))
     start = time.perf_counter()
     await asyncio.gather(*(converse(i, chat, float(d)) for i, (chat, d) in enumerate(zip(chats, delays))))
     elapsed = time.perf_counter() - start
-    if progress:
+    if progress and every == 1:
         print(file=sys.stderr)
     await client.close()
     return records, elapsed
