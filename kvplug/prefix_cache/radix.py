@@ -120,6 +120,9 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         self._tier = tier
         self._candidates = EvictionCandidates()
         self._host_candidates = EvictionCandidates("host_heap_seq", "host-resident leaves")
+        # BasePrefixCache's listener list (add_kv_event_listener appends to it), made up front so the
+        # hot paths read a plain attribute rather than self.__dict__.get(...)
+        self._kv_event_listeners: list = []
         self.reset()
 
     # ------------------------------------------------------------------ version-1 surface
@@ -247,7 +250,6 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         page_bytes = self._page_bytes
         matched = 0  # bytes
         end = len(tokens)
-        partial = first_page = None
         while matched < end:  # _find, inline
             first_page = tokens[matched : matched + page_bytes]
             child = node.children.get(first_page)
@@ -259,28 +261,42 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
                 matched = after
                 node = child
                 continue
-            partial = child
-            common = shared_page_bytes(key, tokens, matched, self.page_size)
-            matched += common
-            first_page = tokens[matched : matched + page_bytes]
-            break
-        if matched == end:  # all cached already
-            if partial is not None:
-                node = self._split(partial, common)
+            return self._insert_into_edge(child, tokens, matched, locations, check)  # rare: out of line
+        else:  # all cached already
             self._touch_path(node)
             return end >> 2, node
         if check:
             check_location_values(locations[matched >> 2 :])  # the new part only: O(new pages)
-        if partial is not None:
-            node = self._split(partial, common)
-        key = tokens[matched:] if matched else tokens
         value = locations[matched >> 2 :].tobytes()
-        # _add_leaf, inline
+        return matched >> 2, self._new_leaf(node, first_page, tokens[matched:], value, end >> 2)
+
+    def _insert_into_edge(
+        self, child: RadixNode, tokens: bytes, matched: int, locations: np.ndarray, check: bool
+    ) -> tuple[int, RadixNode]:
+        """``_insert`` whose tokens leave the tree inside the edge of ``child`` (after ``matched``
+        bytes down to its parent): split the edge where they part, then add the rest below."""
+        end = len(tokens)
+        common = shared_page_bytes(child.key, tokens, matched, self.page_size)
+        matched += common
+        if matched == end:  # all cached already: the tokens end inside the edge
+            node = self._split(child, common)
+            self._touch_path(node)
+            return end >> 2, node
+        if check:
+            check_location_values(locations[matched >> 2 :])  # the new part only: O(new pages)
+        node = self._split(child, common)
+        first_page = tokens[matched : matched + self._page_bytes]
+        value = locations[matched >> 2 :].tobytes()
+        return matched >> 2, self._new_leaf(node, first_page, tokens[matched:], value, end >> 2)
+
+    def _new_leaf(self, node: RadixNode, first_page: bytes, key: bytes, value: bytes, cached_len: int) -> RadixNode:
+        """Hang a new device-resident leaf (``key``, starting with ``first_page``; ``value``) below
+        ``node``, a device-resident node, and give the new path the next clock tick."""
         self._clock = tick = self._clock + 1  # the leaf is born with the new tick
         # NOTE: RadixNode.__init__ inline (its call is ~3% of an insert); every slot must be set here too
         # (test_radix_cache's test_inserted_leaf_sets_every_slot compares the two)
         leaf = _new_node(RadixNode)
-        leaf.cached_len = end >> 2
+        leaf.cached_len = cached_len
         leaf.parent = node
         leaf.children = {}
         leaf.key = key
@@ -288,7 +304,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         leaf.lock_ref = 0
         leaf.own_locks = 0
         leaf.last_access = tick
-        leaf.heap_seq = -1
+        leaf.heap_seq = -1  # add_newest numbers it
         leaf.generation = self._generation
         leaf.page_hashes = None
         leaf.on_host = False
@@ -296,18 +312,18 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         leaf.host_heap_seq = -1
         leaf.host_copy = None
         node.children[first_page] = leaf
+        candidates = self._candidates
         if node.heap_seq >= 0:
-            self._candidates.discard(node)  # it has a device-resident child now
+            candidates.discard(node)  # it has a device-resident child now
+        candidates.add_newest(leaf)
         self._evictable += len(value) >> 2
-        self._candidates.add_newest(leaf)
-        cached_len = matched >> 2
         root = self._root
         while node is not root:  # the new tick up to the root
             node.last_access = tick
             node = node.parent
-        if self.__dict__.get("_kv_event_listeners"):
+        if self._kv_event_listeners:
             self.report_stored(leaf)
-        return cached_len, leaf
+        return leaf
 
     def _insert_tiered(self, tokens: bytes, locations: np.ndarray, check: bool) -> tuple[int, RadixNode]:
         """``_insert`` when a host tier may hold part of the path."""
@@ -328,26 +344,9 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         if matched == end:
             self._touch_path(node)
             return cached_len, node
-        key = tokens[matched:] if matched else tokens
-        return cached_len, self._add_leaf(node, key, locations[matched // BYTES_PER_TOKEN :].tobytes(),
-                                          end // BYTES_PER_TOKEN)
-
-    def _add_leaf(self, node: RadixNode, key: bytes, value: bytes, cached_len: int) -> RadixNode:
-        """Hang a new device-resident leaf below ``node`` and touch the new path (one clock tick)."""
-        self._clock = tick = self._clock + 1  # the leaf is born with the new tick
-        leaf = RadixNode(self._generation, node, key, value, cached_len, tick)
-        node.children[key[: self._page_bytes]] = leaf
-        if node.heap_seq >= 0:
-            self._candidates.discard(node)  # it has a device-resident child now
-        self._evictable += len(value) >> 2
-        self._candidates.add_new(leaf)
-        root = self._root
-        while node is not root:  # the new tick up to the root
-            node.last_access = tick
-            node = node.parent
-        if self.__dict__.get("_kv_event_listeners"):
-            self.report_stored(leaf)
-        return leaf
+        first_page = tokens[matched : matched + self._page_bytes]
+        value = locations[matched // BYTES_PER_TOKEN :].tobytes()
+        return cached_len, self._new_leaf(node, first_page, tokens[matched:], value, end // BYTES_PER_TOKEN)
 
     def evict(self, size: int) -> torch.Tensor:
         freed = self._evict(size)
@@ -363,7 +362,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             size = checked_evict_size(size, self._evictable, self._protected)
             if size == 0:
                 return []
-        if self._tier is None and not self.__dict__.get("_kv_event_listeners"):
+        if self._tier is None and not self._kv_event_listeners:
             return self._evict_leaves(size << 2)
         freed: list[bytes] = []
         freed_bytes = 0
@@ -418,7 +417,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         self._protected = 0
         self._host_evictable = 0
         self._host_protected = 0
-        if self.__dict__.get("_kv_event_listeners"):
+        if self._kv_event_listeners:
             self.emit_kv_event(AllCleared())
         if self._tier is not None:
             self._tier.reset()
@@ -594,7 +593,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         else:
             self._host_evictable -= tokens
             self._evictable += tokens
-        if self.__dict__.get("_kv_event_listeners"):
+        if self._kv_event_listeners:
             self.report_stored(node)
 
     def add_host_leaf(self, node: RadixNode, key: bytes, host_value: bytes, cached_len: int) -> RadixNode:
@@ -608,7 +607,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         self._host_evictable += len(host_value) // BYTES_PER_TOKEN
         self.refresh(node)  # a host leaf no more, or a device node with one more host child
         self._touch_path(leaf)
-        if self.__dict__.get("_kv_event_listeners"):
+        if self._kv_event_listeners:
             self.report_stored(leaf)
         return leaf
 
@@ -625,7 +624,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         if node.on_host:
             parent.host_children -= 1
         tier = self._tier
-        reporting = bool(self.__dict__.get("_kv_event_listeners"))
+        reporting = bool(self._kv_event_listeners)
         stack = [node]
         while stack:
             dropping = stack.pop()
