@@ -106,6 +106,17 @@ def test_a_prefetched_prompt_is_admitted_without_a_store_call_on_the_serving_thr
     assert third.cache.tier_stats().remote_blocking_reads == 1
 
 
+def test_a_prompt_of_whole_pages_is_matched_short_of_its_last_token():
+    """The prefetch stages every whole page; the admission matches at most ``n - 1`` tokens."""
+    registry = {}
+    prompt = PROMPT[: PAGES * PAGE]  # six whole pages: the admission may match five
+    _written(registry, PROMPT)
+    second = _reader_server(RecordingStore(registry))
+    assert second.backend.prefetch(prompt) and second.cache.flush_prefetches(WAIT_S)
+    assert second.serve(prompt) == (PAGES - 1) * PAGE
+    assert second.cache.tier_stats().remote_prefetch_hit_tokens == (PAGES - 1) * PAGE
+
+
 def test_an_admission_waits_for_a_running_prefetch_at_most_the_timeout():
     registry = {}
     _written(registry)

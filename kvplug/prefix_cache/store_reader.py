@@ -231,7 +231,9 @@ class StoreReader:
             record.state = "taken"
             if not record.start <= start_page:
                 return Taken(NONE)  # a stale hint: the pages before record.start are not held now
-            payloads = record.payloads[start_page - record.start :]
+            # the prompt may have been prefetched a page longer than the admission matches (its last token)
+            end = token_ids.shape[0] // self.page_size
+            payloads = record.payloads[start_page - record.start : max(0, end - record.start)]
             self._counts["taken_pages"] += len(payloads)
             held = start_page + len(payloads)
             if held:
