@@ -225,12 +225,23 @@ def test_prefetch_options_are_validated_and_a_cache_without_a_store_prefetches_n
     with pytest.raises(kvplug.InvalidArgumentError, match="without remote_kv"):
         kvplug.create_prefix_cache("radix", page_size=PAGE, host_memory=1 << 20, remote_kv_prefetch_timeout_s=1.0)
     with pytest.raises(kvplug.InvalidArgumentError, match="remote_kv_prefetch_timeout_s"):
-        kvplug.create_prefix_cache("radix", page_size=PAGE, host_memory=1 << 20, remote_kv="memory://x",
-                                   remote_kv_model="m", remote_kv_prefetch_timeout_s=-1)
+        kvplug.create_prefix_cache(
+            "radix",
+            page_size=PAGE,
+            host_memory=1 << 20,
+            remote_kv="memory://x",
+            remote_kv_model="m",
+            remote_kv_prefetch_timeout_s=-1,
+        )
     from kvplug.memory.model_shape import ModelShape
 
-    plain = kvplug.create_backend(ModelShape(2, 2, 2, 4, torch.float32), page_size=PAGE, num_pages=8, attention=None,
-                                  prefix_cache_options={"host_memory": 1 << 20})
+    plain = kvplug.create_backend(
+        ModelShape(2, 2, 2, 4, torch.float32),
+        page_size=PAGE,
+        num_pages=8,
+        attention=None,
+        prefix_cache_options={"host_memory": 1 << 20},
+    )
     assert plain.prefetch(PROMPT) is False
     with pytest.raises(kvplug.InvalidArgumentError):
         plain.prefetch([-1, 2])

@@ -44,7 +44,14 @@ from kvplug.kv_store.remote import RemoteKV
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_MAX_RECORDS", "DEFAULT_TIMEOUT_S", "NONE", "READY", "TIMED_OUT", "StoreReader", "StoreReaderStats", "Taken",
+    "DEFAULT_MAX_RECORDS",
+    "DEFAULT_TIMEOUT_S",
+    "NONE",
+    "READY",
+    "TIMED_OUT",
+    "StoreReader",
+    "StoreReaderStats",
+    "Taken",
 ]
 
 #: Prefetches kept at once (queued, running or staged).
@@ -128,8 +135,9 @@ class StoreReader:
         max_records: prefetches kept at once.
     """
 
-    def __init__(self, remote: RemoteKV, page_bytes: int, *, max_staged_bytes: int,
-                 max_records: int = DEFAULT_MAX_RECORDS) -> None:
+    def __init__(
+        self, remote: RemoteKV, page_bytes: int, *, max_staged_bytes: int, max_records: int = DEFAULT_MAX_RECORDS
+    ) -> None:
         self.remote = remote
         self.page_size = remote.page_size
         self.page_bytes = max(1, int(page_bytes))
@@ -266,7 +274,8 @@ class StoreReader:
             found = self.remote.lookup_keys(keys) if keys else 0
             count = min(found, self.max_staged_bytes // self.page_bytes)
             payloads = self.remote.load_keys(keys[:count]) if count else []
-        except Exception:  # RemoteKV turns store faults into misses; anything else is a bug that must not stop the reader
+        # RemoteKV turns store faults into misses; anything else is a bug that must not stop the reader
+        except Exception:
             logger.exception("kvplug store reader: a prefetch of %d pages failed", len(record.keys))
             with self._condition:
                 self._counts["errors"] += 1
@@ -335,4 +344,3 @@ class StoreReader:
         record.payloads, record.nbytes = (), 0
         record.done.set()  # an admission waiting for it stops waiting
         self._counts["dropped"] += 1
-

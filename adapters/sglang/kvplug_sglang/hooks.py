@@ -147,6 +147,7 @@ def after_init_kv_events(result: Any, events_publisher: Any, *args: Any, **kwarg
 _KV_EVENTS = "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher"
 _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
+
 def after_prefetch_kvcache(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """A request is about to enter SGLang's waiting queue: a kvplug tree cache prefetches its
     prompt's store pages (``KvplugPrefixCache.prefetch``); any other tree cache is left alone."""
