@@ -15,6 +15,14 @@
    goes to the reader (a remote hit), to the recompute server, and a fresh context to the reader
    (a store miss: recompute plus one lookup). TTFT is the first streamed chunk of a
    ``/v1/completions`` request (greedy); the hit's tokens must equal the recompute's.
+3. **Admission on the serving thread** (``--skip-admission``): two memory-only backends of the
+   embedded model's KV geometry (4 KiB a token, page 16) on the store; the writer pushes a
+   ``--context-tokens`` context out to it; then, on a fresh reader each trial, the serving thread's
+   time in ``admit`` of the context + one page: *blocking* (no prefetch: the lookup and the get at
+   admission), *prefetched* (``prefetch`` when queued, done before the admission: the staged pages
+   are copied), and *in flight* (``admit`` right after ``prefetch``: it waits for the reader, at
+   most ``remote_kv_prefetch_timeout_s``); and the caller's time in ``prefetch`` (the keys' hashing).
+   The reader's pools are touched and its reader thread started first, as in a warm server.
 """
 
 from __future__ import annotations
@@ -142,6 +150,79 @@ def bandwidth(args: argparse.Namespace, url: str) -> dict:
     for name, entry in results.items():
         print(f"{name:48} {entry['seconds'] * 1e3:9.2f} {entry['gb_per_s']:8.2f} {entry['x_copy_time']:12.1f}")
     return {"pages": args.pages, "page_bytes": args.page_bytes, "repeats": args.repeats, "variants": results}
+
+
+def admission(args: argparse.Namespace, url: str) -> dict:
+    import torch
+
+    import kvplug
+    from kvplug.memory.model_shape import ModelShape
+
+    shape = ModelShape(4, 4, 2, 64, torch.float32)  # the embedded model on the CPU: 4 KiB of K/V a token
+    context = args.context_tokens
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1, 30000) for _ in range(context + PAGE)]
+    host = 2 * (context + PAGE) * shape.kv_bytes_per_token()
+
+    def backend():
+        return kvplug.create_backend(
+            shape, page_size=PAGE, num_pages=2 * (context + PAGE) // PAGE, max_running_reqs=4,
+            max_seq_len=context + 4 * PAGE, attention=None, prefix_cache="radix",
+            prefix_cache_options={"host_memory": host, "remote_kv": url, "remote_kv_model": f"{MODEL_NAME}-admission",
+                                  "remote_kv_prefetch_memory": host})
+
+    writer = backend()
+    request = writer.admit(prompt)
+    writer.allocate([request])
+    writer.pool.kv_buffer.normal_()
+    writer.finish(request, computed=True)
+    writer.evict_prefix_cache(writer.prefix_cache.size_info.evictable_size)  # to host memory and the store
+    assert writer.prefix_cache.flush_remote_kv(60.0)
+
+    def trial(variant: str) -> dict:
+        reader = backend()
+        cache = reader.prefix_cache
+        # a warm server: its pools' memory touched once, its reader thread started (an unrelated prompt)
+        reader.pool.kv_buffer.zero_()
+        cache.host_pool.buffer.zero_()
+        reader.prefetch([0] * PAGE)
+        assert cache.flush_prefetches(60.0)
+        prefetch_s = None
+        if variant != "blocking":
+            begin = time.perf_counter()
+            assert reader.prefetch(prompt)
+            prefetch_s = time.perf_counter() - begin
+            if variant == "prefetched":
+                assert cache.flush_prefetches(60.0)  # the request waited in the queue meanwhile
+        begin = time.perf_counter()
+        request = reader.admit(prompt)
+        admit_s = time.perf_counter() - begin
+        tier = cache.tier_stats()
+        reader.finish(request)
+        cache.close_remote_kv()
+        return {"admit_s": admit_s, "prefetch_call_s": prefetch_s, "matched": request.matched_len,
+                "blocking_reads": tier.remote_blocking_reads, "prefetch_hit_tokens": tier.remote_prefetch_hit_tokens,
+                "prefetch_timeouts": tier.remote_prefetch_timeouts}
+
+    results = {}
+    for variant in ("blocking", "prefetched", "in flight"):
+        trial(variant)  # warm-up
+        rows = [trial(variant) for _ in range(args.repeats)]
+        results[variant] = {
+            "admit_s": statistics.median(row["admit_s"] for row in rows),
+            "prefetch_call_s": statistics.median(row["prefetch_call_s"] for row in rows) if variant != "blocking" else None,
+            "rows": rows,
+        }
+    print(f"\nadmission of a {context}-token context from the store, serving thread, median of {args.repeats}:")
+    for variant, entry in results.items():
+        call = entry["prefetch_call_s"]
+        matched = sorted({row["matched"] for row in entry["rows"]})
+        print(f"{variant:12} admit {entry['admit_s'] * 1e3:8.2f} ms"
+              + (f", prefetch call {call * 1e3:6.2f} ms" if call is not None else "") + f", matched {matched}, "
+              f"blocking reads {sum(row['blocking_reads'] for row in entry['rows'])}, timeouts "
+              f"{sum(row['prefetch_timeouts'] for row in entry['rows'])}")
+    writer.prefix_cache.close_remote_kv()
+    return {"context_tokens": context, "repeats": args.repeats, "variants": results}
 
 
 def tiny_checkpoint(root: Path, context: int) -> Path:
@@ -302,12 +383,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=30)
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-admission", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result = {"machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d", time.gmtime()), "store": args.store}
     with tempfile.TemporaryDirectory(prefix="kvplug-remote-kv-bench-") as root, store_urls(args, Path(root)) as urls:
         if not args.skip_bandwidth:
             result["bandwidth"] = bandwidth(args, urls[0])
+        if not args.skip_admission:
+            result["admission"] = admission(args, urls[0])
         if not args.skip_ttft:
             result["ttft"] = ttft(args, urls[1], Path(root))
     if args.out:

@@ -86,6 +86,7 @@ class KVBackend:
     below, ``check_integrity``) refuse a call from a second thread while another thread is inside one
     (``ConcurrentUseError``, nothing changed; ``kvplug.call_gate``); calls from different threads one
     after another are fine. ``stats`` may be called from any thread (a monitoring route).
+    ``prefetch`` may be called from any thread too (it queues a store read; issue 30).
     ``forward``, ``input_ids``, ``loads_ready`` and ``DecodeStep.commit`` are not checked (per-layer
     and per-step hot paths): they belong to the same thread.
 
@@ -185,6 +186,21 @@ class KVBackend:
         self._queried_tokens += request.prompt_len
         self._hit_tokens += request.matched_len
         return request
+
+    def prefetch(self, input_ids: torch.Tensor | Sequence[int]) -> bool:
+        """A request with prompt ``input_ids`` was queued (before the scheduler admits it): start
+        reading what a shared KV store under the host tier holds of it, off the serving thread,
+        so that ``admit`` copies the pages instead of waiting for the network (issue 30,
+        ``kvplug.prefix_cache.remote_tier``). Any thread (an HTTP handler's; it enters no gate and
+        touches neither the tree nor the pool: it hashes the prompt's pages and queues the read);
+        never waits. ``True``: a read was started; ``False`` without a store (or a tier whose
+        ``prefetch`` does nothing), for a prompt shorter than a page, or one already prefetched.
+        Raises ``InvalidArgumentError`` for bad ids."""
+        cache = self.prefix_cache
+        prefetch = getattr(cache, "prefetch", None) if self.allocator.tiered else None
+        if prefetch is None:
+            return False
+        return bool(prefetch(host_token_ids(input_ids)))
 
     def loads_ready(self, request: Request) -> bool:
         """Whether ``request``'s matched pages are all in the KV pool: a prefix hit in the host

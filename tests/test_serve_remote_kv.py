@@ -54,10 +54,10 @@ def test_remote_kv_flag_is_validated_and_reaches_the_settings():
         parse("--host-memory", "1GiB", "--remote-kv", "nosuchstore://x")
 
 
-def _serve(port, url, cache_dir, log, device="auto"):  # noqa: F811
+def _serve(port, url, cache_dir, log, device="auto", extra=()):  # noqa: F811
     args = ["serve", "--port", str(port), "--kv-memory", "1536KiB", "--max-seq-len", "256", "--page-size", "16",
             "--max-running-reqs", "2", "--host-memory", "16MiB", "--remote-kv", url, "--stats-interval", "1",
-            "--device", device]
+            "--device", device, *extra]
     return _run_kvplug(args, cache_dir, log)
 
 
@@ -75,12 +75,15 @@ def _stop(process, log):
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
-@pytest.mark.parametrize("device", [
-    "cpu",
+@pytest.mark.parametrize("device, second_args", [
+    ("cpu", ()),
+    # the prefetch at add_request runs in the engine process too (issue 30)
+    pytest.param("cpu", ("--engine-process",), id="cpu-engine-process"),
     # a CUDA pool's store writes run on the writer thread; the first server drains them at exit
-    pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda]),
+    pytest.param("cuda", (), marks=[pytest.mark.gpu, requires_cuda]),
 ])
-def test_a_second_server_loads_the_first_ones_prefix_from_the_store(device, server_deps, cache_dir, tmp_path):  # noqa: F811
+def test_a_second_server_loads_the_first_ones_prefix_from_the_store(device, second_args, server_deps, cache_dir,  # noqa: F811
+                                                                     tmp_path):
     openai = server_deps
     topics = ["paged attention", "radix trees", "CUDA graphs", "pinned memory", "prefix caching"]
     prompts = [f"Question {number} about {topic}: " + f"explain {topic}. " * 5 for number, topic in enumerate(topics)]
@@ -104,7 +107,7 @@ def test_a_second_server_loads_the_first_ones_prefix_from_the_store(device, serv
         assert f"redis://***@127.0.0.1:{redis_port}/0" in output
 
         second_port, second_log = _free_port(), tmp_path / "second.log"
-        second = _serve(second_port, url, cache_dir, second_log, device)
+        second = _serve(second_port, url, cache_dir, second_log, device, second_args)
         try:
             stats = _wait_ready(second, second_port, second_log)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{second_port}/v1", api_key="unused", timeout=120)
@@ -115,6 +118,9 @@ def test_a_second_server_loads_the_first_ones_prefix_from_the_store(device, serv
             # the second server never evicted anything: a host hit here came from the store
             assert after["host_write_backs"] == 0 and after["host_hit_tokens"] >= 64, after
             assert after["remote_hit_tokens"] >= 64 and after["remote_errors"] == after["remote_corrupt_pages"] == 0
+            # read when the request was queued (add_request), not by the admission on the batching thread
+            assert after["remote_prefetches"] >= 1 and after["remote_blocking_reads"] == 0, after
+            assert after["remote_prefetch_hit_tokens"] == after["remote_hit_tokens"], after
         finally:
             _stop(second, second_log)
 

@@ -8,6 +8,7 @@ computed it) loads through its host tier, K/V bit-identical."""
 
 from __future__ import annotations
 
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -174,4 +175,27 @@ def test_two_factory_built_caches_share_a_prefix_through_redis(monkeypatch):
         assert loaded == cached == hit.prefix_len
         assert torch.equal(row_kv(second, hit, cached), before)
         assert second.cache.tier_stats().remote_hit_tokens == cached
+        assert second.cache.tier_stats().remote_blocking_reads == 1  # never prefetched: read at admission
         second.cache.sanity_check()
+
+        # SGLang queues a request: the hook after Scheduler._prefetch_kvcache prefetches its prompt,
+        # and the admission's match takes the staged pages (no store call on the scheduler thread)
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        from kvplug_sglang.hooks import after_prefetch_kvcache
+
+        third = store_world(page, "tiny")
+        queued = prompt + [901, 902, 903, 904, 905]
+        req = Req(rid="q", origin_input_text="", origin_input_ids=array("q", queued),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=2))
+        assert after_prefetch_kvcache("result", SimpleNamespace(tree_cache=third.cache), req) == "result"
+        tier = third.cache._spaces.get((None, None), touch=False).cache
+        assert tier.flush_prefetches(10.0)
+        hit, loaded = admit(third, "q", queued, [7], seed=4)
+        assert loaded == cached == hit.prefix_len
+        assert torch.equal(row_kv(third, hit, cached), before)
+        stats = third.cache.tier_stats()
+        assert stats.remote_prefetch_hit_tokens == stats.remote_hit_tokens == cached, stats
+        assert stats.remote_blocking_reads == 0 and stats.remote_prefetches == 1, stats
+        third.cache.sanity_check()

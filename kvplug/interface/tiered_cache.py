@@ -132,6 +132,13 @@ class TierStats:
         remote_queued_pages: pages handed to the store writer (issue 30); writes are done when
             it equals ``remote_written_pages + remote_dropped_pages`` (on a CUDA pool they land
             after the call that evicted them returns).
+        remote_prefetches, remote_prefetch_hit_tokens, remote_prefetch_timeouts,
+            remote_prefetch_dropped, remote_prefetch_staged_bytes, remote_blocking_reads: store
+            reads made for queued prompts (``prefetch``, issue 30): prefetches started; tokens an
+            admission took from staged pages (part of ``remote_hit_tokens``, no store call at
+            admission); admissions whose prefetch was still running after the wait (a miss);
+            prefetches dropped unused (memory bound, timed out, failed); bytes staged now; and
+            admissions that read the store on the serving thread (no prefetch of the prompt).
     """
 
     host_pages: int = 0
@@ -157,6 +164,12 @@ class TierStats:
     remote_corrupt_pages: int = 0
     remote_errors: int = 0
     remote_queued_pages: int = 0
+    remote_prefetches: int = 0
+    remote_prefetch_hit_tokens: int = 0
+    remote_prefetch_timeouts: int = 0
+    remote_prefetch_dropped: int = 0
+    remote_prefetch_staged_bytes: int = 0
+    remote_blocking_reads: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -219,6 +232,15 @@ class BaseTieredPrefixCache(BasePrefixCache):
         """The started loads, not known to be complete, that write pages of ``handle``'s prefix
         (a request matching it must order them before its forwards). Default: none."""
         return ()
+
+    def prefetch(self, input_ids: torch.Tensor) -> bool:
+        """A request with prompt ``input_ids`` (shape ``[n]``, int32, cpu) was queued: start
+        reading what a tier below host memory holds of it, so that its admission (``match_tiered``)
+        finds the bytes ready. May be called from any thread (an HTTP handler's) while the serving
+        thread uses the cache, so it must never touch the cache's index, and never wait. ``True``:
+        a read was started. Default: ``False``, nothing (a tier without a store below it). Added to
+        contract version 1 without changing anything before it."""
+        return False
 
     @property
     @abstractmethod

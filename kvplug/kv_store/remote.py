@@ -9,7 +9,8 @@ a corrupt value is a miss; all are counted in ``stats``. A page is loaded only i
 intact and its key's, so the worst a store can do is cost a recompute.
 
 Threads: a store writer (``prefix_cache.store_writer``) calls ``store_pages`` off the serving
-thread while the serving thread reads. Counters have their own lock, never held across a store
+thread while the serving thread reads, and a store reader (``prefix_cache.store_reader``) calls
+``lookup_keys`` / ``load_keys`` off it too (reads take one lock: one read at a time). Counters have their own lock, never held across a store
 call, so ``stats`` (read every step) never waits for the network; with ``write_store`` (a second
 connection to the same store) writes do not queue behind reads either, nor reads behind writes.
 """
@@ -148,7 +149,10 @@ class RemoteKV:
 
     def lookup(self, token_ids: Sequence[int], start_page: int = 0) -> int:
         """How many whole pages of ``token_ids``, from page ``start_page`` on, the store holds."""
-        keys = self.keys(token_ids)[_checked_start(start_page) :]
+        return self.lookup_keys(self.keys(token_ids)[_checked_start(start_page) :])
+
+    def lookup_keys(self, keys: Sequence[str]) -> int:
+        """``lookup`` of keys computed already (``keys``): how many of them, from the first, are stored."""
         self._add(lookups=1)
         if not keys:
             return 0
@@ -163,7 +167,11 @@ class RemoteKV:
     def load(self, token_ids: Sequence[int], start_page: int, num_pages: int) -> list[memoryview]:
         """The intact payloads of pages ``start_page .. start_page + num_pages``, up to the first
         one missing or corrupt (a prefix of what was asked; maybe empty)."""
-        keys = self.keys(token_ids)[_checked_start(start_page) :][: max(0, int(num_pages))]
+        return self.load_keys(self.keys(token_ids)[_checked_start(start_page) :][: max(0, int(num_pages))])
+
+    def load_keys(self, keys: Sequence[str]) -> list[memoryview]:
+        """``load`` of keys computed already: the intact payloads of ``keys``' pages, up to the
+        first one missing or corrupt (a store reader computes keys on another thread than the get's)."""
         self._add(loads=1)
         if not keys:
             return []

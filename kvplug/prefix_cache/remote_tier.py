@@ -11,13 +11,25 @@ ticket; on a CUDA pool a writer thread waits for the copy (the serving thread ne
 device) and for the store, on a CPU pool the write is made at once (``StoreWriter``).
 
 Reads: at admission, after the device and host tiers matched what they hold, the rest of the
-prompt's whole pages are looked up in the store; the pages found are copied into free host pages
-(the matched path locked meanwhile) and hung below the match as a host-resident leaf, so the host
-tier's own loads (overlapped, as for any host hit) bring them to the device. The lookup and the
-get are blocking network calls on the serving thread, on CPU and CUDA pools alike (a miss costs
-one round trip, a hit saves a prefill); the copy to the device is the host tier's, asynchronous.
-On CUDA the host pages filled from the CPU must not be touched by a copy still running: when one
-is (``HostKVPool.pages_busy``, which never waits), the store is not read for that prompt (a miss).
+prompt's whole pages come from the store; they are copied into free host pages (the matched path
+locked meanwhile) and hung below the match as a host-resident leaf, so the host tier's own loads
+(overlapped, as for any host hit) bring them to the device. Where the bytes come from:
+
+- *Prefetched* (``prefetch``, called by the host when the request was queued): the
+  ``StoreReader``'s thread looked the pages up and got them meanwhile, so the admission makes no
+  network call: it copies the staged pages. A prefetch still running is waited for at most
+  ``timeout_s`` (``remote_kv_prefetch_timeout_s``), then the prompt is a miss for the store (never
+  a second, blocking read: that would add the network to the wait).
+- *Not prefetched* (no ``prefetch`` of this prompt, or its prefetch was dropped to bound memory):
+  the lookup and the get are made at admission, blocking network calls on the serving thread (the
+  one blocking path, counted ``remote_blocking_reads``). Kept rather than made a miss because a
+  store read costs far less than the prefill it saves (BENCHMARKS.md, "Shared KV store"), and
+  hosts that never prefetch (version-1 hosts, ``lookup`` / ``cached_prefix_len`` callers) keep
+  their store hits; a host that prefetches every prompt reaches it only for dropped prefetches.
+
+The copy to the device is the host tier's, asynchronous. On CUDA the host pages filled from the
+CPU must not be touched by a copy still running: when one is (``HostKVPool.pages_busy``, which
+never waits), the store's pages are not used for that prompt (a miss).
 
 A store fault is a miss or a dropped write (``RemoteKV``); the tree only ever holds pages that
 arrived intact.
@@ -31,6 +43,7 @@ from kvplug.kv_store.host_pages import fill_host_pages
 from kvplug.kv_store.remote import RemoteKV
 from kvplug.prefix_cache.radix_keys import BYTES_PER_TOKEN
 from kvplug.prefix_cache.radix_node import RadixNode
+from kvplug.prefix_cache.store_reader import NONE, READY, TIMED_OUT, StoreReader
 from kvplug.prefix_cache.store_writer import StoreWrite, StoreWriter
 
 
@@ -39,24 +52,41 @@ class RemoteTierLink:
 
     Args:
         writer: writes the pages (``StoreWriter`` over ``remote`` and the tier's host pool).
+        reader: prefetches pages for queued prompts (``StoreReader`` over ``remote``).
+        timeout_s: how long an admission waits for its prefetch still running.
     """
 
-    def __init__(self, host_tier, remote: RemoteKV, writer: StoreWriter) -> None:
+    def __init__(self, host_tier, remote: RemoteKV, writer: StoreWriter, reader: StoreReader,
+                 timeout_s: float) -> None:
         self.host_tier = host_tier
         self.remote = remote
         self.writer = writer
+        self.reader = reader
+        self.timeout_s = float(timeout_s)
         self.fetched_tokens = 0  # tokens hung into the tree from the store
+        self.prefetched_tokens = 0  # of those, tokens the reader had staged (no store call at admission)
+        self.blocking_reads = 0  # admissions that read the store on the serving thread
         self.busy_skips = 0  # store reads not made: a copy was still using the host pages (CUDA)
 
     def counters(self) -> dict[str, int]:
         """The ``remote_*`` fields of ``TierStats``."""
         stats = self.remote.stats
+        reads = self.reader.stats
         errors = (stats.errors_unavailable + stats.errors_timeout + stats.errors_full + stats.errors_auth
-                  + stats.errors_protocol + stats.errors_other)
+                  + stats.errors_protocol + stats.errors_other + reads.errors)
         return dict(remote_hit_tokens=self.fetched_tokens, remote_written_pages=stats.written_pages,
                     remote_dropped_pages=stats.dropped_pages + stats.unwritten_pages,
                     remote_corrupt_pages=stats.corrupt_pages, remote_errors=errors,
-                    remote_queued_pages=stats.queued_pages)
+                    remote_queued_pages=stats.queued_pages, remote_prefetches=reads.prefetches,
+                    remote_prefetch_hit_tokens=self.prefetched_tokens, remote_prefetch_timeouts=reads.timeouts,
+                    remote_prefetch_dropped=reads.dropped, remote_prefetch_staged_bytes=reads.staged_bytes,
+                    remote_blocking_reads=self.blocking_reads)
+
+    def prefetch(self, prompt: np.ndarray) -> bool:
+        """Start reading the store's pages of ``prompt`` (int32 token ids, host, as it will be
+        admitted) for its admission; any thread, never waits, never touches the tree. ``False``:
+        nothing started (no whole page, or already prefetched)."""
+        return self.reader.submit(prompt)
 
     def write_back(self, written: list[tuple[RadixNode, np.ndarray]], ticket: int | None) -> None:
         """``written``: nodes whose copy to host memory was just queued (``ticket``, from
@@ -79,7 +109,16 @@ class RemoteTierLink:
         start_page = node.cached_len // page_size
         if node.cached_len >= usable.shape[0]:
             return node
-        count = self.remote.lookup(usable, start_page)
+        taken = self.reader.take(usable, start_page, self.timeout_s)
+        if taken.status == TIMED_OUT:
+            return node
+        staged = taken.status == READY
+        if staged:
+            count = len(taken.payloads)
+        else:
+            assert taken.status == NONE
+            self.blocking_reads += 1
+            count = self.remote.lookup(usable, start_page)
         if count == 0:
             return node
         tree.lock_handle(node)  # reserving host pages may drop host leaves: not this path
@@ -91,7 +130,7 @@ class RemoteTierLink:
                 tier.pool.release(pages)
                 self.busy_skips += 1
                 return node
-            payloads = self.remote.load(usable, start_page, count)
+            payloads = taken.payloads if staged else self.remote.load(usable, start_page, count)
             filled = fill_host_pages(tier.pool, pages[: len(payloads)], payloads) if payloads else 0
             if filled < len(pages):
                 tier.pool.release(pages[filled:])
@@ -101,6 +140,8 @@ class RemoteTierLink:
             host_locations = (pages[:filled, None] * page_size + np.arange(page_size)).astype(np.int32).reshape(-1)
             leaf = tree.add_host_leaf(node, usable[begin:end].tobytes(), host_locations.tobytes(), end)
             self.fetched_tokens += end - begin
+            if staged:
+                self.prefetched_tokens += end - begin
             return leaf
         finally:
             tree.lock_handle(node, unlock=True)

@@ -46,7 +46,11 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
     ``remote_kv_model`` (the model's identity in the store's keys; required with it), issue 30;
     ``remote_kv_writes``: ``"thread"`` (store writes on a writer thread, the default with a KV
     pool on CUDA) or ``"inline"`` (in ``evict`` itself, the default on the CPU; see
-    ``store_writer``); and the ``radix`` options (``split_refreshes_tail``).
+    ``store_writer``); ``remote_kv_prefetch_timeout_s`` (how long an admission waits for its
+    prompt's ``prefetch`` still running, then a miss; default ``store_reader.DEFAULT_TIMEOUT_S``)
+    and ``remote_kv_prefetch_memory`` (bytes or ``"1GiB"`` of store pages staged for queued prompts;
+    default a quarter of ``host_memory``: staged pages become host pages at admission); and the
+    ``radix`` options (``split_refreshes_tail``).
     """
 
     publishes_kv_events = True
@@ -64,6 +68,9 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             raise InvalidArgumentError(f"remote_kv_writes must be 'thread' or 'inline', got {self._remote_writes!r}")
         if self._remote_writes is not None and self._remote_store is None:
             raise InvalidArgumentError(f"remote_kv_writes={self._remote_writes!r} is given without remote_kv")
+        self._prefetch_timeout_s, self._prefetch_memory = _prefetch_options(
+            options.pop("remote_kv_prefetch_timeout_s", None), options.pop("remote_kv_prefetch_memory", None),
+            self.host_memory, self._remote_store is not None)
         self._host_tier = HostTier(self, self.host_memory)
         super().__init__(dataclasses.replace(config, options=options), tier=self._host_tier)
 
@@ -79,6 +86,7 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             from kvplug.kv_store.host_pages import namespace_for_pool
             from kvplug.kv_store.remote import RemoteKV
             from kvplug.prefix_cache.remote_tier import RemoteTierLink
+            from kvplug.prefix_cache.store_reader import StoreReader
             from kvplug.prefix_cache.store_writer import StoreWriter
 
             config = getattr(pool, "config", None)
@@ -91,8 +99,10 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
             write_store = _remote_options(self._remote_url, self._remote_model)[0] if second else None
             remote = RemoteKV(self._remote_store, namespace, write_store=write_store)
             writer = StoreWriter(remote, self._host_tier.pool, threaded=threaded)
-            self._host_tier.remote = RemoteTierLink(self._host_tier, remote, writer)
+            reader = StoreReader(remote, self._host_tier.pool.bytes_per_page, max_staged_bytes=self._prefetch_memory)
+            self._host_tier.remote = RemoteTierLink(self._host_tier, remote, writer, reader, self._prefetch_timeout_s)
             weakref.finalize(self, writer.detach)  # dropped: the writer finishes its queue, no wait here
+            weakref.finalize(self, reader.close)  # and the reader drops what it staged
 
     @property
     def remote_kv(self):
@@ -100,6 +110,21 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
         faults), or ``None``: no ``remote_kv`` option, or no KV pool attached yet."""
         link = self._host_tier.remote
         return link.remote if link is not None else None
+
+    def prefetch(self, input_ids: torch.Tensor) -> bool:
+        """See ``BaseTieredPrefixCache.prefetch``: the shared store's pages of the prompt are read
+        on the store reader's thread (``remote_tier``); ``False`` without a store. Any thread: it
+        reads only the link, set once by ``attach_kv_pool``."""
+        link = self._host_tier.remote
+        if link is None:
+            return False
+        return link.prefetch(np.ascontiguousarray(torch.as_tensor(input_ids).cpu(), dtype=np.int32).reshape(-1))
+
+    def flush_prefetches(self, timeout_s: float | None = None) -> bool:
+        """Wait until every prefetch started so far is staged or dropped (tests, benchmarks; not
+        the serving thread); ``True`` without a store, ``False`` when ``timeout_s`` passed first."""
+        link = self._host_tier.remote
+        return link.reader.flush(timeout_s) if link is not None else True
 
     def flush_remote_kv(self, timeout_s: float | None = None) -> bool:
         """Wait until every store write queued so far is done (written, dropped or failed): the one
@@ -150,6 +175,21 @@ class TieredRadixPrefixCache(RadixPrefixCache, BaseTieredPrefixCache):
 
     def loads_in_flight(self, handle: BaseCacheHandle) -> tuple[HostLoad, ...]:
         return self._host_tier.loads_in_flight(handle)
+
+
+def _prefetch_options(timeout_s: Any, memory: Any, host_memory: int, remote: bool) -> tuple[float, int]:
+    """``remote_kv_prefetch_timeout_s`` and ``remote_kv_prefetch_memory``, validated, defaults filled."""
+    from kvplug.prefix_cache.store_reader import DEFAULT_TIMEOUT_S
+
+    for name, value in (("remote_kv_prefetch_timeout_s", timeout_s), ("remote_kv_prefetch_memory", memory)):
+        if value is not None and not remote:
+            raise InvalidArgumentError(f"{name}={value!r} is given without remote_kv")
+    if timeout_s is None:
+        timeout_s = DEFAULT_TIMEOUT_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
+        raise InvalidArgumentError(f"remote_kv_prefetch_timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
+    memory = host_memory // 4 if memory is None else parse_memory_size(memory)
+    return float(timeout_s), int(memory)
 
 
 def _remote_options(store: Any, model: Any) -> tuple[Any, Any]:

@@ -73,6 +73,10 @@ INTERNALS: tuple[HostInternal, ...] = (
     HostInternal("sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher",
                  "init_kv_events", "hooked", "after it, a kvplug tree cache's ZMQ publisher numbers its batches "
                  "from the start time (event_sequence.py)", PARAMETERS, "self, kv_events_config"),
+    HostInternal("sglang.srt.managers.scheduler.Scheduler", "_prefetch_kvcache", "hooked",
+                 "after it (SGLang calls it for a request just before its waiting queue), a kvplug tree cache "
+                 "starts the shared KV store's prefetch of the prompt (KvplugPrefixCache.prefetch, issue 30)",
+                 PARAMETERS, "self, req, storage_hit_end"),
     HostInternal("sglang.srt.disaggregation.kv_events.ZmqEventPublisher", "_seq_gen", "replaced",
                  "the batch counter event_sequence.number_from_start_time restarts at the start time",
                  ASSIGNED, "self._seq_gen set by the class"),

@@ -23,6 +23,10 @@ SGLang's ``load_plugins`` applies them in every process:
 - after ``SchedulerKvEventsPublisher.init_kv_events`` (``--kv-events-config``): with a kvplug tree
   cache, SGLang's ZMQ publisher numbers its batches from the server's start time, as ``kvplug serve``
   does, so a router sees a restart (``event_sequence``; issue 27).
+- after ``Scheduler._prefetch_kvcache`` (SGLang's own storage prefetch, called for every request
+  just before it enters the waiting queue): a kvplug tree cache with a shared KV store
+  (``--kvplug-remote-kv``) starts reading the prompt's pages off the scheduler thread
+  (``KvplugPrefixCache.prefetch``; issue 30).
 
 The two pool hooks act only when an attention-backend field names a kvplug backend (which is what
 ``--kv-backend kvplug`` sets); otherwise SGLang builds its own pools untouched.
@@ -143,6 +147,18 @@ def after_init_kv_events(result: Any, events_publisher: Any, *args: Any, **kwarg
 _KV_EVENTS = "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher"
 _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 
+
+def after_prefetch_kvcache(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """A request is about to enter SGLang's waiting queue: a kvplug tree cache prefetches its
+    prompt's store pages (``KvplugPrefixCache.prefetch``); any other tree cache is left alone."""
+    from kvplug_sglang.prefix_cache import KvplugPrefixCache
+
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    if isinstance(tree_cache, KvplugPrefixCache):
+        tree_cache.prefetch(req)
+    return result
+
+
 HOOKS = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", after_add_cli_args),
     (f"{_CONFIGURATOR}._resolve_kv_pool_class", "AROUND", around_resolve_kv_pool_class),
@@ -150,6 +166,7 @@ HOOKS = (
     ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
     (f"{_INTERNAL_STATE}.get_internal_state", "AFTER", after_get_internal_state),
     (f"{_KV_EVENTS}.init_kv_events", "AFTER", after_init_kv_events),
+    ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", "AFTER", after_prefetch_kvcache),
 )
 
 HTTP_HOOKS = (  # registered in the main process only (sglang_plugin.register)

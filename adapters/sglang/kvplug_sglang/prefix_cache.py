@@ -274,6 +274,25 @@ class KvplugPrefixCache(BasePrefixCache):
             host_hit_length=int(match.host_len),
         )
 
+    def prefetch(self, req: Any) -> bool:
+        """SGLang queued ``req`` (after ``Scheduler._prefetch_kvcache``, just before its waiting
+        queue): start reading the shared KV store's pages of its prompt on the store reader's
+        thread (``BaseTieredPrefixCache.prefetch``, issue 30), so the match that admits it copies
+        them instead of waiting for the network. ``False``: nothing started (no tier with a store,
+        disabled, or a prompt shorter than a page)."""
+        if self.disable:
+            return False
+        tokens = list(getattr(req, "origin_input_ids", ()) or ()) + list(getattr(req, "output_ids", ()) or ())
+        if len(tokens) < self.page_size:
+            return False
+        space = self._guarded("creating a namespace's cache", lambda: self._spaces.get(
+            (getattr(req, "extra_key", None), getattr(req, "cache_salt", None)), touch=False))
+        cache = space.cache
+        if not isinstance(cache, BaseTieredPrefixCache):
+            return False
+        ids = torch.as_tensor(tokens, dtype=torch.int64).to(torch.int32)
+        return bool(self._guarded("prefetch", lambda: cache.prefetch(ids)))
+
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, CacheNode]:
         """Load the host-resident tail of ``params.best_match_node`` (``params.host_hit_length``
         tokens) into locations taken from SGLang's allocator; returns ``(tokens loaded, node)``:

@@ -79,6 +79,11 @@ INTERNALS: tuple[Internal, ...] = (
              "the original; when it scheduled nothing while host-tier loads are deferred, waits for them "
              "and runs it again with those requests first",
              PARAMETERS, "self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting"),
+    Internal(f"{_CB}.continuous_api.ContinuousBatchingManager", "add_request", PATCHED,
+             "kvplug first starts the shared KV store's prefetch of the prompt (KVPlugPagedCache.prefetch, issue 30: "
+             "on the caller's thread, before the scheduler admits the request), then the original",
+             PARAMETERS, "self, input_ids, request_id, max_new_tokens, streaming, record_timestamps, eos_token_id, "
+             "**logit_processor_kwargs"),
     Internal(f"{_CB}.continuous_api.ContinuousBatchProcessor", "prepare_next_batch", PATCHED,
              "kvplug first runs what waits for the batching thread (kvplug serve's decode-graph warm-up, a "
              "requested prefix-cache flush, the KV events of the pass before), then the original",

@@ -11,11 +11,14 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
+# the store's reads for queued requests (issue 30, ``kvplug.TierStats``)
+PREFETCH = ("remote_prefetches", "remote_prefetch_hit_tokens", "remote_prefetch_timeouts", "remote_prefetch_dropped",
+            "remote_blocking_reads")
 COUNTERS = ("queried_tokens", "cache_hit_tokens", "evicted_tokens", "admitted_requests", "finished_requests",
             "host_hit_tokens", "host_loads", "host_loaded_bytes", "host_write_backs", "host_written_bytes",
             "host_dropped_tokens", "host_reused_copy_tokens", "host_copy_failures",
             "remote_hit_tokens", "remote_written_pages", "remote_dropped_pages", "remote_corrupt_pages",
-            "remote_errors", "remote_queued_pages")
+            "remote_errors", "remote_queued_pages", *PREFETCH)
 POOL_FIELDS = ("running_requests", "num_pages", "free_pages", "cached_pages", "evictable_pages", "used_pages",
                "host_pages", "host_free_pages")
 # host-tier fields of HostStats -> keys of BackendStats.tier (``kvplug.interface.TierStats``)
@@ -25,7 +28,8 @@ TIER_FIELDS = {"host_loads": "loads", "host_loaded_bytes": "loaded_bytes", "host
                "host_copy_failures": "copy_failures", "host_pages": "host_pages",
                "host_free_pages": "host_free_pages",
                **{name: name for name in ("remote_hit_tokens", "remote_written_pages", "remote_dropped_pages",
-                                          "remote_corrupt_pages", "remote_errors", "remote_queued_pages")}}  # issue 30
+                                          "remote_corrupt_pages", "remote_errors", "remote_queued_pages",
+                                          *PREFETCH)}}  # issue 30
 
 
 def _field(stats: Any, name: str) -> int:
@@ -99,6 +103,9 @@ class HostStats:
         remote_hit_tokens, remote_written_pages, remote_dropped_pages, remote_corrupt_pages,
             remote_errors, remote_queued_pages: the shared KV store under the host tier
             (``--remote-kv``, issue 30; see ``kvplug.TierStats``).
+        remote_prefetches, remote_prefetch_hit_tokens, remote_prefetch_timeouts,
+            remote_prefetch_dropped, remote_blocking_reads: its reads for queued requests (see
+            ``kvplug.TierStats``).
         cache_guard: the most recent cache's prefix-cache health (``BackendStats.prefix_cache``:
             faults of an untrusted plugin, the policy, whether it stopped), or ``None``.
     """
@@ -134,6 +141,11 @@ class HostStats:
     remote_corrupt_pages: int = 0
     remote_errors: int = 0
     remote_queued_pages: int = 0
+    remote_prefetches: int = 0
+    remote_prefetch_hit_tokens: int = 0
+    remote_prefetch_timeouts: int = 0
+    remote_prefetch_dropped: int = 0
+    remote_blocking_reads: int = 0
     cache_guard: dict | None = None
 
     @property

@@ -1,4 +1,4 @@
-"""Installing kvplug into transformers' continuous batching: the eight replaced internals.
+"""Installing kvplug into transformers' continuous batching: the nine replaced internals.
 
 Each is an entry of kind ``patched`` in ``compat.INTERNALS`` (the version gate fingerprints it;
 the adapter README lists the table). Every replacement carries the original as
@@ -35,6 +35,11 @@ the adapter README lists the table). Every replacement carries the original as
    scheduling pass (about every 0.1 s when idle), first lets the kvplug cache do what waits for
    the batching thread (``KVPlugPagedCache.between_steps``: a requested prefix-cache flush, and
    publishing the KV events of the pass before, issue 27), then runs the original.
+9. ``ContinuousBatchingManager.add_request``, which queues a request for the batching thread (called
+   by ``kvplug serve``'s HTTP handlers in-process and by the engine process's loop), first starts
+   the shared KV store's prefetch of the prompt (``KVPlugPagedCache.prefetch``, issue 30), so the
+   store's pages are read off the batching thread while the request waits to be scheduled; then
+   the original.
 
 All are module/class attributes looked up at call time, so every entry point — ``generate_batch``,
 ``init_continuous_batching``, ``continuous_batching_context_manager`` and ``transformers serve
@@ -62,6 +67,7 @@ class _Originals:
     process_candidates: Callable
     prepare_next_batch: Callable
     sample: Callable
+    add_request: Callable
 
 
 _lock = threading.Lock()
@@ -88,13 +94,21 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
                 modules, modules.continuous_api.PagedAttentionCache, manager_class.switch_to_cb_friendly_attn,
                 runner_class.compute_batch, runner_class.warmup, modules.scheduler.Scheduler.add_waiting_request,
                 modules.scheduler.Scheduler._process_candidates, processor_class.prepare_next_batch,
-                runner_class._sample,
+                runner_class._sample, manager_class.add_request,
             )
         original_compute_batch, original_warmup = _installed.compute_batch, _installed.warmup
         original_add_waiting = _installed.add_waiting_request
         original_process = _installed.process_candidates
         original_prepare = _installed.prepare_next_batch
         original_sample = _installed.sample
+        original_add_request = _installed.add_request
+
+        def kvplug_add_request(manager: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            # the batch processor (and its cache) exists once the manager started; before, no prefetch
+            prefetch = getattr(getattr(getattr(manager, "batch_processor", None), "cache", None), "prefetch", None)
+            if prefetch is not None:
+                prefetch(input_ids)
+            return original_add_request(manager, input_ids, *args, **kwargs)
 
         def kvplug_sample(runner: Any, scores: Any, output_ids: Any) -> None:
             sample_step = getattr(runner.cache, "sample_step", None)
@@ -157,6 +171,7 @@ def install_patches(make_cache: Callable[..., Any]) -> TransformersModules:
             (modules.scheduler.Scheduler, "_process_candidates", kvplug_process_candidates, original_process),
             (runner_class, "_sample", kvplug_sample, original_sample),
             (processor_class, "prepare_next_batch", kvplug_prepare_next_batch, original_prepare),
+            (manager_class, "add_request", kvplug_add_request, original_add_request),
         )
         for owner, attribute, replacement, original in replacements:  # compat.INTERNALS, kind "patched"
             setattr(replacement, ORIGINAL_ATTRIBUTE, original)
@@ -180,6 +195,7 @@ def uninstall_patches() -> None:
         modules.scheduler.Scheduler._process_candidates = _installed.process_candidates
         modules.model_runner.ModelRunner._sample = _installed.sample
         modules.continuous_api.ContinuousBatchProcessor.prepare_next_batch = _installed.prepare_next_batch
+        modules.continuous_api.ContinuousBatchingManager.add_request = _installed.add_request
         _installed = None
 
 

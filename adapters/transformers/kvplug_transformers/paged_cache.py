@@ -6,6 +6,8 @@ transformers' scheduler keeps running unchanged; it talks to this object through
 ====================================  ==========================================================
 transformers calls                    kvplug does
 ====================================  ==========================================================
+``add_request`` (kvplug's wrapper)    ``prefetch``: the shared KV store's pages of the prompt are
+                                      read off the batching thread (``--remote-kv``, issue 30)
 ``search_prefix_match(id, prompt)``   look the prompt up; on a hit ``admit`` (row, prefix locked)
 ``allocate_blocks(n, id, have)``      ``admit`` if not yet; promise pages up to ``(have + n) * P``
 ``extend_read_and_write_indices``     record the request's ``(past, new)`` tokens for this step
@@ -343,6 +345,15 @@ class KVPlugPagedCache:
         if scaling is not None and abs(scaling - backend_scale) > 1e-12 * backend_scale:
             q = q * (scaling / backend_scale)  # the backend applies its own scale; fold in the ratio
         return self.backend.forward(q, k, v, layer_id, batch)
+
+    def prefetch(self, input_ids: Any) -> bool:
+        """A request was queued (``ContinuousBatchingManager.add_request``, on the caller's thread):
+        start reading the shared KV store's pages of its prompt (``KVBackend.prefetch``, issue 30).
+        A prompt kvplug cannot take is left to transformers' own checks (nothing started)."""
+        try:
+            return self.backend.prefetch(input_ids)
+        except InvalidArgumentError:
+            return False
 
     def check_waiting_request(self, state: Any) -> None:
         """A new request (transformers' ``RequestState``), before it waits for scheduling: refuse
