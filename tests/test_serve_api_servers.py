@@ -52,6 +52,9 @@ def _serve(cache_dir: Path, log: Path, *extra: str) -> tuple[object, int]:
 
 def _children(server_pid: int, log: Path) -> tuple[int, int]:
     """(the engine's pid, the other API server's pid): the server's Python children."""
+    deadline = time.monotonic() + 10  # logged just after /health says ok
+    while "this one and pids " not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
     other = int(log.read_text().split("this one and pids ", 1)[1].split(")", 1)[0])
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
     spawned = [int(pid) for pid in children if "spawn_main" in _cmdline(int(pid))]
@@ -228,3 +231,30 @@ def test_the_cli_implies_the_engine_process():
     assert options["api_server_count"] == 3 and options["engine_process"] is True
     options = validate(build_parser().parse_args(["serve"]), manager)
     assert options["api_server_count"] == 1 and options["engine_process"] is False
+
+
+def test_the_engine_keeps_two_api_servers_requests_apart():
+    """Two API servers may name a request alike (a client's X-Request-ID is echoed, never used, but
+    the engine must not rely on that): the engine's ids differ, each output goes back to its own
+    API server under its own id, and an API server detached takes only its own requests."""
+    import multiprocessing
+
+    from kvplug_transformers import engine_protocol as protocol
+    from kvplug_transformers.engine_links import FrontendLinks
+
+    pipes = [multiprocessing.Pipe(duplex=True) for _ in range(2)]
+    links = FrontendLinks([engine_end for _, engine_end in pipes])
+    first, second = links.admit(0, "same"), links.admit(1, "same")
+    assert first != second
+    links.send_outputs([protocol.StepOutput(first, [1], False, None), protocol.StepOutput(second, [2], True, None)])
+    assert pipes[0][0].recv() == (protocol.STEP, [protocol.StepOutput("same", [1], False, None)])
+    assert pipes[1][0].recv() == (protocol.STEP, [protocol.StepOutput("same", [2], True, None)])
+    links.send_outputs([protocol.StepOutput(second, [3], False, None)])  # finished before: dropped
+    assert not pipes[1][0].poll(0.1)
+    other = links.admit(1, "other")
+    assert links.detach(1) == [other]
+    assert links.detach(0 + 1) == [] and links.engine_id(0, "same") == first
+    pipes[0][0].send((protocol.STATS, 7))
+    assert list(links.receive()) == [(0, (protocol.STATS, 7))]
+    single = FrontendLinks([pipes[0][1]])  # --engine-process alone: the ids as they come
+    assert single.admit(0, "same") == "same"

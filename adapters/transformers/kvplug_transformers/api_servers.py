@@ -116,6 +116,10 @@ class ApiServers:
                 return f"API server {index} exited (exit code {process.exitcode})"
         return None
 
+    def running(self) -> bool:
+        """Any of them still runs."""
+        return any(process.exitcode is None for process in self._processes)
+
     def signal_stop(self) -> None:
         """Pass the stop on: each API server then stops as ``kvplug serve`` does on SIGTERM."""
         self._stopping = True

@@ -74,7 +74,8 @@ WORKER_DEATH_GRACE_S = 1.0  # time for aborted requests to get their 503 before 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 IDLE_POOL_THREAD = "AnyIO worker thread"  # Starlette runs sync routes there; idle ones never exit by themselves
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs here
-OTHER_API_SERVERS_SHUTDOWN_SHARE = 0.75  # of --shutdown-timeout: the others are gone before the engine stops
+OTHER_API_SERVERS_EARLIER_SHARE = 0.1  # of --shutdown-timeout, at most OTHER_API_SERVERS_EARLIER_MAX_S: the
+OTHER_API_SERVERS_EARLIER_MAX_S = 1.0  # other API servers abort what still runs that much before the engine stops
 
 
 def serve(adapter: Any, *, api_server: ApiServerRole | None = None, **options: Any) -> int:
@@ -278,10 +279,11 @@ def _run_server(
 
 
 def _other_options(opts: ServeOptions) -> dict:
-    """What API servers 1 .. N - 1 run ``serve`` with: these options, a shorter stop (they are
-    gone before the engine stops)."""
+    """What API servers 1 .. N - 1 run ``serve`` with: these options, a shorter stop (what they
+    still run is aborted before this process stops the engine)."""
     options = {field.name: getattr(opts, field.name) for field in dataclasses.fields(opts)}
-    options["shutdown_timeout"] = opts.shutdown_timeout * OTHER_API_SERVERS_SHUTDOWN_SHARE
+    earlier = min(OTHER_API_SERVERS_EARLIER_MAX_S, opts.shutdown_timeout * OTHER_API_SERVERS_EARLIER_SHARE)
+    options["shutdown_timeout"] = opts.shutdown_timeout - earlier
     return options
 
 
@@ -401,14 +403,15 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
     """Stop by ``deadline`` (``time.monotonic()``; the stop signal plus ``--shutdown-timeout``, less
     the teardown's reserve):
     refuse new requests and close the listener at once, let running requests finish until
-    ``deadline - margin``, abort the rest, wait for the other API servers (killed at
-    ``deadline - margin / 2``), stop the worker and the HTTP thread. Returns the names
+    ``deadline - margin`` (the other API servers', stopped too, until they exit), abort the rest
+    (the other API servers abort theirs earlier), stop the worker, the other API servers (killed at ``deadline - margin / 4``) and the
+    HTTP thread. Returns the names
     of non-daemon threads still alive at the deadline."""
     start = time.monotonic()
     timeout = max(deadline - start, 0.0)
     margin = min(2.0, timeout / 2)
     if others is not None:
-        others.signal_stop()  # they stop as this one does, in a shorter time
+        others.signal_stop()  # they stop as this one does, a little sooner
     inflight.close("the server is shutting down")
     uvicorn_server = server.uvicorn
     uvicorn_server.should_exit = True  # uvicorn closes its listening socket at its next tick
@@ -419,17 +422,18 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
         )
     else:
         logger.info("kvplug serve: shutting down")
-    while inflight.count() and time.monotonic() < deadline - margin:
+    # the other API servers' requests need the engine: it stops once they are gone (or at the bound)
+    while (inflight.count() or (others is not None and others.running())) and time.monotonic() < deadline - margin:
         time.sleep(0.05)
     aborted = inflight.abort_all("the server is shutting down: request aborted")
     if aborted:
         logger.warning("kvplug serve: aborted %d request(s) still running at shutdown", aborted)
-    if others is not None and not others.join(deadline - margin / 2):
-        logger.warning("kvplug serve: another API server did not stop in time; killed")
     if not watch.stop_worker(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
         logger.warning("kvplug serve: the batching worker did not stop in time")
     if not server.stop_engine(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
         logger.warning("kvplug serve: the engine process did not stop in time; killed")
+    if others is not None and not others.join(deadline - margin / 4):
+        logger.warning("kvplug serve: another API server did not stop in time; killed")
     thread = server.thread
     if thread is not None:
         thread.join(timeout=max(deadline - time.monotonic() - margin / 4, 0.1))
