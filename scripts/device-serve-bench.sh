@@ -9,6 +9,8 @@
 #   BENCH_ARGS                 extra `kvplug bench serve` arguments
 #   MODE=stream                issue 28: kvplug only, 512 random prompts x 256 tokens at concurrency 256,
 #                              clients streaming and not, then `kvplug bench e2e` in-process, same call
+#   API_SERVERS="2 4"          MODE=stream: one more streaming pass per N with --api-server-count N
+#                              (N HTTP processes over one engine process): $OUT/serve_stream_api<N>.json
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/device-serve-bench-out}
@@ -51,6 +53,11 @@ if [ "${MODE:-ab}" = stream ]; then
     timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS" --dataset random --num-prompts 512 \
         --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 $flag ${BENCH_ARGS:-} \
         --out "$OUT/serve_$pass.json" 2>&1 | tail -20 | tee "$OUT/bench_$pass.log"
+  done
+  for count in ${API_SERVERS:-}; do  # issue 28: the HTTP side over N processes
+    timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS --api-server-count $count" --dataset random \
+        --num-prompts 512 --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 \
+        ${BENCH_ARGS:-} --out "$OUT/serve_stream_api$count.json" 2>&1 | tail -20 | tee "$OUT/bench_stream_api$count.log"
   done
   timeout 200 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix --requests 512 \
       --system-tokens 16 --question-tokens 128 --output-tokens 256 --concurrency 256 --attention triton \

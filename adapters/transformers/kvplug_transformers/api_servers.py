@@ -30,6 +30,7 @@ from kvplug.interface import InvalidArgumentError, KVPlugError
 
 logger = logging.getLogger("kvplug.serve")
 API_SERVER_HEADER = b"x-kvplug-api-server"  # which API server answered (N > 1 only)
+PROCESS_NAME = "kvplug-api-{}"  # the other API servers' name in ps / top (and for kvplug bench serve's CPU split)
 JOIN_POLL_S = 0.05
 
 
@@ -174,6 +175,7 @@ def run_api_server(role: ApiServerRole, settings: Any, options: dict) -> None:
     from kvplug_transformers.host import TransformersHost
     from kvplug_transformers.server import serve
 
+    _name_process(PROCESS_NAME.format(role.index))
     try:
         code = serve(TransformersHost(settings), api_server=role, **options)
     except KVPlugError as error:
@@ -182,3 +184,12 @@ def run_api_server(role: ApiServerRole, settings: Any, options: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _name_process(name: str) -> None:
+    """This process's name as ``ps`` and ``/proc/PID/comm`` show it (Linux; elsewhere unchanged)."""
+    try:
+        with open("/proc/self/comm", "w", encoding="ascii") as comm:
+            comm.write(name[:15])  # the kernel keeps 15 characters
+    except OSError:
+        pass
