@@ -20,13 +20,24 @@ import pytest
 from kvplug.interface import InvalidArgumentError
 from tests.serve_process import STARTUP_TIMEOUT_S, free_port, get_json, start, stop
 from tests.test_serve_engine_process import MAX_TOKENS, PROMPTS, _alive, _cmdline, _greedy_reference
-from tests.test_serve_engine_process import cache_dir  # noqa: F401  (the module's fixture)
 
 SHUTDOWN_TIMEOUT_S = 5.0
 EXIT_SLACK_S = 3.0
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 HEADER = "x-kvplug-api-server"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from kvplug_transformers.embedded_model import ensure_embedded_model
+
+    directory = tmp_path_factory.mktemp("kvplug-cache")
+    ensure_embedded_model(directory)
+    return directory
 
 
 def _serve(cache_dir: Path, log: Path, *extra: str) -> tuple[object, int]:
@@ -94,7 +105,7 @@ def _streamed(port: int, prompt: str) -> tuple[str, str | None, int | None, str]
     return "".join(text), finish, tokens, server
 
 
-def test_two_api_servers_stream_the_greedy_answer_and_share_the_requests(cache_dir, tmp_path):  # noqa: F811
+def test_two_api_servers_stream_the_greedy_answer_and_share_the_requests(cache_dir, tmp_path):
     log = tmp_path / "serve.log"
     process, port = _serve(cache_dir, log)
     try:
@@ -127,8 +138,23 @@ def test_two_api_servers_stream_the_greedy_answer_and_share_the_requests(cache_d
             if set(refusals) == {"0", "1"}:
                 break
         assert set(refusals) == {"0", "1"}, refusals
+        # one client id on concurrent requests (echoed only), and one seeded sampling, on whichever API server
+        def seeded(_: int) -> tuple[int, str, dict]:
+            headers = {**AUTH, "X-Request-ID": "same-id"}
+            body = {"model": "kvplug-default", "prompt": "seeded", "max_tokens": 8, "temperature": 0.9, "seed": 7}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json", **headers})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.headers.get("x-request-id"), json.load(response)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(seeded, range(8)))
+        assert {(status, echoed) for status, echoed, _ in answers} == {(200, "same-id")}
+        assert len({reply["choices"][0]["text"] for *_, reply in answers}) == 1, answers
+        status, _, body = _request(port, "/metrics")
+        assert status == 200 and b"vllm:prefix_cache_queries_total" in body, body[:400]
         stats = json.loads(_request(port, "/kvplug/stats")[2])
-        assert stats["finished_requests"] >= len(prompts)  # the engine's counters, whichever API server asks
+        assert stats["finished_requests"] >= len(prompts) + 8  # the engine's counters, whichever API server asks
     finally:
         code, _ = stop(process)
     assert code == 0, log.read_text()[-4000:]
@@ -139,7 +165,7 @@ def test_two_api_servers_stream_the_greedy_answer_and_share_the_requests(cache_d
         assert tokens is not None and finish == ("length" if tokens == MAX_TOKENS else "stop")
 
 
-def test_sigterm_under_load_stops_every_process_in_time(cache_dir, tmp_path):  # noqa: F811
+def test_sigterm_under_load_stops_every_process_in_time(cache_dir, tmp_path):
     log = tmp_path / "serve.log"
     process, port = _serve(cache_dir, log)
     engine, other = _children(process.pid, log)
@@ -169,7 +195,7 @@ def test_sigterm_under_load_stops_every_process_in_time(cache_dir, tmp_path):  #
     assert output.count("kvplug serve: stopped") == 2 and "Traceback" not in output, output[-4000:]
 
 
-def test_engine_death_gives_503_on_both_and_exit_2(cache_dir, tmp_path):  # noqa: F811
+def test_engine_death_gives_503_on_both_and_exit_2(cache_dir, tmp_path):
     log = tmp_path / "serve.log"
     process, port = _serve(cache_dir, log)
     engine, other = _children(process.pid, log)
@@ -195,7 +221,7 @@ def test_engine_death_gives_503_on_both_and_exit_2(cache_dir, tmp_path):  # noqa
     assert not _alive(other)
 
 
-def test_another_api_server_dying_stops_the_server(cache_dir, tmp_path):  # noqa: F811
+def test_another_api_server_dying_stops_the_server(cache_dir, tmp_path):
     log = tmp_path / "serve.log"
     process, port = _serve(cache_dir, log)
     engine, other = _children(process.pid, log)

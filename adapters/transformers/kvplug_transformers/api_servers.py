@@ -83,8 +83,9 @@ class ApiServers:
         pipes = [self._context.Pipe(duplex=True) for _ in range(count)]
         self._ready = [self._context.Event() for _ in range(count)]
         self.own = ApiServerRole(0, count, self.sock, pipes[0][0], tuple(pipe[1] for pipe in pipes))
-        self._others = [ApiServerRole(index, count, self.sock, pipes[index][0], (), self._ready[index])
-                        for index in range(1, count)]
+        self._others = [
+            ApiServerRole(index, count, self.sock, pipes[index][0], (), self._ready[index]) for index in range(1, count)
+        ]
         self._processes: list[Any] = []
         self._stopping = False
 
@@ -92,8 +93,12 @@ class ApiServers:
         """Start API servers 1 .. N - 1 (``options``: ``serve``'s, their own stats logging off)."""
         options = {**options, "stats_interval": 0}
         for role in self._others:
-            process = self._context.Process(target=run_api_server, args=(role, settings, options),
-                                            name=f"kvplug-api-server-{role.index}", daemon=True)
+            process = self._context.Process(
+                target=run_api_server,
+                args=(role, settings, options),
+                name=f"kvplug-api-server-{role.index}",
+                daemon=True,
+            )
             process.start()
             role.connection.close()  # theirs now: the engine sees them gone when they are
             self._processes.append(process)
