@@ -70,6 +70,8 @@ def _children(server_pid: int, log: Path) -> tuple[int, int]:
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
     spawned = [int(pid) for pid in children if "spawn_main" in _cmdline(int(pid))]
     assert other in spawned and len(spawned) == 2, (children, [_cmdline(int(pid)) for pid in children])
+    # named for ps / top and for kvplug bench serve, which counts its CPU on the HTTP side
+    assert Path(f"/proc/{other}/comm").read_text().strip() == "kvplug-api-1"
     return next(pid for pid in spawned if pid != other), other
 
 
