@@ -12,6 +12,8 @@
 #   MODE=sweep                 issue 28 items 3-4: multi-turn chats at concurrency $SWEEP (kvplug beside
 #                              native; native only up to NATIVE_MAX_C) for benchmarks/plot_serve.py, then
 #                              the shared-prefix e2e shape through the client: radix, naive, native
+#   API_SERVERS="2 4"          MODE=stream: one more streaming pass per N with --api-server-count N
+#                              (N HTTP processes over one engine process): $OUT/serve_stream_api<N>.json
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/device-serve-bench-out}
@@ -71,6 +73,11 @@ if [ "${MODE:-ab}" = stream ]; then
     timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS" --dataset random --num-prompts 512 \
         --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 $flag ${BENCH_ARGS:-} \
         --out "$OUT/serve_$pass.json" 2>&1 | tail -20 | tee "$OUT/bench_$pass.log"
+  done
+  for count in ${API_SERVERS:-}; do  # issue 28: the HTTP side over N processes
+    timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS --api-server-count $count" --dataset random \
+        --num-prompts 512 --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 \
+        ${BENCH_ARGS:-} --out "$OUT/serve_stream_api$count.json" 2>&1 | tail -20 | tee "$OUT/bench_stream_api$count.log"
   done
   timeout 200 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix --requests 512 \
       --system-tokens 16 --question-tokens 128 --output-tokens 256 --concurrency 256 --attention triton \

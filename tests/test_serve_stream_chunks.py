@@ -190,7 +190,7 @@ class _Output:
 def test_the_engine_sends_the_first_token_at_once_then_n_at_a_time_and_the_end():
     from kvplug_transformers.engine_process import _OutputSender
 
-    sender = _OutputSender(manager=None, send=None, interval=3)
+    sender = _OutputSender(manager=None, links=None, interval=3)
     sent = []
     for count in range(0, 9):
         item = sender._delta(_Output("r", list(range(count))))
@@ -198,7 +198,7 @@ def test_the_engine_sends_the_first_token_at_once_then_n_at_a_time_and_the_end()
     assert sent == [[], [0], None, None, [1, 2, 3], None, None, [4, 5, 6], None]
     last = sender._delta(_Output("r", list(range(9)), finished=True))
     assert last.new_tokens == [7, 8] and last.finished  # the end is never held back
-    every = _OutputSender(manager=None, send=None)
+    every = _OutputSender(manager=None, links=None)
     assert [every._delta(_Output("s", list(range(n)))).new_tokens for n in (1, 2, 3)] == [[0], [1], [2]]
 
 

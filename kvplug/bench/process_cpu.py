@@ -3,7 +3,8 @@
 A streaming server's HTTP process is one interpreter: its CPU per output token bounds what it can
 stream (about one second of CPU per second of wall time), so the benchmark reports it beside the
 throughput. ``kvplug serve --engine-process`` runs the engine in a child process: the server's own
-process is the HTTP side, its descendants the engine side.
+process is the HTTP side, its descendants the engine side, except the other API servers of
+``--api-server-count`` (named ``kvplug-api-N``), which are HTTP side too.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import NamedTuple
 from kvplug.interface import KVPlugError
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+API_SERVER_PREFIX = "kvplug-api-"  # kvplug serve --api-server-count's other HTTP processes (their /proc comm)
 
 
 class ProcessCpu(NamedTuple):
-    """CPU seconds (user + system, every thread) of a process and of all its descendants."""
+    """CPU seconds (user + system, every thread) of a process (with the other API servers of
+    ``--api-server-count`` among its descendants) and of its other descendants."""
 
     own_s: float
     descendants_s: float
@@ -93,8 +96,17 @@ def process_cpu(pid: int) -> ProcessCpu:
             continue
         seen.add(child)
         try:
-            total += _cpu_seconds(child)
+            seconds = _cpu_seconds(child)
+            if _is_api_server(child):
+                own += seconds
+            else:
+                total += seconds
         except (OSError, IndexError, ValueError):
             continue  # it exited meanwhile
         stack.extend(_children(child))
     return ProcessCpu(own, total)
+
+
+def _is_api_server(pid: int) -> bool:
+    with open(f"/proc/{pid}/comm", encoding="ascii", errors="replace") as handle:
+        return handle.read().startswith(API_SERVER_PREFIX)

@@ -266,6 +266,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "end), as vLLM's and SGLang's --stream-interval; text and usage are the same (default 1: every token)",
     )
     parser.add_argument(
+        "--api-server-count", type=int, default=1, metavar="N",
+        help="N HTTP processes share the port over one engine process, each detokenising its own requests "
+        "(vLLM's --api-server-count; N > 1 implies --engine-process; default 1)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=10.0,
         help="seconds from SIGTERM / Ctrl-C to exit: running requests may finish, then are aborted (default 10)",
     )
@@ -513,7 +518,9 @@ def validate(args: argparse.Namespace, manager: PluginManager) -> dict[str, Any]
         "seed": getattr(args, "seed", None),
         "log_requests": not getattr(args, "disable_log_requests", False),
         "uvicorn_log_level": getattr(args, "uvicorn_log_level", None),
-        "engine_process": bool(getattr(args, "engine_process", False)),
+        # --api-server-count N > 1 runs the engine in its own process (vLLM's engine core)
+        "engine_process": bool(getattr(args, "engine_process", False)) or getattr(args, "api_server_count", 1) > 1,
+        "api_server_count": getattr(args, "api_server_count", 1),
         "stream_interval": getattr(args, "stream_interval", 1),
     }
 

@@ -9,6 +9,10 @@ engine process (``engine_process.run_engine``) instead of a worker thread; its `
 hands it to the event loop in one ``call_soon_threadsafe``; the handlers' ``CBStreamer`` then
 detokenises here, as before. The engine's death (a fatal error, or its process gone) reads as a
 dead worker: ``WorkerWatch`` answers 503 and the server exits 2.
+
+With ``--api-server-count N`` (``api_servers``) the first API server starts the engine process with
+every API server's pipe; the others attach to theirs (``role``): the engine as they see it is that
+pipe, and their stop detaches them from it.
 """
 
 from __future__ import annotations
@@ -90,6 +94,24 @@ class _ProcessView:
         self._process.join(timeout)
 
 
+class _LinkView:
+    """An attached API server's engine, where ``WorkerWatch`` looks for the generation thread:
+    alive while its pipe to the engine is open."""
+
+    def __init__(self, reader: threading.Thread) -> None:
+        self._reader = reader
+
+    @property
+    def ident(self) -> int | None:
+        return self._reader.ident
+
+    def is_alive(self) -> bool:
+        return self._reader.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._reader.join(timeout)
+
+
 class _CacheSnapshot:
     """transformers' paged cache as ``stats_routes._native_stats`` reads it, from the engine."""
 
@@ -136,13 +158,17 @@ class _Request:
 class RemoteBatchingManager:
     """transformers' ``ContinuousBatchingManager`` surface, served by the engine process."""
 
-    def __init__(self, spec: protocol.EngineSpec, sampling: Any = None) -> None:
+    def __init__(self, spec: protocol.EngineSpec, sampling: Any = None, role: Any = None) -> None:
         self._sampling = sampling  # the handlers' RequestSampling: each request's settings go with its ADD
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; nothing inherited by accident
-        self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=run_engine, args=(child, spec), name="kvplug-engine", daemon=True)
-        self._process.start()
-        child.close()
+        self._process = None  # an attached API server (role without engine_ends) starts none
+        if role is None:
+            context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; nothing inherited by accident
+            self._conn, child = context.Pipe(duplex=True)
+            self._start_engine(context, spec, child)
+        else:  # --api-server-count: this API server's pipe, the engine's ends if it starts the engine
+            self._conn = role.connection
+            if role.engine_ends:
+                self._start_engine(multiprocessing.get_context("spawn"), spec, *role.engine_ends)
         self._send_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,12 +177,19 @@ class RemoteBatchingManager:
         self._stop_sent = False
         self.last_stats: Any = None
         self.background_thread_status = EngineStatus(self)
-        self._generation_thread = _ProcessView(self._process)
         self.batch_processor: _RemoteProcessor | None = None
         self.distributed_helper = _Rank()
         self._has_new_requests = _NoWait()
         self._reader = threading.Thread(target=self._read, name="kvplug-engine-reader", daemon=True)
+        self._generation_thread = _ProcessView(self._process) if self._process is not None else _LinkView(self._reader)
         self._reader.start()
+
+    def _start_engine(self, context: Any, spec: protocol.EngineSpec, child: Any, *others: Any) -> None:
+        self._process = context.Process(target=run_engine, args=(child, spec, others), name="kvplug-engine",
+                                        daemon=True)
+        self._process.start()
+        for end in (child, *others):
+            end.close()
 
     # ------------------------------------------------------------ what the handlers call
     def add_request(self, input_ids: list[int], request_id: str, streaming: bool = False,
@@ -193,7 +226,11 @@ class RemoteBatchingManager:
             self._send_quietly((protocol.STOP, DEFAULT_STOP_S if timeout is None else timeout))
 
     def terminate(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the engine to exit, then kill it; ``True`` if it exited in time."""
+        """Wait up to ``timeout`` s for the engine to exit, then kill it; ``True`` if it exited in time
+        (an attached API server: for its pipe to close)."""
+        if self._process is None:
+            self._reader.join(max(timeout, 0.0))
+            return not self._reader.is_alive()
         self._process.join(max(timeout, 0.0))
         if self._process.is_alive():
             self._process.kill()
@@ -203,7 +240,7 @@ class RemoteBatchingManager:
 
     def query_stats(self) -> Any:
         """The engine's ``HostStats`` (kvplug) or cache counters (native); the last ones once it stopped."""
-        if not self._process.is_alive() or self.background_thread_status.fatal_error is not None:
+        if not self._generation_thread.is_alive() or self.background_thread_status.fatal_error is not None:
             return self.last_stats
         query = next(self._query_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -233,8 +270,11 @@ class RemoteBatchingManager:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                self._process.join(EXIT_CODE_WAIT_S)
-                why = f"the engine process exited (exit code {self._process.exitcode})"
+                if self._process is not None:
+                    self._process.join(EXIT_CODE_WAIT_S)
+                    why = f"the engine process exited (exit code {self._process.exitcode})"
+                else:
+                    why = "the engine process exited (its pipe to this API server closed)"
                 if not self._stop_sent:  # a stop asked for is no death
                     self.background_thread_status.record_fatal_error(EngineProcessError(why))
                 for future in list(self._queries.values()):  # no answer will come: the last statistics
@@ -301,16 +341,18 @@ class RemoteBatchingManager:
 class RemoteGenerateManager(CBGenerateManager):
     """transformers' ``CBGenerateManager`` with the batching worker in the engine process;
     ``spec_for(generation_config)`` says what the engine builds; ``sampling`` (a
-    ``RequestSampling``, or ``None``) is where each request's sampling is taken from when it is sent."""
+    ``RequestSampling``, or ``None``) is where each request's sampling is taken from when it is sent;
+    ``role`` (``--api-server-count``) is this API server's pipe to the engine."""
 
-    def __init__(self, spec_for: Callable[[Any], protocol.EngineSpec], sampling: Any = None) -> None:
+    def __init__(self, spec_for: Callable[[Any], protocol.EngineSpec], sampling: Any = None, role: Any = None) -> None:
         super().__init__(cb_config=None)
         self._spec_for = spec_for
         self._sampling = sampling
+        self._role = role  # --api-server-count: an api_servers.ApiServerRole
 
     def init_cb(self, model: Any, gen_config: Any) -> None:
         if self._cb is None:
-            self._cb = RemoteBatchingManager(self._spec_for(gen_config), self._sampling)
+            self._cb = RemoteBatchingManager(self._spec_for(gen_config), self._sampling, self._role)
 
     @property
     def engine(self) -> RemoteBatchingManager | None:

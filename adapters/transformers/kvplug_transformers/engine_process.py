@@ -1,10 +1,11 @@
 """The engine process of ``kvplug serve --engine-process``: the model, transformers'
 ``ContinuousBatchingManager`` and kvplug, off the HTTP process's interpreter.
 
-``run_engine`` is the process's target. Its main thread reads the frontend's messages
-(``engine_protocol``) and submits, cancels or stops; a sender thread drains the batching
-worker's output queue and sends one ``STEP`` message per drained batch with each request's new
-token ids. The process ignores SIGINT / SIGTERM: the frontend stops it (its pipe closing
+``run_engine`` is the process's target. Its main thread reads the frontends' messages
+(``engine_protocol``; one frontend, or one per API server with ``--api-server-count``:
+``engine_links``) and submits, cancels or stops; a sender thread drains the batching worker's
+output queue and sends one ``STEP`` message per drained batch (per frontend) with each request's
+new token ids. The process ignores SIGINT / SIGTERM: the frontend stops it (its pipe closing
 included), so a signal to the whole process group still gets the bounded shutdown.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from kvplug.interface import KVPlugError
 
 from kvplug_transformers import engine_protocol as protocol
+from kvplug_transformers.engine_links import OWNER, FrontendLinks
 from kvplug_transformers.worker_warmup import request_warmup
 
 logger = logging.getLogger("kvplug.engine")
@@ -28,33 +30,29 @@ READY_POLL_S = 0.02
 OUTPUT_POLL_S = 0.05  # how often an idle sender looks for the worker's death
 
 
-def run_engine(conn: Any, spec: protocol.EngineSpec) -> None:
-    """Build the model and the batching worker as ``kvplug serve`` does, then serve ``conn``."""
+def run_engine(conn: Any, spec: protocol.EngineSpec, other_conns: tuple = ()) -> None:
+    """Build the model and the batching worker as ``kvplug serve`` does, then serve ``conn`` (the
+    owning frontend) and ``other_conns`` (the other API servers' connections)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from kvplug_transformers.server import _configure_logging
 
     _configure_logging(spec.log_level, spec.uvicorn_log_level, log_requests=spec.log_requests)
-    send_lock = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
+    links = FrontendLinks([conn, *other_conns])
     try:
         host, manager, sampling = _build(spec)
-    except Exception as error:  # whatever stops the build is the start's failure, told to the frontend
-        send((protocol.FATAL, f"{type(error).__name__}: {error}"))
+    except Exception as error:  # whatever stops the build is the start's failure, told to the frontends
+        links.broadcast((protocol.FATAL, f"{type(error).__name__}: {error}"))
         sys.exit(1)  # the frontend reports it (no traceback in the server's log)
-    sender = _OutputSender(manager, send, spec.stream_interval)
+    sender = _OutputSender(manager, links, spec.stream_interval)
     threading.Thread(target=sender.run, name="kvplug-engine-sender", daemon=True).start()
-    send((protocol.READY, _pid()))
+    links.broadcast((protocol.READY, _pid()))
     try:
-        _serve(conn, manager, host, sampling, send, sender)
+        _serve(links, manager, host, sampling, sender)
     finally:
         sender.stop()
         try:
-            send((protocol.STOPPED, host.stats() if host is not None else None))
+            links.broadcast((protocol.STOPPED, host.stats() if host is not None else None))
         except OSError:  # the frontend is gone
             pass
 
@@ -119,40 +117,63 @@ def _wait_for(manager: Any, done: Any, doing: str) -> None:
         threading.Event().wait(READY_POLL_S)
 
 
-def _serve(conn: Any, manager: Any, host: Any, sampling: Any, send: Any, sender: _OutputSender) -> None:
+def _serve(links: FrontendLinks, manager: Any, host: Any, sampling: Any, sender: _OutputSender) -> None:
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the frontend died: stop
-            logger.warning("kvplug engine: the HTTP process is gone; stopping")
-            manager.stop(block=True, timeout=2)
-            return
-        kind = message[0]
-        if kind == protocol.ADD:
-            _, request_id, input_ids, max_new_tokens, eos_token_id, streaming, params = message
-            if params is not None:
-                refusal = _refusal(sampling, params)
-                if refusal is not None:
-                    send((protocol.STEP, [protocol.StepOutput(request_id, [], True, refusal)]))
-                    continue
-                sampling.register(request_id, params)
-            manager.add_request(input_ids, request_id=request_id, streaming=streaming,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        elif kind == protocol.CANCEL:
-            sender.forget(message[1])
-            if sampling is not None:
-                sampling.discard(message[1])
-            manager.cancel_request(message[1])
-        elif kind == protocol.STATS:
-            send((protocol.STATS_REPLY, message[1], host.stats() if host is not None else _native_stats(manager)))
-        elif kind == protocol.STOP:
-            status = manager.background_thread_status
-            status.request_stop(status.HARD_STOP, manager.distributed_helper.global_rank)
-            manager._has_new_requests.set()  # wake it if it waits for requests
-            thread = getattr(manager, "_generation_thread", None)
-            if thread is not None:
-                thread.join(timeout=message[1])
-            return
+        for frontend, message in links.receive():
+            if message is None and frontend == OWNER:  # the owning frontend died: stop
+                logger.warning("kvplug engine: the HTTP process is gone; stopping")
+                manager.stop(block=True, timeout=2)
+                return
+            if message is None:  # another API server is gone: its requests go with it
+                logger.warning("kvplug engine: API server %d is gone; its requests are cancelled", frontend)
+                _detach(links, frontend, manager, sampling, sender)
+                continue
+            kind = message[0]
+            if kind == protocol.ADD:
+                _, request_id, input_ids, max_new_tokens, eos_token_id, streaming, params = message
+                if params is not None:
+                    refusal = _refusal(sampling, params)
+                    if refusal is not None:
+                        links.send(frontend, (protocol.STEP, [protocol.StepOutput(request_id, [], True, refusal)]))
+                        continue
+                engine_id = links.admit(frontend, request_id)
+                if params is not None:
+                    sampling.register(engine_id, params)
+                manager.add_request(input_ids, request_id=engine_id, streaming=streaming,
+                                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            elif kind == protocol.CANCEL:
+                engine_id = links.engine_id(frontend, message[1])
+                links.forget(engine_id)
+                _cancel(engine_id, manager, sampling, sender)
+            elif kind == protocol.STATS:
+                links.send(frontend, (protocol.STATS_REPLY, message[1],
+                                      host.stats() if host is not None else _native_stats(manager)))
+            elif kind == protocol.STOP and frontend != OWNER:  # an API server stopping: only it goes
+                _detach(links, frontend, manager, sampling, sender, (protocol.STOPPED, None))
+            elif kind == protocol.STOP:
+                status = manager.background_thread_status
+                status.request_stop(status.HARD_STOP, manager.distributed_helper.global_rank)
+                manager._has_new_requests.set()  # wake it if it waits for requests
+                thread = getattr(manager, "_generation_thread", None)
+                if thread is not None:
+                    thread.join(timeout=message[1])
+                return
+
+
+def _cancel(engine_id: str, manager: Any, sampling: Any, sender: _OutputSender) -> None:
+    sender.forget(engine_id)
+    if sampling is not None:
+        sampling.discard(engine_id)
+    manager.cancel_request(engine_id)
+
+
+def _detach(links: FrontendLinks, frontend: int, manager: Any, sampling: Any, sender: _OutputSender,
+            last: tuple | None = None) -> None:
+    """An API server's requests cancelled, ``last`` sent to it, its connection closed."""
+    if last is not None:
+        links.send(frontend, last)
+    for engine_id in links.detach(frontend):
+        _cancel(engine_id, manager, sampling, sender)
 
 
 class _OutputSender:
@@ -161,9 +182,9 @@ class _OutputSender:
     request's tokens wait until that many are new (``--stream-interval``); its first token and its
     end are sent at once."""
 
-    def __init__(self, manager: Any, send: Any, interval: int = 1) -> None:
+    def __init__(self, manager: Any, links: FrontendLinks, interval: int = 1) -> None:
         self._manager = manager
-        self._send = send
+        self._links = links
         self._interval = interval
         self._sent: dict[str, int] = {}  # request id -> tokens already sent
         self._stopped = threading.Event()
@@ -193,8 +214,8 @@ class _OutputSender:
             if not items:
                 continue
             try:
-                self._send((protocol.STEP, items))
-            except OSError:
+                self._links.send_outputs(items)
+            except OSError:  # the owning frontend is gone
                 return
 
     def _delta(self, output: Any) -> protocol.StepOutput | None:
@@ -216,7 +237,7 @@ class _OutputSender:
         if error is not None and not self._fatal_sent:
             self._fatal_sent = True
             try:
-                self._send((protocol.FATAL, f"{type(error).__name__}: {error}"))
+                self._links.broadcast((protocol.FATAL, f"{type(error).__name__}: {error}"))
             except OSError:
                 pass
 

@@ -4,6 +4,11 @@ One pipe (``multiprocessing`` connection, pickled tuples) each way. The frontend
 to add (with their ``SamplingParams``: the engine's sampler applies them) or cancel, statistics queries and the stop; the engine answers with one ``STEP`` message
 per batch of outputs carrying every request's *new* token ids (the frontend detokenises), as
 vLLM v1's engine core does. Plain tuples: one message per step is the hot path.
+
+With ``--api-server-count N`` the engine has one such pipe per API server process
+(``engine_links``): each frontend's ids are its own, ``READY`` / ``FATAL`` / ``STOPPED`` go to
+all, a ``STOP`` from any frontend but the first only detaches that one (its requests cancelled,
+``STOPPED`` then its pipe closed).
 """
 
 from __future__ import annotations

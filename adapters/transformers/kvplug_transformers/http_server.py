@@ -17,6 +17,7 @@ from typing import Any
 
 from kvplug.interface import KVPlugError
 
+from kvplug_transformers.api_servers import add_api_server_header
 from kvplug_transformers.cache_routes import add_cache_routes
 from kvplug_transformers.generation_routes import add_generation_routes
 from kvplug_transformers.handler_guards import guard_handlers
@@ -50,12 +51,14 @@ class HttpServer:
         connections: the connection cap and read deadlines.
         kvplug_settings: the ``KVPlugSettings`` the engine process installs (``--engine-process``;
             ``None`` with the native backend).
+        api_server: with ``--api-server-count`` N > 1, this process's part (``api_servers``): it
+            serves the shared socket, and its responses name it.
     """
 
     def __init__(
         self, adapter: Any, opts: Any, served: ServedModel, device: Any, dtype_name: str, cb_options: dict,
         limits: RequestLimits, inflight: InFlightRequests, connections: ConnectionLimits,
-        kvplug_settings: Any = None,
+        kvplug_settings: Any = None, api_server: Any = None,
     ) -> None:
         import uvicorn
         from transformers import ContinuousBatchingConfig
@@ -122,7 +125,7 @@ class HttpServer:
                     per_request_sampling=self.sampling is not None, stream_interval=opts.stream_interval,
                 )
 
-            generation_state._cb_manager = RemoteGenerateManager(spec_for, self.sampling)
+            generation_state._cb_manager = RemoteGenerateManager(spec_for, self.sampling, api_server)
             generation_state._cb_model_id = served.name  # the id the guarded handlers resolve the model to
             self.stats_source = RemoteStats(generation_state, adapter)
         self.watch = WorkerWatch(generation_state, limits, inflight, self.sampling)
@@ -147,6 +150,10 @@ class HttpServer:
             lambda: self.stats_source.stats().to_json() if opts.kv_backend == "kvplug" else {}, inflight.count,
         )
         wrap_app(app, api_key=opts.api_key, max_request_bytes=opts.max_request_bytes, inflight=inflight)
+        self._sockets = None  # uvicorn binds its own; with several API servers, the shared one
+        if api_server is not None:
+            add_api_server_header(app, api_server.index)
+            self._sockets = [api_server.sock]
         config = uvicorn.Config(
             app, host=opts.host, port=opts.port, log_config=None, log_level=opts.uvicorn_log_level or opts.log_level,
             # uvicorn's own check counts the connection asking too; ours refuses beyond the cap
@@ -160,16 +167,17 @@ class HttpServer:
         def run() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            loop.run_until_complete(self.uvicorn.serve())
+            loop.run_until_complete(self.uvicorn.serve(sockets=self._sockets))
 
         self.thread = threading.Thread(target=run, name="uvicorn-thread", daemon=False)
         self.thread.start()
 
-    def start_worker(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
+    def start_worker(self, stop: threading.Event, others: Any = None, poll_s: float = 0.05) -> bool:
         """Start transformers' batching worker now, as the first request would, and wait until it
         has built its batch processor (kvplug's KV pool, or transformers' own cache) and captured
         kvplug's decode CUDA graphs when they are on (``worker_warmup``): a pool that cannot be
-        built fails the start, not the first request. Returns False when ``stop`` came first.
+        built fails the start, not the first request; with ``others`` (``api_servers.ApiServers``),
+        until they serve too. Returns False when ``stop`` came first.
 
         Raises:
             KVPlugError: the worker died while building, or the capture failed (its error in the message).
@@ -195,8 +203,9 @@ class HttpServer:
                         f"capturing kvplug's decode CUDA graphs failed: {type(error).__name__}: {error} "
                         "(--disable-cuda-graph serves without them)"
                     ) from error
-                self.ready.set()
-                return True
+                if others is None or others.all_ready():
+                    self.ready.set()
+                    return True
             stop.wait(poll_s)
         return False
 

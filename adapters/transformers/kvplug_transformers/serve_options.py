@@ -27,6 +27,7 @@ DESCRIPTOR_RESERVE = 128  # file descriptors kept for the model, logs and the pr
 ACCEPT_BACKLOG = 64  # connections the event loop may accept in one go (each a descriptor before it is counted)
 MAX_TIMEOUT = 3600.0
 MAX_STREAM_INTERVAL = 1024  # tokens a stream may be sent at a time (--stream-interval)
+MAX_API_SERVERS = 64  # --api-server-count: HTTP processes over one engine process
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class ServeOptions:
     uvicorn_log_level: str | None = None  # uvicorn's loggers only (None: --log-level)
     engine_process: bool = False  # issue 28: model and batching worker in their own process
     stream_interval: int = 1  # issue 28: streamed tokens sent N at a time by the engine process (1: each)
+    api_server_count: int = 1  # issue 28: HTTP processes sharing the port over one engine process
 
 
     def __post_init__(self) -> None:
@@ -103,9 +105,17 @@ class ServeOptions:
             raise InvalidArgumentError("--served-model-name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise InvalidArgumentError("--api-key must not be empty")
+        count = self.api_server_count
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_API_SERVERS:
+            raise InvalidArgumentError(f"--api-server-count must be an int in [1, {MAX_API_SERVERS}], got {count!r}")
+        if count > 1 and not self.engine_process:
+            raise InvalidArgumentError(
+                f"--api-server-count {count} needs the engine in its own process: add --engine-process "
+                "(the CLI implies it)")
         if self.engine_process and self.kv_events is not None and self.kv_events.enabled:
             # NOTE: the caches publishing the events live in the engine process; the publisher is not built there yet
-            raise InvalidArgumentError("--kv-events-config does not work with --engine-process yet: drop one of them")
+            raise InvalidArgumentError("--kv-events-config does not work with --engine-process yet (--api-server-count > 1 "
+                                       "runs one): drop one of them")
         interval = self.stream_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= MAX_STREAM_INTERVAL:
             raise InvalidArgumentError(

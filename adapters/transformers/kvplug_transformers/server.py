@@ -27,6 +27,8 @@ the integration, never the reverse:
 * ``--engine-process``: the model, the batching worker and kvplug run in a process of their own
   (``engine_process``, ``engine_client``); this process keeps HTTP and detokenising, and the engine
   process's death is the worker's.
+* ``--api-server-count N``: N such HTTP processes share the listening socket over one engine
+  process (``api_servers``); this one starts and watches the others.
 
 Every failure it can foresee at startup (bad model, unknown component, a KV budget too small for one
 request, a busy port, a ``--max-seq-len`` beyond the model's context) is a ``KVPlugError`` with an
@@ -36,6 +38,7 @@ explanation instead of a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -50,6 +53,7 @@ import torch
 from kvplug.interface import InvalidArgumentError, KVPlugError
 from kvplug.memory.model_shape import parse_dtype
 
+from kvplug_transformers.api_servers import ApiServerRole, ApiServers
 from kvplug_transformers.compat import require_transformers
 from kvplug_transformers.embedded_model import ensure_embedded_model
 from kvplug_transformers.exit_deadline import ExitDeadline, teardown_reserve
@@ -60,7 +64,7 @@ from kvplug_transformers.log_limits import RateLimitedLog
 from kvplug_transformers.model_checks import check_model_config
 from kvplug_transformers.planning import PoolPlan, model_context_len, model_shape, plan_pool
 from kvplug_transformers.request_limits import RequestLimits
-from kvplug_transformers.serve_options import ServeOptions, native_cb_options
+from kvplug_transformers.serve_options import ACCEPT_BACKLOG, ServeOptions, native_cb_options
 from kvplug_transformers.stats_routes import ServedModel, served_model
 from kvplug_transformers.worker_watch import WorkerWatch
 
@@ -70,10 +74,13 @@ WORKER_DEATH_GRACE_S = 1.0  # time for aborted requests to get their 503 before 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 IDLE_POOL_THREAD = "AnyIO worker thread"  # Starlette runs sync routes there; idle ones never exit by themselves
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs here
+OTHER_API_SERVERS_EARLIER_SHARE = 0.1  # of --shutdown-timeout, at most OTHER_API_SERVERS_EARLIER_MAX_S: the
+OTHER_API_SERVERS_EARLIER_MAX_S = 1.0  # other API servers abort what still runs that much before the engine stops
 
 
-def serve(adapter: Any, **options: Any) -> int:
-    """Run the server until Ctrl-C / SIGTERM; ``options`` are ``ServeOptions`` fields."""
+def serve(adapter: Any, *, api_server: ApiServerRole | None = None, **options: Any) -> int:
+    """Run the server until Ctrl-C / SIGTERM; ``options`` are ``ServeOptions`` fields;
+    ``api_server``: this process is one of ``--api-server-count``'s others (``api_servers``)."""
     opts = ServeOptions(**options)
     _configure_logging(opts.log_level, opts.uvicorn_log_level, log_requests=opts.log_requests)
     require_transformers()
@@ -122,7 +129,8 @@ def serve(adapter: Any, **options: Any) -> int:
 
             logger.info("kvplug remote KV store under the host tier: %s", redact_url(opts.remote_kv))
         logger.info("kvplug prefix cache %r, attention %r", settings.prefix_cache, settings.attention)
-        _check_components(settings, shape, device)
+        if api_server is None:  # the first API server checked them (and the engine builds them)
+            _check_components(settings, shape, device)
         limits = RequestLimits(min(plan.max_seq_len, plan.num_tokens), _limit_source(opts, context_len))
         if opts.engine_process:
             engine_settings = settings  # installed in the engine process, not here
@@ -141,7 +149,7 @@ def serve(adapter: Any, **options: Any) -> int:
         try:
             publisher = _start_kv_events(adapter, opts)  # binds now: an address in use fails the start
             death, threads_left = _run_server(adapter, opts, served, device, dtype_name, cb_options, limits,
-                                              engine_settings, exit_deadline)
+                                              engine_settings, exit_deadline, api_server)
         finally:
             if opts.kv_backend == "kvplug":
                 adapter.uninstall()
@@ -199,6 +207,7 @@ def _limit_source(opts: ServeOptions, context_len: int) -> str:
 def _run_server(
     adapter: Any, opts: ServeOptions, served: ServedModel, device: torch.device, dtype_name: str, cb_options: dict,
     limits: RequestLimits, engine_settings: Any = None, exit_deadline: ExitDeadline | None = None,
+    api_server: ApiServerRole | None = None,
 ) -> tuple[str | None, list[str]]:
     """Serve until a stop signal or the worker's death; returns (why the worker died or ``None``,
     non-daemon threads still alive). ``exit_deadline`` is armed at the stop's start."""
@@ -207,12 +216,20 @@ def _run_server(
     connections = ConnectionLimits(opts.connection_limit(), opts.timeout_header, opts.timeout_body,
                                    opts.stream_stall_timeout)
     with _stop_on_signals(stop):
+        others = None  # --api-server-count N: API servers 1 .. N - 1, started and watched here
+        if api_server is None and opts.api_server_count > 1:
+            others = ApiServers(opts.api_server_count, opts.host, opts.port, ACCEPT_BACKLOG)
+            api_server = others.own
+            others.start(adapter.settings, _other_options(opts))
         try:
             server = HttpServer(adapter, opts, served, device, dtype_name, cb_options, limits, inflight, connections,
-                                kvplug_settings=engine_settings)
-        except KVPlugError:
-            raise
-        except Exception as error:  # transformers raises many types for a bad checkpoint
+                                kvplug_settings=engine_settings, api_server=api_server)
+        except BaseException as error:
+            if others is not None:
+                others.join(time.monotonic())  # killed: none serves without this one
+            if isinstance(error, KVPlugError) or not isinstance(error, Exception):
+                raise
+            # transformers raises many types for a bad checkpoint
             raise KVPlugError(f"cannot load the model from {served.path}: {type(error).__name__}: {error}") from error
         if not _is_loopback(opts.host) and not opts.api_key:
             logger.warning(
@@ -229,8 +246,16 @@ def _run_server(
             logger.info("kvplug serve: building the KV cache and starting the batching worker (/health answers "
                         "503 starting until then)")
             built_at = time.monotonic()
-            if server.start_worker(stop):
+            if api_server is not None and api_server.index > 0:
+                if server.start_worker(stop):
+                    api_server.ready.set()
+                    logger.info("kvplug serve: API server %d of %d serving", api_server.index, api_server.count)
+                    death = _watch(server, server.stats_source, opts, stop, watch)
+            elif server.start_worker(stop, others):
                 logger.info("kvplug serve: KV cache built, batching worker running (%.2f s)", time.monotonic() - built_at)
+                if others is not None:
+                    logger.info("kvplug serve: %d API server processes share the port (this one and pids %s)",
+                                opts.api_server_count, ", ".join(map(str, others.pids())))
                 # the address is what an operator needs whatever --log-level hides: at least a warning's level
                 logger.log(
                     max(logging.INFO, logger.getEffectiveLevel()),
@@ -239,17 +264,27 @@ def _run_server(
                     opts.host, opts.port, opts.kv_backend, served.name, served.path, limits.max_context_len,
                     connections.max_connections,
                 )
-                death = _watch(server, server.stats_source, opts, stop, watch)
+                death = _watch(server, server.stats_source, opts, stop, watch, others)
         finally:
             deadline = stop.deadline(opts.shutdown_timeout)
             if exit_deadline is not None:  # what follows is bounded by the timeout, teardown included
                 exit_deadline.arm(deadline, 0 if death is None and sys.exc_info()[1] is None else 2)
-            threads_left = _shutdown(server, watch, inflight, deadline - teardown_reserve(opts.shutdown_timeout))
-    if opts.kv_backend == "kvplug":
+            threads_left = _shutdown(server, watch, inflight, deadline - teardown_reserve(opts.shutdown_timeout),
+                                     others)
+    if opts.kv_backend == "kvplug" and (api_server is None or api_server.index == 0):
         logger.info("%s", server.stats_source.stats().describe())
     if death is None:
         logger.info("kvplug serve: stopped")
     return death, threads_left
+
+
+def _other_options(opts: ServeOptions) -> dict:
+    """What API servers 1 .. N - 1 run ``serve`` with: these options, a shorter stop (what they
+    still run is aborted before this process stops the engine)."""
+    options = {field.name: getattr(opts, field.name) for field in dataclasses.fields(opts)}
+    earlier = min(OTHER_API_SERVERS_EARLIER_MAX_S, opts.shutdown_timeout * OTHER_API_SERVERS_EARLIER_SHARE)
+    options["shutdown_timeout"] = opts.shutdown_timeout - earlier
+    return options
 
 
 def _start_kv_events(adapter: Any, opts: ServeOptions) -> Any:
@@ -338,9 +373,10 @@ def _wait_until_started(server: HttpServer, opts: ServeOptions, stop: threading.
         time.sleep(0.05)
 
 
-def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading.Event, watch: WorkerWatch) -> str | None:
+def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading.Event, watch: WorkerWatch,
+           others: ApiServers | None = None) -> str | None:
     """Block until a stop signal or the worker's death (returned), logging cache statistics every
-    ``stats_interval`` s when they change."""
+    ``stats_interval`` s when they change; another API server's exit stops the server."""
     last_logged, last_time = None, time.monotonic()
     while not stop.wait(0.2):
         death = watch.check()
@@ -349,6 +385,9 @@ def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading
             return death
         if not server.alive():
             raise KVPlugError("the HTTP server thread exited unexpectedly")
+        gone = others.dead() if others is not None else None
+        if gone is not None:
+            raise KVPlugError(f"{gone}; the server stopped")
         if opts.kv_backend != "kvplug" or opts.stats_interval <= 0:
             continue
         if time.monotonic() - last_time >= opts.stats_interval:
@@ -359,15 +398,20 @@ def _watch(server: HttpServer, adapter: Any, opts: ServeOptions, stop: threading
     return None
 
 
-def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests, deadline: float) -> list[str]:
+def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests, deadline: float,
+              others: ApiServers | None = None) -> list[str]:
     """Stop by ``deadline`` (``time.monotonic()``; the stop signal plus ``--shutdown-timeout``, less
     the teardown's reserve):
     refuse new requests and close the listener at once, let running requests finish until
-    ``deadline - margin``, abort the rest, stop the worker and the HTTP thread. Returns the names
+    ``deadline - margin`` (the other API servers', stopped too, until they exit), abort the rest
+    (the other API servers abort theirs earlier), stop the worker, the other API servers (killed at ``deadline - margin / 4``) and the
+    HTTP thread. Returns the names
     of non-daemon threads still alive at the deadline."""
     start = time.monotonic()
     timeout = max(deadline - start, 0.0)
     margin = min(2.0, timeout / 2)
+    if others is not None:
+        others.signal_stop()  # they stop as this one does, a little sooner
     inflight.close("the server is shutting down")
     uvicorn_server = server.uvicorn
     uvicorn_server.should_exit = True  # uvicorn closes its listening socket at its next tick
@@ -378,7 +422,8 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
         )
     else:
         logger.info("kvplug serve: shutting down")
-    while inflight.count() and time.monotonic() < deadline - margin:
+    # the other API servers' requests need the engine: it stops once they are gone (or at the bound)
+    while (inflight.count() or (others is not None and others.running())) and time.monotonic() < deadline - margin:
         time.sleep(0.05)
     aborted = inflight.abort_all("the server is shutting down: request aborted")
     if aborted:
@@ -387,6 +432,8 @@ def _shutdown(server: HttpServer, watch: WorkerWatch, inflight: InFlightRequests
         logger.warning("kvplug serve: the batching worker did not stop in time")
     if not server.stop_engine(timeout=max(deadline - time.monotonic() - margin / 2, 0.1)):
         logger.warning("kvplug serve: the engine process did not stop in time; killed")
+    if others is not None and not others.join(deadline - margin / 4):
+        logger.warning("kvplug serve: another API server did not stop in time; killed")
     thread = server.thread
     if thread is not None:
         thread.join(timeout=max(deadline - time.monotonic() - margin / 4, 0.1))
