@@ -63,6 +63,26 @@ def test_gate_passes_on_the_pinned_release():
     assert modules.version == compat.PINNED_VERSION
 
 
+@pinned
+def test_the_cache_integration_gate_never_imports_the_http_server(monkeypatch):
+    """Without transformers' [serve] extras its server modules fail to import (a NameError in
+    5.17.0): the host install checks the cache internals only; ``kvplug serve`` checks both."""
+    from kvplug import host_internals
+
+    resolve = host_internals.resolve
+
+    def without_server(path):
+        if path.startswith("transformers.cli.serving."):
+            raise NameError("name 'CompletionCreateParamsStreaming' is not defined")
+        return resolve(path)
+
+    monkeypatch.setattr(host_internals, "resolve", without_server)
+    assert any(compat.serving_internal(entry) for entry in compat.INTERNALS)
+    assert compat.require_transformers().version == compat.PINNED_VERSION
+    with pytest.raises(NameError):
+        compat.require_transformers(serving=True)
+
+
 def _scheduler():
     from transformers.generation.continuous_batching import scheduler
 

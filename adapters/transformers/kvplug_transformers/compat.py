@@ -324,8 +324,16 @@ def check_internals(version: str, entries: tuple[Internal, ...] = INTERNALS) -> 
     )
 
 
-def require_transformers() -> TransformersModules:
-    """Import transformers, check its version and the fingerprint of every internal the adapter touches."""
+def serving_internal(entry: Internal) -> bool:
+    """Whether ``entry`` belongs to transformers' HTTP server (``transformers.cli.serving``)."""
+    return entry.owner.startswith(f"{_SERVING}.")
+
+
+def require_transformers(*, serving: bool = False) -> TransformersModules:
+    """Import transformers, check its version and the fingerprint of every internal the adapter touches.
+
+    ``serving``: also the HTTP server's internals (``kvplug serve``); the cache integration alone
+    leaves them out, since importing transformers' server needs its optional ``[serving]`` extras."""
     try:
         import transformers
     except ImportError as error:
@@ -334,7 +342,8 @@ def require_transformers() -> TransformersModules:
             f"install it with `{INSTALL_HINT}`"
         ) from error
     check_version(transformers.__version__)
-    check_internals(transformers.__version__)
+    entries = INTERNALS if serving else tuple(entry for entry in INTERNALS if not serving_internal(entry))
+    check_internals(transformers.__version__, entries)
     return TransformersModules(
         version=transformers.__version__,
         continuous_api=importlib.import_module(f"{_CB}.continuous_api"),

@@ -90,6 +90,7 @@ def serve(adapter: Any, *, api_server: ApiServerRole | None = None, **options: A
         raise KVPlugError(
             "kvplug serve needs fastapi, uvicorn, pydantic and openai: pip install './adapters/transformers[serve]'"
         )
+    require_transformers(serving=True)  # the server's own internals import its [serve] extras
     model_path = opts.model
     if model_path is None:
         model_path = str(ensure_embedded_model())
