@@ -225,3 +225,34 @@ def test_a_restarted_server_leaves_no_stale_score(fleet):
     dynamo.wait_selected_overlap(turn1, 0, "after the restart")
     workers[2].generate(turn1)  # and the restarted server's events are read again
     dynamo.wait_scores(turn1, lambda s: s.get(2, 0) > 0, "after a request to the restarted server")
+
+
+@pytest.mark.parametrize("kind", ["kvplug", "sglang"])
+def test_a_router_reconnecting_late_still_sees_the_restart(kind, dynamo_python, sglang_python, tmp_path):  # noqa: F811
+    """The restart above without its luck: Dynamo's indexer reconnects only after the restarted
+    publisher's ``AllBlocksCleared`` went out, and nothing follows (``tests/sglang_restart_probe.py``).
+    kvplug-sglang's publisher answers the reconnected subscriber, so the old page goes; SGLang's own
+    (numbered from the start time, as before the fix) publishes nothing for it and the page stays."""
+    from tests.dynamo_router import call
+
+    dynamo = Dynamo(dynamo_python, tmp_path, "probe", PAGE)
+    try:
+        dynamo.wait_ready()
+        endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        status, body = call(f"http://127.0.0.1:{dynamo.indexer_port}/register", {
+            "instance_id": 7, "endpoint": endpoint, "replay_endpoint": replay, "block_size": PAGE,
+            "model_name": "probe"})  # fmt: skip
+        assert status in (200, 201), body
+        probe = subprocess.run(
+            [sglang_python, "tests/sglang_restart_probe.py", kind, f"http://127.0.0.1:{dynamo.indexer_port}",
+             endpoint, replay], cwd=ROOT, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        dynamo.stop()
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    result = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert result["before"] == {"7": 2 * PAGE}, result
+    if kind == "kvplug":
+        assert result["cleared_after_s"] is not None, f"the restarted publisher was not seen: {result}"
+    else:
+        assert result["cleared_after_s"] is None, f"Dynamo reconnected in time by chance, or read SGLang's start: {result}"
