@@ -169,30 +169,41 @@ def array_of(values):
 
 
 @pytest.mark.parametrize("kind", ["sglang", "radix"])
-def test_batches_are_numbered_from_the_start_time_with_a_kvplug_cache(kind, tmp_path):
-    """With kvplug's tree cache, SGLang's ZMQ publisher numbers batches from the start time in
-    microseconds (a router then sees a restart as a jump forward, not as old batches); SGLang's own
-    cache keeps SGLang's numbering from 0."""
+def test_a_kvplug_cache_numbers_from_the_start_time_and_answers_a_new_subscriber(kind, tmp_path):
+    """With kvplug's tree cache, a ``"zmq"`` config gets kvplug-sglang's publisher: batches numbered
+    from the start time in microseconds, and a subscriber that connects (a router reconnecting to a
+    restarted server) is answered at once with an empty batch carrying the number, before any batch
+    is published (issue 27); SGLang's own cache keeps SGLang's publisher, numbered from 0, silent."""
+    import json
     import time
     from types import SimpleNamespace
 
+    import msgspec
     import zmq
-    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+    from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventBatch, ZmqEventPublisher
 
-    from kvplug_sglang.hooks import after_init_kv_events
+    from kvplug_sglang.answering_publisher import AnsweringZmqEventPublisher
+    from kvplug_sglang.hooks import around_init_kv_events
 
     endpoint = f"ipc://{tmp_path}/events"
-    publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint, replay_endpoint=f"ipc://{tmp_path}/replay")
+    config = json.dumps({"publisher": "zmq", "endpoint": endpoint, "replay_endpoint": f"ipc://{tmp_path}/replay"})
+    world = make_world(kind, page_size=1, enable_kv_cache_events=True)
+    started = time.time_ns() // 1000
+    publisher = around_init_kv_events(
+        lambda owner, cfg: EventPublisherFactory.create(cfg, 0), SimpleNamespace(tree_cache=world.cache), config
+    )
     subscriber = zmq.Context.instance().socket(zmq.SUB)
     try:
+        assert type(publisher) is (ZmqEventPublisher if kind == "sglang" else AnsweringZmqEventPublisher)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
         subscriber.setsockopt(zmq.LINGER, 0)
         subscriber.connect(endpoint)
-        time.sleep(0.5)  # ZMQ's slow joiner
-        started = time.time_ns() // 1000
-        world = make_world(kind, page_size=1, enable_kv_cache_events=True)
-        after_init_kv_events(None, SimpleNamespace(kv_event_publisher=publisher, tree_cache=world.cache))
+        answered = subscriber.poll(3_000)
         numbers = []
+        if answered:
+            topic, number, payload = subscriber.recv_multipart()
+            numbers.append(int.from_bytes(number, "big"))
+            assert msgspec.msgpack.decode(payload, type=KVEventBatch).events == []
         for _ in range(2):
             publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
             assert subscriber.poll(10_000), "no batch published"
@@ -201,6 +212,7 @@ def test_batches_are_numbered_from_the_start_time_with_a_kvplug_cache(kind, tmp_
         subscriber.close()
         publisher.shutdown()
     if kind == "sglang":
-        assert numbers == [0, 1]
+        assert not answered and numbers == [0, 1]
     else:
-        assert started <= numbers[0] <= time.time_ns() // 1000 and numbers[1] == numbers[0] + 1
+        assert answered and started <= numbers[0] <= time.time_ns() // 1000
+        assert numbers[1:] == [numbers[0] + 1, numbers[0] + 2]

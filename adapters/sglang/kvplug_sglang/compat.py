@@ -46,8 +46,9 @@ WIRED: Mapping[str, Mapping[str, str]] = {
             "yes (hook after TokenizerManager.__init__ puts health.QuarantineHealth on the HTTP app; "
             "it reads TokenizerManager.get_internal_state)"
         ),
-        "KV-event batches numbered from the start time (a router sees a restart)": (
-            "yes, with a kvplug tree cache (hook after SchedulerKvEventsPublisher.init_kv_events)"
+        "KV-event batches numbered from the start time, each new subscriber answered (a router sees a restart)": (
+            "yes, with a kvplug tree cache (hook around SchedulerKvEventsPublisher.init_kv_events picks "
+            "answering_publisher's registered ZMQ publisher)"
         ),
         "--enable-memory-saver": "no: kvplug's pool is allocated outside SGLang's memory-saver region",
     },
@@ -71,8 +72,14 @@ INTERNALS: tuple[HostInternal, ...] = (
                  "get_internal_state", "hooked", "after it, a rank's state carries the quarantine record",
                  PARAMETERS, "self, recv_req"),
     HostInternal("sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher",
-                 "init_kv_events", "hooked", "after it, a kvplug tree cache's ZMQ publisher numbers its batches "
-                 "from the start time (event_sequence.py)", PARAMETERS, "self, kv_events_config"),
+                 "init_kv_events", "hooked", "around it, a kvplug tree cache's \"zmq\" config names "
+                 "answering_publisher's publisher", PARAMETERS, "self, kv_events_config"),
+    HostInternal("sglang.srt.disaggregation.kv_events.EventPublisherFactory", "register_publisher", "called",
+                 "registers answering_publisher.AnsweringZmqEventPublisher as \"kvplug-zmq\"",
+                 PARAMETERS, "cls, name, ctor"),
+    HostInternal("sglang.srt.disaggregation.kv_events.EventPublisherFactory", "create", "read",
+                 "builds the registered publisher with the config's fields as keyword arguments",
+                 SOURCE, "c60213a91c2d5106"),
     HostInternal("sglang.srt.managers.scheduler.Scheduler", "_prefetch_kvcache", "hooked",
                  "after it (SGLang calls it for a request just before its waiting queue), a kvplug tree cache "
                  "starts the shared KV store's prefetch of the prompt (KvplugPrefixCache.prefetch, issue 30)",
@@ -81,8 +88,14 @@ INTERNALS: tuple[HostInternal, ...] = (
                  "the batch counter event_sequence.number_from_start_time restarts at the start time",
                  ASSIGNED, "self._seq_gen set by the class"),
     HostInternal("sglang.srt.disaggregation.kv_events.ZmqEventPublisher", "__init__", "read",
-                 "builds _seq_gen as an itertools.count and binds or connects by the endpoint's form",
+                 "makes _event_queue, then _socket_setup, then _seq_gen (an itertools.count), then the thread",
                  SOURCE, "51f9614cf02f95ad"),
+    HostInternal("sglang.srt.disaggregation.kv_events.ZmqEventPublisher", "_socket_setup", "overridden",
+                 "AnsweringZmqEventPublisher makes an XPUB where it makes a PUB (it skips a set _pub) and "
+                 "binds by its rule", SOURCE, "8fef07986d6e466c"),
+    HostInternal("sglang.srt.disaggregation.kv_events.ZmqEventPublisher", "_publisher_thread", "read",
+                 "takes every batch with _event_queue.get on the socket's thread, numbers, sends and buffers it "
+                 "(AnsweringQueue answers subscriptions there)", SOURCE, "102dda84119ace07"),
 )
 
 

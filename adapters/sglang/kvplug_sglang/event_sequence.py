@@ -8,7 +8,8 @@ until the new run has published more batches than the old one did. ``kvplug serv
 batches from its start time in microseconds instead (``kvplug.events.zmq_publisher``), so a
 restarted server's numbers jump forward: the router sees a gap, replays it from the new run's
 replay socket and gets this run's ``AllBlocksCleared``. ``number_from_start_time`` gives an SGLang
-server with kvplug's tree cache the same numbering (``hooks.after_init_kv_events``); a native
+server with kvplug's tree cache the same numbering (``answering_publisher``, which also answers
+each new subscriber at once, so a router that reconnects late still sees the jump); a native
 SGLang server is left as it is. The numbers stay consecutive within a run, so SGLang's replay
 socket answers as before.
 """

@@ -20,9 +20,10 @@ SGLang's ``load_plugins`` applies them in every process:
 - after ``TokenizerManager.__init__``, in the main process only (``HTTP_HOOKS``: the HTTP server's,
   where the scheduler modules are not imported for it): ``health.QuarantineHealth`` on SGLang's
   HTTP ``app``, so ``/health`` reports that record as ``kvplug serve``'s ``/health`` does.
-- after ``SchedulerKvEventsPublisher.init_kv_events`` (``--kv-events-config``): with a kvplug tree
-  cache, SGLang's ZMQ publisher numbers its batches from the server's start time, as ``kvplug serve``
-  does, so a router sees a restart (``event_sequence``; issue 27).
+- around ``SchedulerKvEventsPublisher.init_kv_events`` (``--kv-events-config``): with a kvplug tree
+  cache, a ``"zmq"`` publisher is ``answering_publisher.AnsweringZmqEventPublisher`` (registered with
+  SGLang's ``EventPublisherFactory``): SGLang's, numbered from the server's start time and answering
+  each new subscriber with a batch, as ``kvplug serve``'s, so a router sees a restart (issue 27).
 - after ``Scheduler._prefetch_kvcache`` (SGLang's own storage prefetch, called for every request
   just before it enters the waiting queue): a kvplug tree cache with a shared KV store
   (``--kvplug-remote-kv``) starts reading the prompt's pages off the scheduler thread
@@ -128,20 +129,19 @@ def after_tokenizer_manager_init(result: Any, manager: Any, *args: Any, **kwargs
     install_on_http_app(manager)
 
 
-def after_init_kv_events(result: Any, events_publisher: Any, *args: Any, **kwargs: Any) -> Any:
-    """A kvplug tree cache's events are numbered from the start time (``event_sequence``); another
-    publisher kind (``"null"``, one registered by someone else) is left alone."""
-    from sglang.srt.disaggregation.kv_events import ZmqEventPublisher
-
+def around_init_kv_events(
+    original: Callable[..., Any], events_publisher: Any, kv_events_config: Any = None, *args: Any, **kwargs: Any
+) -> Any:
+    """With a kvplug tree cache, a ``"zmq"`` publisher is ``answering_publisher``'s: numbered from the
+    start time and answering each new subscriber, so a router sees a restart; another publisher kind
+    (``"null"``, one registered by someone else) and SGLang's own caches are left alone."""
     from kvplug_sglang.prefix_cache import KvplugPrefixCache
 
-    publisher = getattr(events_publisher, "kv_event_publisher", None)
-    tree_cache = getattr(events_publisher, "tree_cache", None)
-    if isinstance(publisher, ZmqEventPublisher) and isinstance(tree_cache, KvplugPrefixCache):
-        from kvplug_sglang.event_sequence import number_from_start_time
+    if kv_events_config and isinstance(getattr(events_publisher, "tree_cache", None), KvplugPrefixCache):
+        from kvplug_sglang.answering_publisher import answering_config
 
-        number_from_start_time(publisher)
-    return result
+        kv_events_config = answering_config(kv_events_config)
+    return original(events_publisher, kv_events_config, *args, **kwargs)
 
 
 _KV_EVENTS = "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher"
@@ -165,7 +165,7 @@ HOOKS = (
     (f"{_CONFIGURATOR}._build_default_req_pool", "AROUND", around_build_default_req_pool),
     ("sglang.srt.mem_cache.registry.get_radix_cache_factory", "AROUND", around_get_radix_cache_factory),
     (f"{_INTERNAL_STATE}.get_internal_state", "AFTER", after_get_internal_state),
-    (f"{_KV_EVENTS}.init_kv_events", "AFTER", after_init_kv_events),
+    (f"{_KV_EVENTS}.init_kv_events", "AROUND", around_init_kv_events),
     ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", "AFTER", after_prefetch_kvcache),
 )
 
