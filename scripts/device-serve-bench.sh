@@ -7,6 +7,8 @@
 # pydantic and their dependencies for Python 3.12), carried to the machine. Output: $OUT/serve.json.
 #   KVPLUG_ARGS / NATIVE_ARGS  extra `kvplug serve` arguments of each side
 #   BENCH_ARGS                 extra `kvplug bench serve` arguments
+#   CLIENT_PROCS=1             `--client-processes` of every `kvplug bench serve` call (issue 28: whether the
+#                              one client interpreter bounds streaming; "1 2": each server measured with both)
 #   MODE=stream                issue 28: kvplug only, 512 random prompts x 256 tokens at concurrency 256,
 #                              clients streaming and not, then `kvplug bench e2e` in-process, same call
 #   MODE=sweep                 issue 28 items 3-4: multi-turn chats at concurrency $SWEEP (kvplug beside
@@ -54,7 +56,8 @@ if [ "${MODE:-ab}" = sweep ]; then
     timeout 300 python3 -m kvplug bench serve \
         --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 256 --cuda-graph-max-bs 256 ${KVPLUG_ARGS:-}" \
         "${native[@]}" --dataset multi-turn --conversations "$c" --turns 3 --system-chars 2000 \
-        --question-chars 100 --output-tokens 64 --max-concurrency "$c" --warmup 8 ${BENCH_ARGS:-} \
+        --question-chars 100 --output-tokens 64 --max-concurrency "$c" --warmup 8 \
+        --client-processes ${CLIENT_PROCS:-1} ${BENCH_ARGS:-} \
         --out "$OUT/serve_multi_turn_c$c.json" 2>&1 | tail -14 | tee "$OUT/bench_c$c.log"
   done
   timeout 200 python3 -m kvplug bench serve \
@@ -62,7 +65,8 @@ if [ "${MODE:-ab}" = sweep ]; then
       --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 64 --cuda-graph-max-bs 64 --prefix-cache naive" \
       --serve-args "$CKPT $COMMON --kv-backend native" \
       --dataset shared-prefix --num-prompts 64 --system-chars 2048 --question-chars 128 --output-tokens 32 \
-      --max-concurrency 64 --warmup 4 --out "$OUT/serve_shared_prefix.json" 2>&1 | tail -14 | tee "$OUT/bench_shared.log"
+      --max-concurrency 64 --warmup 4 --client-processes ${CLIENT_PROCS:-1} --out "$OUT/serve_shared_prefix.json" \
+      2>&1 | tail -14 | tee "$OUT/bench_shared.log"
   exit 0
 fi
 if [ "${MODE:-ab}" = stream ]; then
@@ -71,13 +75,15 @@ if [ "${MODE:-ab}" = stream ]; then
   for pass in stream nostream; do
     flag=""; [ "$pass" = nostream ] && flag=--no-stream
     timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS" --dataset random --num-prompts 512 \
-        --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 $flag ${BENCH_ARGS:-} \
+        --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 $flag \
+        --client-processes ${CLIENT_PROCS:-1} ${BENCH_ARGS:-} \
         --out "$OUT/serve_$pass.json" 2>&1 | tail -20 | tee "$OUT/bench_$pass.log"
   done
   for count in ${API_SERVERS:-}; do  # issue 28: the HTTP side over N processes
     timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS --api-server-count $count" --dataset random \
         --num-prompts 512 --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 \
-        ${BENCH_ARGS:-} --out "$OUT/serve_stream_api$count.json" 2>&1 | tail -20 | tee "$OUT/bench_stream_api$count.log"
+        --client-processes ${CLIENT_PROCS:-1} ${BENCH_ARGS:-} --out "$OUT/serve_stream_api$count.json" 2>&1 \
+        | tail -20 | tee "$OUT/bench_stream_api$count.log"
   done
   timeout 200 python3 -m kvplug bench e2e --device cuda --repeats 1 --workloads no-prefix --requests 512 \
       --system-tokens 16 --question-tokens 128 --output-tokens 256 --concurrency 256 --attention triton \
@@ -88,5 +94,6 @@ timeout 500 python3 -m kvplug bench serve \
     --serve-args "$CKPT $COMMON --attention triton --max-running-reqs 64 --cuda-graph-max-bs 64 ${KVPLUG_ARGS:-}" \
     --serve-args "$CKPT $COMMON --kv-backend native ${NATIVE_ARGS:-}" \
     --dataset multi-turn --conversations 48 --turns 3 --system-chars 2000 --question-chars 100 \
-    --output-tokens 64 --max-concurrency 48 ${BENCH_ARGS:-} --out "$OUT/serve.json" 2>&1 | tee "$OUT/bench.log"
+    --output-tokens 64 --max-concurrency 48 --client-processes ${CLIENT_PROCS:-1} ${BENCH_ARGS:-} \
+    --out "$OUT/serve.json" 2>&1 | tee "$OUT/bench.log"
 cp /tmp/kvplug-bench-serve-*.log "$OUT/" 2>/dev/null

@@ -1,5 +1,6 @@
 """``kvplug bench serve``: the client drives real ``kvplug serve`` processes (embedded model, loopback)
-through the ``openai`` client, an A/B in one run, and reports every request with its percentiles."""
+through the ``openai`` client, an A/B in one run, and reports every request with its percentiles and
+its own CPU, from one client process or several (``--client-processes``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 
 import pytest
 
+from kvplug.bench.process_cpu import ClientCpu
 from kvplug.bench.serve import RequestRecord, conversations, summarize
+from kvplug.bench.serve_clients import split_clients
 from kvplug.cli import main
 from tests.serve_process import kvplug_env
 from tests.test_serve import cache_dir, embedded, server_deps  # noqa: F401 (fixtures)
@@ -67,3 +70,59 @@ def test_serve_args_may_set_the_side_environment_and_server_cpu_is_read_from_pro
     assert per.http_us_per_token == _pytest.approx(500.0) and per.to_json()["engine_cpu_us_per_token"] == 2000.0
     with _pytest.raises(KVPlugError, match="expected a live process"):
         process_cpu(2**22 + 12345)
+
+
+def test_client_processes_split_the_chats_the_cap_and_the_rate_evenly():
+    chats = [[f"chat {i}"] for i in range(10)]
+    shares = split_clients(chats, max_concurrency=7, request_rate=20.0, processes=3)
+    assert [share.max_concurrency for share in shares] == [3, 2, 2]
+    assert sorted(chat for share in shares for chat in share.chats) == sorted(chats)  # each chat once
+    assert [len(share.chats) for share in shares] == [4, 3, 3]
+    assert [share.request_rate for share in shares] == pytest.approx([8.0, 6.0, 6.0])
+    assert all(share.request_rate == float("inf") for share in split_clients(chats, 4, float("inf"), 2))
+    assert len(split_clients(chats, 1, 1.0, 1)[0].chats) == 10
+    for processes in (0, 2):
+        with pytest.raises(ValueError, match="--client-processes"):
+            split_clients(chats, max_concurrency=1, request_rate=1.0, processes=processes)
+
+
+def test_a_client_process_that_dies_ends_the_run_with_its_name():
+    import argparse
+
+    pytest.importorskip("openai")
+    from kvplug.bench.serve_clients import ClientProcesses
+    from tests.serve_process import free_port
+
+    args = argparse.Namespace(dataset="random", num_prompts=2, question_chars=10, system_chars=10, seed=0,
+                              max_concurrency=2, request_rate=float("inf"), startup_timeout=60.0, api_key="none",
+                              model=None, no_stream=False, output_tokens=4)
+    nothing_listens = f"http://127.0.0.1:{free_port()}/v1"  # resolving the model fails: the process exits
+    with pytest.raises(RuntimeError, match=r"client process kvplug-bench-client-\d \(\d of 2, pid \d+\) exited"):
+        with ClientProcesses(nothing_listens, args, conversations(args), 2):
+            pass
+
+
+def test_client_cpu_is_per_output_token_and_per_wall_second():
+    cpu = ClientCpu((1.0, 0.5), 0.1, wall_s=2.0, output_tokens=16_000).to_json()
+    assert cpu["client_processes"] == 2 and cpu["client_cpu_s"] == pytest.approx(1.6)
+    assert cpu["client_cpu_us_per_token"] == pytest.approx(100.0) and cpu["client_cores"] == pytest.approx(0.8)
+    assert cpu["process_cores"] == pytest.approx([0.5, 0.25])
+
+
+def test_one_server_measured_with_one_and_two_client_processes(server_deps, cache_dir, tmp_path, monkeypatch):  # noqa: F811
+    for key, value in kvplug_env(cache_dir).items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--quick", "--serve-args", "--max-seq-len 2048", "--client-processes", "1", "2",
+                 "--dataset", "random", "--max-concurrency", "3", "--warmup", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [side["name"] for side in result["sides"]] == ["1 client procs, --max-seq-len 2048",
+                                                          "2 client procs, --max-seq-len 2048"]
+    for side, processes in zip(result["sides"], (1, 2)):
+        assert side["requests"] == 4 and side["failed"] == 0, side["errors"]  # --quick: 4 prompts, each once
+        cpu = side["client_cpu"]
+        assert cpu["client_processes"] == processes and all(seconds > 0 for seconds in cpu["process_cpu_s"])
+        assert cpu["client_cpu_us_per_token"] > 0 and 0 < cpu["client_cores"]
+        assert cpu["output_tokens"] == round(side["output_throughput"] * side["seconds"])
+        assert side["server_cpu"]["output_tokens"] == cpu["output_tokens"]

@@ -5,11 +5,16 @@ stream (about one second of CPU per second of wall time), so the benchmark repor
 throughput. ``kvplug serve --engine-process`` runs the engine in a child process: the server's own
 process is the HTTP side, its descendants the engine side, except the other API servers of
 ``--api-server-count`` (named ``kvplug-api-N``), which are HTTP side too.
+
+The benchmark client is Python too, parsing every streamed chunk: ``ClientCpu`` is its own CPU over
+the same stretch (``getrusage`` of each client process), so a reader sees when the client, not the
+server, is the bound.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from typing import NamedTuple
 
 from kvplug.interface import KVPlugError
@@ -52,6 +57,48 @@ class CpuPerToken(NamedTuple):
             "http_cpu_us_per_token": self.http_us_per_token,
             "engine_cpu_us_per_token": self.engine_us_per_token,
         }
+
+
+class ClientCpu(NamedTuple):
+    """A measured stretch: the CPU of the benchmark's client processes over it (``coordinator_s``:
+    the parent that waits on ``--client-processes`` workers; 0 when it drives the requests itself)."""
+
+    process_s: tuple[float, ...]
+    coordinator_s: float
+    wall_s: float
+    output_tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.process_s) + self.coordinator_s
+
+    @property
+    def us_per_token(self) -> float:
+        return 1e6 * self.total_s / self.output_tokens if self.output_tokens else float("nan")
+
+    @property
+    def cores(self) -> float:
+        """Client cores kept busy: CPU seconds over wall seconds."""
+        return self.total_s / self.wall_s if self.wall_s else float("nan")
+
+    def to_json(self) -> dict:
+        return {
+            "client_processes": len(self.process_s),
+            "client_cpu_s": self.total_s,
+            "process_cpu_s": list(self.process_s),
+            "coordinator_cpu_s": self.coordinator_s,
+            "wall_s": self.wall_s,
+            "output_tokens": self.output_tokens,
+            "client_cpu_us_per_token": self.us_per_token,
+            "client_cores": self.cores,
+            "process_cores": [s / self.wall_s if self.wall_s else float("nan") for s in self.process_s],
+        }
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU of this process so far (every thread; children not counted)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _cpu_seconds(pid: int) -> float:

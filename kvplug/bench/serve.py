@@ -21,7 +21,10 @@ retried. Needs the ``openai`` package (the transformers adapter's ``serve`` extr
 The CPU the server's processes spend over the measured requests (``process_cpu``: its own process,
 the HTTP side, and its descendants, the engine of ``--engine-process``) is reported per output
 token for a server it starts, or for ``--server-pid`` beside ``--base-url``: a streaming server's
-HTTP interpreter is bounded by it.
+HTTP interpreter is bounded by it. The client's own CPU is reported beside it (per output token and
+as client cores busy): one interpreter parsing every streamed chunk can be the bound instead.
+``--client-processes N`` splits the conversations over N client processes
+(``kvplug.bench.serve_clients``); ``--client-processes 1 2`` measures each server once per count.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Awaitable, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from kvplug.bench.process_cpu import CpuPerToken, process_cpu
+from kvplug.bench.process_cpu import ClientCpu, CpuPerToken, own_cpu_seconds, process_cpu
 
 SUITE = "serve"
 SCHEMA = 1
@@ -73,6 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--server-pid", type=int, default=None,
                         help="with --base-url: the server's process id, to report its CPU per output token")
+    parser.add_argument("--client-processes", type=_positive_int, nargs="+", default=[1], metavar="N",
+                        help="client processes sharing the conversations, in-flight cap and rate (default 1; "
+                             "several counts: each server measured once per count)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 class RequestRecord(NamedTuple):
@@ -84,6 +97,35 @@ class RequestRecord(NamedTuple):
     output_tokens: int
     itl: tuple[float, ...]
     error: str
+
+
+class Drive(NamedTuple):
+    """One client process's measured requests: wall seconds from its start, its own CPU seconds over
+    them, and when it finished (``time.monotonic``, comparable across this machine's processes)."""
+
+    records: list[RequestRecord]
+    elapsed: float
+    cpu_s: float
+    finished: float
+
+
+class Progress:
+    """The ``N/total requests`` line: a terminal redraws it per request, a log (not a TTY) gets a
+    line per tenth of the run."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.shown = total, 0
+        self.every = 1 if sys.stderr.isatty() else max(1, total // 10)
+
+    def update(self, done: int) -> None:
+        if done // self.every > self.shown // self.every or (done == self.total and self.shown < done):
+            end = "" if self.every == 1 else "\n"
+            print(f"\r  {done}/{self.total} requests", end=end, file=sys.stderr, flush=True)
+            self.shown = done
+
+    def close(self) -> None:
+        if self.every == 1:
+            print(file=sys.stderr)
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -144,19 +186,21 @@ async def _one(client: Any, model: str, messages: list[dict], args: argparse.Nam
         return RequestRecord(False, 0.0, time.perf_counter() - start, 0, (), f"{type(error).__name__}: {error}"), ""
 
 
-async def _drive(base_url: str, args: argparse.Namespace, chats: list[list[str]],
-                 progress: bool = True) -> tuple[list[RequestRecord], float]:
+async def drive_requests(base_url: str, args: argparse.Namespace, chats: list[list[str]], progress: bool = True,
+                         delay_seed: int | tuple[int, int] | None = None,
+                         before_start: Callable[[], Awaitable[None]] | None = None,
+                         on_request: Callable[[], None] | None = None) -> Drive:
+    """Send ``chats``; ``before_start`` is awaited once the client is connected and has the model
+    (a client process waits there for the others), ``on_request`` called after every request."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=args.api_key, max_retries=0, timeout=600.0)
     model = args.model or (await client.models.list()).data[0].id
     system = system_prompt(args)
     limit = asyncio.Semaphore(max(1, args.max_concurrency))
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed if delay_seed is None else delay_seed)
     records: list[RequestRecord] = []
-    total = sum(len(chat) for chat in chats)
-    # a terminal redraws one line per request; a log (not a TTY) gets a line per tenth of the run
-    every = 1 if sys.stderr.isatty() else max(1, total // 10)
+    shown = Progress(sum(len(chat) for chat in chats)) if progress else None
 
     async def converse(index: int, turns: list[str], delay: float) -> None:
         await asyncio.sleep(delay)
@@ -167,19 +211,22 @@ async def _drive(base_url: str, args: argparse.Namespace, chats: list[list[str]]
                 record, text = await _one(client, model, messages, args)
             records.append(record)
             messages.append({"role": "assistant", "content": text})
-            if progress and (len(records) % every == 0 or len(records) == total):
-                end = "" if every == 1 else "\n"
-                print(f"\r  {len(records)}/{total} requests", end=end, file=sys.stderr, flush=True)
+            if shown is not None:
+                shown.update(len(records))
+            if on_request is not None:
+                on_request()
 
     rate = args.request_rate
     delays = np.zeros(len(chats)) if not np.isfinite(rate) else np.cumsum(rng.exponential(1.0 / rate, len(chats)))
-    start = time.perf_counter()
+    if before_start is not None:
+        await before_start()
+    cpu, start = own_cpu_seconds(), time.perf_counter()
     await asyncio.gather(*(converse(i, chat, float(d)) for i, (chat, d) in enumerate(zip(chats, delays))))
-    elapsed = time.perf_counter() - start
-    if progress and every == 1:
-        print(file=sys.stderr)
+    elapsed, cpu, finished = time.perf_counter() - start, own_cpu_seconds() - cpu, time.monotonic()
+    if shown is not None:
+        shown.close()
     await client.close()
-    return records, elapsed
+    return Drive(records, elapsed, cpu, finished)
 
 
 def summarize(records: list[RequestRecord], elapsed: float) -> dict[str, Any]:
@@ -259,18 +306,28 @@ def started_server(serve_args: str, timeout: float) -> Iterator[tuple[str, int]]
         log.close()
 
 
-def _measure(base_url: str, args: argparse.Namespace, server_pid: int | None = None) -> dict[str, Any]:
-    """The side's summary; with ``server_pid``, its processes' CPU over the measured requests too
-    (``server_cpu``; the warm-up excluded)."""
+def _measure(base_url: str, args: argparse.Namespace, server_pid: int | None = None,
+             client_processes: int = 1) -> dict[str, Any]:
+    """The side's summary with the client's CPU over the measured requests (``client_cpu``); with
+    ``server_pid``, the server processes' CPU too (``server_cpu``; the warm-up excluded)."""
+    from kvplug.bench.serve_clients import ClientProcesses  # it imports this module
+
     if args.warmup:
         warm = argparse.Namespace(**{**vars(args), "dataset": "random", "num_prompts": args.warmup, "seed": args.seed + 7})
-        asyncio.run(_drive(base_url, warm, conversations(warm), progress=False))
-    before = process_cpu(server_pid) if server_pid is not None else None
-    records, elapsed = asyncio.run(_drive(base_url, args, conversations(args)))
+        asyncio.run(drive_requests(base_url, warm, conversations(warm), progress=False))
+    if client_processes == 1:
+        before = process_cpu(server_pid) if server_pid is not None else None
+        drive = asyncio.run(drive_requests(base_url, args, conversations(args)))
+        records, elapsed, process_s, coordinator_s = drive.records, drive.elapsed, (drive.cpu_s,), 0.0
+    else:
+        with ClientProcesses(base_url, args, conversations(args), client_processes) as clients:  # connected
+            before = process_cpu(server_pid) if server_pid is not None else None
+            records, elapsed, process_s, coordinator_s = clients.run()
     summary = summarize(records, elapsed)
+    tokens = sum(record.output_tokens for record in records if record.ok)
+    summary["client_cpu"] = ClientCpu(process_s, coordinator_s, elapsed, tokens).to_json()
     if before is not None:
         spent = process_cpu(server_pid) - before
-        tokens = sum(record.output_tokens for record in records if record.ok)
         summary["server_cpu"] = CpuPerToken(spent.own_s, spent.descendants_s, tokens).to_json()
     return summary
 
@@ -280,13 +337,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.conversations, args.turns, args.num_prompts = min(args.conversations, 4), min(args.turns, 2), 4
         args.output_tokens = min(args.output_tokens, 8)
     sides: list[tuple[str, dict[str, Any]]] = []
+    counts = args.client_processes
+
+    def named(side: str, count: int) -> str:  # the count first: the table cuts names at 40 characters
+        return side if len(counts) == 1 else f"{count} client procs, {side}"
+
     if args.serve_args:
         for serve_args in args.serve_args:
             with started_server(serve_args, args.startup_timeout) as (base_url, pid):
-                sides.append((serve_args, _measure(base_url, args, pid)))
+                for count in counts:
+                    sides.append((named(serve_args, count), _measure(base_url, args, pid, count)))
     else:
         base_url = args.base_url or "http://127.0.0.1:8000/v1"
-        sides.append((base_url, _measure(base_url, args, args.server_pid)))
+        for count in counts:
+            sides.append((named(base_url, count), _measure(base_url, args, args.server_pid, count)))
     print(f"{'side':<40} {'req':>5} {'fail':>4} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
           f"{'ITL p50':>8} {'lat p50':>8}")
     for name, result in sides:
@@ -299,6 +363,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name[:40]:<40} server CPU per output token: HTTP process {cpu['http_cpu_us_per_token']:.1f} us, "
                   f"engine processes {cpu['engine_cpu_us_per_token']:.1f} us ({cpu['output_tokens']} tokens; "
                   f"{cpu['http_cpu_s']:.2f} s / {cpu['engine_cpu_s']:.2f} s)")
+    for name, result in sides:
+        cpu = result["client_cpu"]
+        per_process = " + ".join(f"{cores:.2f}" for cores in cpu["process_cores"])
+        print(f"{name[:40]:<40} client CPU per output token: {cpu['client_cpu_us_per_token']:.1f} us; client cores "
+              f"{cpu['client_cores']:.2f} ({cpu['client_processes']} processes: {per_process}; "
+              f"{cpu['client_cpu_s']:.2f} s over {cpu['wall_s']:.2f} s)")
     ratios = []
     if len(sides) > 1:
         base_name, base = sides[-1]
