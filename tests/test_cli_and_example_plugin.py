@@ -47,7 +47,7 @@ def test_plugins_json_lists_the_installed_example(installed_example):
     example = plugins["pagehash"]
     assert example["distribution"] == "kvplug-pagehash" and example["version"] == "0.1.0"
     assert example["builtin"] is False and example["file"].endswith("kvplug_pagehash/plugin.py")
-    assert example["provides"] == {"prefix_cache": ["page-hash"]}
+    assert example["provides"] == {"prefix_cache": ["page-hash"], "kv_store": ["dir"]}
     assert plugins["kvplug.builtin.prefix_caches"]["provides"]["prefix_cache"] == ["naive", "radix"]
     assert report["load_failures"] == []
 
@@ -64,6 +64,68 @@ def test_example_plugin_is_created_by_name_and_passes_the_conformance_kit(instal
     result = run_kvplug("-c", script, pythonpath=installed_example)
     assert result.returncode == 0, result.stderr
     assert "conformant" in result.stdout
+
+
+def test_example_store_is_chosen_by_url_through_its_entry_point_and_passes_the_kit(installed_example, tmp_path):
+    """Issue 30: a third-party KV store, installed with its entry point, is built from a URL by
+    its scheme and passes the conformance kit (two stores on one directory share pages)."""
+    script = (
+        "import sys, kvplug, kvplug.testing\n"
+        "url = 'dir://' + sys.argv[1]\n"
+        "manager = kvplug.PluginManager()\n"
+        "store = manager.create_kv_store(url)\n"
+        "assert type(store).__name__ == 'DirectoryKVStore', type(store)\n"
+        "assert manager.providers('kv_store')['dir'] == 'pagehash'\n"
+        "kvplug.testing.check_kv_store(lambda: manager.create_kv_store(url))\n"
+        "print('conformant')\n"
+    )
+    result = run_kvplug("-c", script, str(tmp_path / "pages"), pythonpath=installed_example)
+    assert result.returncode == 0, result.stderr
+    assert "conformant" in result.stdout
+
+
+def test_a_backend_loads_what_another_evicted_through_the_example_store(installed_example, tmp_path):
+    """Issue 30, through the public API only: ``create_backend(..., remote_kv="dir://...")`` with
+    the third-party store; a second backend loads the first one's evicted prefix from it, K/V
+    identical, and a backend of another model id loads nothing."""
+    script = (
+        "import sys, torch, kvplug\n"
+        "from kvplug.memory.model_shape import ModelShape\n"
+        "shape = ModelShape(2, 2, 2, 8, torch.float32)\n"
+        "url, page = 'dir://' + sys.argv[1], 4\n"
+        "prompt = [(7 * i) % 50 + 1 for i in range(6 * page + 1)]\n"
+        "def backend(model='tiny'):\n"
+        "    return kvplug.create_backend(shape, page_size=page, num_pages=8, max_running_reqs=2,\n"
+        "        max_seq_len=16 * page, attention=None, prefix_cache='radix',\n"
+        "        prefix_cache_options={'host_memory': 16 * page * shape.kv_bytes_per_token()},\n"
+        "        remote_kv=url, remote_kv_model=model)\n"
+        "def value(tokens, start, end):  # what a model would compute for these positions\n"
+        "    ids = torch.tensor(tokens[start:end], dtype=torch.float32)\n"
+        "    return (ids[None, None, :, None, None] + torch.arange(64.).view(2, 2, 1, 2, 8))\n"
+        "def serve(b):\n"
+        "    rows = b.pool.kv_buffer.view(2, 2, -1, 2, 8)\n"
+        "    request = b.admit(prompt)\n"
+        "    matched = request.matched_len\n"
+        "    hit = b.page_table[request.row, :matched].long()\n"
+        "    assert torch.equal(rows[:, :, hit], value(prompt, 0, matched)), 'loaded K/V differs'\n"
+        "    b.allocate([request])\n"
+        "    out = b.page_table[request.row, request.cached_len:request.device_len].long()\n"
+        "    rows[:, :, out] = value(prompt, request.cached_len, request.device_len)\n"
+        "    b.finish(request, computed=True)\n"
+        "    b.check_integrity()\n"
+        "    return matched\n"
+        "first = backend()\n"
+        "assert serve(first) == 0\n"
+        "first.evict_prefix_cache(6 * page)\n"
+        "if hasattr(first, 'flush_remote_kv'):\n"
+        "    first.flush_remote_kv()\n"
+        "assert serve(backend()) == 6 * page, 'the second backend recomputed what the store holds'\n"
+        "assert serve(backend('another-model')) == 0\n"
+        "print('shared')\n"
+    )
+    result = run_kvplug("-c", script, str(tmp_path / "pages"), pythonpath=installed_example)
+    assert result.returncode == 0, result.stderr
+    assert "shared" in result.stdout
 
 
 def test_disabling_the_example_hides_it(installed_example):
