@@ -31,6 +31,8 @@ page hashes are computed only while someone listens, and kept on the node for it
 
 from __future__ import annotations
 
+from heapq import heappop
+
 import numpy as np
 import torch
 
@@ -136,12 +138,79 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         if input_ids.__class__ is not _NDARRAY or input_ids.dtype is not HOST_INT32 or input_ids.ndim != 1:
             if not is_host_int32(input_ids):
                 reject_host_array(input_ids, "input_ids")
-        length = input_ids.shape[0]
-        usable = length - length % self.page_size
-        node = self._match_tokens((input_ids if usable == length else input_ids[:usable]).tobytes())
-        return self.device_head(node) if node.on_host else node
+        length = len(input_ids)  # 1-D: len() is shape[0] without building the shape tuple
+        if length % self.page_size:
+            input_ids = input_ids[: length - length % self.page_size]
+        # NOTE: _match_tokens, inline (its call is ~2% of a match+lock); the two must stay alike
+        tokens = input_ids.tobytes()
+        node = root = self._root
+        page_bytes = self._page_bytes
+        here = 0
+        stop = len(tokens)
+        while here < stop:
+            child = node.children.get(tokens[here : here + page_bytes])
+            if child is None:
+                break
+            key = child.key
+            if tokens.startswith(key, here):  # False as well when the tokens end inside the edge
+                here += len(key)
+                node = child
+                continue
+            node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
+            break
+        if node.on_host:
+            self._touch_path(node)
+            return self.device_head(node)
+        if node.lock_ref == 0 and node.host_children == len(node.children):
+            self._touch_path(node)  # a candidate to re-rank (or the root: nothing to rank)
+            return node
+        self._clock = tick = self._clock + 1  # _touch_path of a node that is no candidate, inline
+        walker = node
+        while walker is not root:  # the new tick up to the root
+            walker.last_access = tick
+            walker = walker.parent
+        return node
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
+        # NOTE: a tree without a tier (no node host-resident) locks and unlocks a live non-root node in a
+        # walk of its own, no tier tests per node; the general path below covers every case with the same result
+        if (
+            type(handle) is RadixNode and handle.generation is self._generation and handle.parent is not None
+            and self._tier is None
+        ):
+            root = self._root
+            moved = 0  # bytes of locations whose node flips between evictable and protected
+            walker = handle
+            if unlock is False:
+                handle.own_locks += 1
+                while walker is not root:
+                    if not walker.lock_ref:
+                        moved += len(walker.value)
+                    walker.lock_ref += 1
+                    walker = walker.parent
+                if moved:
+                    moved >>= 2
+                    self._evictable -= moved
+                    self._protected += moved
+                if handle.heap_seq >= 0:  # a locked node is no candidate
+                    self._candidates.discard(handle)
+                return
+            if unlock is True and handle.own_locks > 0:  # else the general path raises
+                handle.own_locks -= 1
+                while walker is not root:
+                    walker.lock_ref -= 1
+                    if not walker.lock_ref:
+                        moved += len(walker.value)
+                    walker = walker.parent
+                if moved:
+                    moved >>= 2
+                    self._evictable += moved
+                    self._protected -= moved
+                if not handle.lock_ref and not handle.children:  # refresh(), inline: a candidate again
+                    self._candidates.add(handle)
+                elif handle.heap_seq >= 0:
+                    self._candidates.discard(handle)
+                return
         if unlock.__class__ is not bool:
             reject_unlock_flag(unlock)
         root = self._root
@@ -256,9 +325,8 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             if child is None:
                 break  # first_page: the new leaf's
             key = child.key
-            after = matched + len(key)
-            if after <= end and tokens.startswith(key, matched):
-                matched = after
+            if tokens.startswith(key, matched):  # False as well when the tokens end inside the edge
+                matched += len(key)
                 node = child
                 continue
             return self._insert_into_edge(child, tokens, matched, locations, check)  # rare: out of line
@@ -300,11 +368,11 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         leaf.parent = node
         leaf.children = {}
         leaf.key = key
+        leaf.first_page = first_page
         leaf.value = value
         leaf.lock_ref = 0
         leaf.own_locks = 0
         leaf.last_access = tick
-        leaf.heap_seq = -1  # add_newest numbers it
         leaf.generation = self._generation
         leaf.page_hashes = None
         leaf.on_host = False
@@ -315,7 +383,11 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         candidates = self._candidates
         if node.heap_seq >= 0:
             candidates.discard(node)  # it has a device-resident child now
-        candidates.add_newest(leaf)
+        # NOTE: EvictionCandidates.add_new, inline on its public attributes (the call is ~3% of an insert):
+        # the two must stay alike; the leaf has the newest tick, so its entry goes to the queue's back
+        candidates.size += 1
+        leaf.heap_seq = seq = next(candidates.next_seq)
+        candidates.queue.append((tick, seq, leaf))
         self._evictable += len(value) >> 2
         root = self._root
         while node is not root:  # the new tick up to the root
@@ -390,20 +462,33 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         one only unlinks it, and its parent becomes a candidate once it is an unlocked leaf."""
         freed: list[bytes] = []
         freed_bytes = 0
-        page_bytes = self._page_bytes
         root = self._root
         candidates = self._candidates
-        pop, add_new = candidates.pop_least_recent, candidates.add_new
+        add_new = candidates.add_new
+        # NOTE: EvictionCandidates.pop_least_recent, inline on its public attributes (a quarter of an
+        # evict's time was the calls): the two must stay alike; its bookkeeping runs once, in popped()
+        queue, heap = candidates.queue, candidates.heap  # add_new appends to these, never replaces them
+        popped = 0
         while freed_bytes < wanted_bytes:
-            leaf = pop()
+            if heap and (not queue or heap[0] < queue[0]):
+                _, seq, leaf = heappop(heap)
+            elif queue:
+                _, seq, leaf = queue.popleft()
+            else:
+                candidates.pop_least_recent()  # raises: evictable tokens remain without a candidate
+            if leaf.heap_seq != seq:
+                continue  # a stale entry: the node was re-ranked, locked or evicted since
+            leaf.heap_seq = -1
+            popped += 1
             value = leaf.value
             freed.append(value)
             freed_bytes += len(value)
             parent = leaf.parent
-            del parent.children[leaf.key[:page_bytes]]
+            del parent.children[leaf.first_page]  # its own key object: no slice, no hash
             leaf.parent = None
             if not parent.children and not parent.lock_ref and parent is not root:
                 add_new(parent)  # an internal node is never a candidate: this one is new
+        candidates.popped(popped)
         self._evictable -= freed_bytes >> 2
         return freed
 
@@ -448,9 +533,8 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             if child is None:
                 break
             key = child.key
-            after = here + len(key)
-            if after <= stop and tokens.startswith(key, here):
-                here = after
+            if tokens.startswith(key, here):  # False as well when the tokens end inside the edge
+                here += len(key)
                 node = child
                 continue
             node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
@@ -501,17 +585,19 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         parent = child.parent
         upper_len = child.cached_len - (len(child.key) - at_bytes) // BYTES_PER_TOKEN
         upper = RadixNode(
-            child.generation, parent, child.key[:at_bytes], child.value[:at_bytes], upper_len, child.last_access
+            child.generation, parent, child.key[:at_bytes], child.value[:at_bytes], upper_len, child.last_access,
+            child.first_page,
         )
         upper.lock_ref = child.lock_ref
         if child.on_host:
             upper.on_host = True
             upper.host_children = 1
-        parent.children[child.key[:page_bytes]] = upper
+        parent.children[upper.first_page] = upper  # in child's place, under the same key object
         child.key = child.key[at_bytes:]
+        child.first_page = first_page = child.key[:page_bytes]
         child.value = child.value[at_bytes:]
         child.parent = upper
-        upper.children[child.key[:page_bytes]] = child
+        upper.children[first_page] = child
         if child.page_hashes is not None:  # a page's hash depends only on its path: split them as is
             upper_pages = at_bytes // page_bytes
             upper.page_hashes, child.page_hashes = child.page_hashes[:upper_pages], child.page_hashes[upper_pages:]
@@ -600,9 +686,10 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         """Hang a new host-resident leaf below ``node`` (no child of ``node`` starts with ``key``'s
         first page) at host locations ``host_value``, and touch its path: pages the host tier got
         from elsewhere (a shared KV store) than an eviction."""
-        leaf = RadixNode(self._generation, node, key, host_value, cached_len)
+        first_page = key[: self._page_bytes]
+        leaf = RadixNode(self._generation, node, key, host_value, cached_len, first_page=first_page)
         leaf.on_host = True
-        node.children[key[: self._page_bytes]] = leaf
+        node.children[first_page] = leaf
         node.host_children += 1
         self._host_evictable += len(host_value) // BYTES_PER_TOKEN
         self.refresh(node)  # a host leaf no more, or a device node with one more host child
@@ -620,7 +707,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         return its parent. A device-resident ``node`` is already off the device tier's books
         (``evict`` took it); host-resident nodes are taken off the host tier's here."""
         parent = node.parent
-        del parent.children[node.key[: self._page_bytes]]
+        del parent.children[node.first_page]
         if node.on_host:
             parent.host_children -= 1
         tier = self._tier
@@ -702,15 +789,15 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         """Raise ``AssertionError`` naming the first broken invariant; one full walk (slow on purpose).
 
         Checked: root shape; every edge a non-empty page multiple with as many locations as token
-        ids; handle lengths and generations; parent/child links and first-page child keys; lock
-        counts (never negative; a node counts its own locks plus its children's); recency (a
-        parent is never older than a child, nothing newer than the clock); below a host-resident
-        node everything is host-resident, and each node counts its host-resident children; per
-        tier, the sizes and the eviction candidates; no device location held twice; then the
-        tier's own state (``TierPolicy.check_integrity``).
+        ids; handle lengths and generations; parent/child links and first-page child keys (each node's
+        ``first_page`` too); lock counts (never negative; a node counts its own locks plus its
+        children's); recency (a parent is never older than a child, nothing newer than the clock);
+        below a host-resident node everything is host-resident, and each node counts its
+        host-resident children; per tier, the sizes and the eviction candidates; no device location
+        held twice; then the tier's own state (``TierPolicy.check_integrity``).
         """
         root = self._root
-        assert root.parent is None and root.key == b"" and root.value == b"" and not root.on_host, (
+        assert root.parent is None and root.key == root.first_page == root.value == b"" and not root.on_host, (
             "root must be an empty device edge"
         )
         assert root.lock_ref == 0 and root.heap_seq < 0 and root.host_heap_seq < 0, (
@@ -783,6 +870,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             f"{child!r}: {len(child.key) // BYTES_PER_TOKEN} token ids for {num_tokens} locations"
         )
         assert child.key[: self._page_bytes] == first_page, f"{child!r} is filed under another first page"
+        assert child.first_page == first_page, f"{child!r} keeps another first page than its key's"
         assert child.cached_len == parent.cached_len + num_tokens, f"{child!r} does not end where its path ends"
         assert child.lock_ref >= 0, f"{child!r}: negative lock count"
         assert child.last_access <= self._clock, (
