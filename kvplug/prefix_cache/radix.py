@@ -31,8 +31,6 @@ page hashes are computed only while someone listens, and kept on the node for it
 
 from __future__ import annotations
 
-from heapq import heappop
-
 import numpy as np
 import torch
 
@@ -141,76 +139,10 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         length = len(input_ids)  # 1-D: len() is shape[0] without building the shape tuple
         if length % self.page_size:
             input_ids = input_ids[: length - length % self.page_size]
-        # NOTE: _match_tokens, inline (its call is ~2% of a match+lock); the two must stay alike
-        tokens = input_ids.tobytes()
-        node = root = self._root
-        page_bytes = self._page_bytes
-        here = 0
-        stop = len(tokens)
-        while here < stop:
-            child = node.children.get(tokens[here : here + page_bytes])
-            if child is None:
-                break
-            key = child.key
-            if tokens.startswith(key, here):  # False as well when the tokens end inside the edge
-                here += len(key)
-                node = child
-                continue
-            node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
-            break
-        if node.on_host:
-            self._touch_path(node)
-            return self.device_head(node)
-        if node.lock_ref == 0 and node.host_children == len(node.children):
-            self._touch_path(node)  # a candidate to re-rank (or the root: nothing to rank)
-            return node
-        self._clock = tick = self._clock + 1  # _touch_path of a node that is no candidate, inline
-        walker = node
-        while walker is not root:  # the new tick up to the root
-            walker.last_access = tick
-            walker = walker.parent
-        return node
+        node = self._match_tokens(input_ids.tobytes())
+        return self.device_head(node) if node.on_host else node
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
-        # NOTE: a tree without a tier (no node host-resident) locks and unlocks a live non-root node in a
-        # walk of its own, no tier tests per node; the general path below covers every case with the same result
-        if (
-            type(handle) is RadixNode and handle.generation is self._generation and handle.parent is not None
-            and self._tier is None
-        ):
-            root = self._root
-            moved = 0  # bytes of locations whose node flips between evictable and protected
-            walker = handle
-            if unlock is False:
-                handle.own_locks += 1
-                while walker is not root:
-                    if not walker.lock_ref:
-                        moved += len(walker.value)
-                    walker.lock_ref += 1
-                    walker = walker.parent
-                if moved:
-                    moved >>= 2
-                    self._evictable -= moved
-                    self._protected += moved
-                if handle.heap_seq >= 0:  # a locked node is no candidate
-                    self._candidates.discard(handle)
-                return
-            if unlock is True and handle.own_locks > 0:  # else the general path raises
-                handle.own_locks -= 1
-                while walker is not root:
-                    walker.lock_ref -= 1
-                    if not walker.lock_ref:
-                        moved += len(walker.value)
-                    walker = walker.parent
-                if moved:
-                    moved >>= 2
-                    self._evictable += moved
-                    self._protected -= moved
-                if not handle.lock_ref and not handle.children:  # refresh(), inline: a candidate again
-                    self._candidates.add(handle)
-                elif handle.heap_seq >= 0:
-                    self._candidates.discard(handle)
-                return
         if unlock.__class__ is not bool:
             reject_unlock_flag(unlock)
         root = self._root
@@ -373,6 +305,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         leaf.lock_ref = 0
         leaf.own_locks = 0
         leaf.last_access = tick
+        leaf.heap_seq = -1  # add_newest numbers it
         leaf.generation = self._generation
         leaf.page_hashes = None
         leaf.on_host = False
@@ -383,11 +316,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         candidates = self._candidates
         if node.heap_seq >= 0:
             candidates.discard(node)  # it has a device-resident child now
-        # NOTE: EvictionCandidates.add_new, inline on its public attributes (the call is ~3% of an insert):
-        # the two must stay alike; the leaf has the newest tick, so its entry goes to the queue's back
-        candidates.size += 1
-        leaf.heap_seq = seq = next(candidates.next_seq)
-        candidates.queue.append((tick, seq, leaf))
+        candidates.add_newest(leaf)
         self._evictable += len(value) >> 2
         root = self._root
         while node is not root:  # the new tick up to the root
@@ -464,22 +393,9 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         freed_bytes = 0
         root = self._root
         candidates = self._candidates
-        add_new = candidates.add_new
-        # NOTE: EvictionCandidates.pop_least_recent, inline on its public attributes (a quarter of an
-        # evict's time was the calls): the two must stay alike; its bookkeeping runs once, in popped()
-        queue, heap = candidates.queue, candidates.heap  # add_new appends to these, never replaces them
-        popped = 0
+        pop, add_new = candidates.pop_least_recent, candidates.add_new
         while freed_bytes < wanted_bytes:
-            if heap and (not queue or heap[0] < queue[0]):
-                _, seq, leaf = heappop(heap)
-            elif queue:
-                _, seq, leaf = queue.popleft()
-            else:
-                candidates.pop_least_recent()  # raises: evictable tokens remain without a candidate
-            if leaf.heap_seq != seq:
-                continue  # a stale entry: the node was re-ranked, locked or evicted since
-            leaf.heap_seq = -1
-            popped += 1
+            leaf = pop()
             value = leaf.value
             freed.append(value)
             freed_bytes += len(value)
@@ -488,7 +404,6 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             leaf.parent = None
             if not parent.children and not parent.lock_ref and parent is not root:
                 add_new(parent)  # an internal node is never a candidate: this one is new
-        candidates.popped(popped)
         self._evictable -= freed_bytes >> 2
         return freed
 

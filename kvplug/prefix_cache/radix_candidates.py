@@ -36,67 +36,68 @@ class EvictionCandidates:
             ``heap_seq`` for the device tier; the tree keeps a second set over
             ``host_heap_seq`` (its host-resident leaves), so a node's memberships never mix.
         label: names the set in assertion messages.
-
-    Attributes (public for the radix cache's two hottest loops, which work on them inline: a new
-    leaf's entry and the LRU pops of an evict without a tier; everything else calls the methods):
-        queue: the in-order entries ``(last_access, seq, node)``, a ``deque`` sorted by ``(last_access, seq)``.
-        heap: the out-of-order entries, a min-heap list.
-        next_seq: the iterator that numbers entries (``next(next_seq)``).
-        size: the live entries (candidates); an inline pop lowers it through ``popped``.
     """
 
     def __init__(self, seq_field: str = "heap_seq", label: str = "leaves") -> None:
-        self.queue: deque[tuple[int, int, RadixNode]] = deque()  # sorted: pushed in order
-        self.heap: list[tuple[int, int, RadixNode]] = []  # pushed out of order
-        self.next_seq = itertools.count()
-        self.size = 0
+        self._queue: deque[tuple[int, int, RadixNode]] = deque()  # sorted: pushed in order
+        self._heap: list[tuple[int, int, RadixNode]] = []  # pushed out of order
+        self._next_seq = itertools.count()
+        self._size = 0
         # bound accessors: one C call each, where getattr(node, name) would look the name up per call
         self._seq_of = attrgetter(seq_field)
         self._seq_field = seq_field
         self._label = label
 
     def __len__(self) -> int:
-        return self.size
+        return self._size
 
     @property
     def heap_entries(self) -> int:
         """Entries held, live and stale, queue and heap (for tests and integrity checks)."""
-        return len(self.queue) + len(self.heap)
+        return len(self._queue) + len(self._heap)
 
     def add(self, node: RadixNode) -> None:
         """Make ``node`` a candidate, or re-rank it after its ``last_access`` changed."""
         if self._seq_of(node) < 0:
             self.add_new(node)
             return
-        self.size -= 1  # add_new counts it again
+        self._size -= 1  # add_new counts it again
         self.add_new(node)  # its old entry goes stale
-        if len(self.queue) + len(self.heap) > 2 * self.size + _COMPACTION_SLACK:
+        if len(self._queue) + len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
             self._drop_stale_entries()
 
     def add_new(self, node: RadixNode) -> None:
         """``add`` for a node known not to be a candidate (a new leaf, a parent that became one).
         One live entry more and no stale one: the bound on stale entries still holds."""
-        self.size += 1
-        seq = next(self.next_seq)
+        self._size += 1
+        seq = next(self._next_seq)
         setattr(node, self._seq_field, seq)
-        queue = self.queue
+        queue = self._queue
         last_access = node.last_access
         if not queue or queue[-1][0] <= last_access:  # ties: seq grows, so the queue stays sorted
             queue.append((last_access, seq, node))
         else:
-            heappush(self.heap, (last_access, seq, node))
+            heappush(self._heap, (last_access, seq, node))
+
+    def add_newest(self, node: RadixNode) -> None:
+        """``add_new`` for a node stamped with the clock's newest tick (a new leaf): its entry
+        goes to the back of the queue, no comparison."""
+        self._size += 1
+        seq = next(self._next_seq)
+        setattr(node, self._seq_field, seq)
+        self._queue.append((node.last_access, seq, node))
 
     def discard(self, node: RadixNode) -> None:
         """``node`` is no longer a candidate (locked, got a child, or evicted); its entry goes stale."""
         if self._seq_of(node) >= 0:
             setattr(node, self._seq_field, -1)
-            self.size -= 1
-            if len(self.queue) + len(self.heap) > 2 * self.size + _COMPACTION_SLACK:
+            self._size -= 1
+            if len(self._queue) + len(self._heap) > 2 * self._size + _COMPACTION_SLACK:
                 self._drop_stale_entries()
 
     def pop_least_recent(self) -> RadixNode:
         """Remove and return the least recently used candidate."""
-        queue, heap, seq_of = self.queue, self.heap, self._seq_of
+        queue, heap, seq_of = self._queue, self._heap, self._seq_of
         while queue or heap:
             if heap and (not queue or heap[0] < queue[0]):
                 _, seq, node = heappop(heap)
@@ -104,44 +105,36 @@ class EvictionCandidates:
                 _, seq, node = queue.popleft()
             if seq_of(node) == seq:
                 setattr(node, self._seq_field, -1)
-                self.size -= 1
-                if len(queue) + len(heap) > 2 * self.size + _COMPACTION_SLACK:
+                self._size -= 1
+                if len(queue) + len(heap) > 2 * self._size + _COMPACTION_SLACK:
                     self._drop_stale_entries()
                 return node
         raise AssertionError(f"radix cache: no eviction candidate left among unlocked {self._label} "
                              "although evictable tokens remain")
 
-    def popped(self, count: int) -> None:
-        """``count`` live entries were taken off ``queue`` / ``heap`` inline (their nodes' entry
-        numbers already set to -1), stale ones skipped on the way: count them out, and drop the stale
-        entries if they now outnumber the live ones (``pop_least_recent``'s bookkeeping, once per batch)."""
-        self.size -= count
-        if len(self.queue) + len(self.heap) > 2 * self.size + _COMPACTION_SLACK:
-            self._drop_stale_entries()
-
     def clear(self) -> None:
-        for entries in (self.queue, self.heap):
+        for entries in (self._queue, self._heap):
             for _, _, node in entries:
                 setattr(node, self._seq_field, -1)
-        self.queue.clear()
-        self.heap.clear()
-        self.size = 0
+        self._queue.clear()
+        self._heap.clear()
+        self._size = 0
 
     def _drop_stale_entries(self) -> None:
         seq_of = self._seq_of
-        self.queue = deque(entry for entry in self.queue if seq_of(entry[2]) == entry[1])
-        self.heap = [entry for entry in self.heap if seq_of(entry[2]) == entry[1]]
-        heapify(self.heap)
+        self._queue = deque(entry for entry in self._queue if seq_of(entry[2]) == entry[1])
+        self._heap = [entry for entry in self._heap if seq_of(entry[2]) == entry[1]]
+        heapify(self._heap)
 
     def check(self, expected: Iterable[RadixNode]) -> None:
         """Assert the candidates are exactly ``expected``, each has a live, up-to-date entry, and
         the queue is sorted."""
         expected_ids = {id(node) for node in expected}
         seq_of, label = self._seq_of, self._label
-        entries = [*self.queue, *self.heap]
+        entries = [*self._queue, *self._heap]
         live = {id(node): (ts, node) for ts, seq, node in entries if seq_of(node) == seq}
-        assert self.size == len(expected_ids), (
-            f"candidate count {self.size} != number of unlocked {label} {len(expected_ids)}"
+        assert self._size == len(expected_ids), (
+            f"candidate count {self._size} != number of unlocked {label} {len(expected_ids)}"
         )
         assert live.keys() == expected_ids, (
             f"candidate set differs from the unlocked {label}: {len(live.keys() - expected_ids)} extra, "
@@ -149,8 +142,8 @@ class EvictionCandidates:
         )
         for ts, node in live.values():
             assert ts == node.last_access, f"stale heap rank {ts} for {node!r}"
-        ranks = [entry[:2] for entry in self.queue]
+        ranks = [entry[:2] for entry in self._queue]
         assert ranks == sorted(ranks), f"the in-order queue of the {label} is out of order"
-        assert len(entries) <= 2 * self.size + _COMPACTION_SLACK, (
-            f"{len(entries)} entries held for {self.size} candidates: stale entries are not dropped"
+        assert len(entries) <= 2 * self._size + _COMPACTION_SLACK, (
+            f"{len(entries)} entries held for {self._size} candidates: stale entries are not dropped"
         )
