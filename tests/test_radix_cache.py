@@ -530,7 +530,7 @@ def test_inserted_leaf_sets_every_slot():
     cache.insert_prefix(ids(1, 1, 2, 2), span(10, 4))
     leaf = cache.insert_prefix(ids(1, 1, 2, 2, 3, 3), span(10, 6)).handle
     parent = leaf.parent
-    built = RadixNode(cache._generation, parent, leaf.key, leaf.value, 6, leaf.last_access)
+    built = RadixNode(cache._generation, parent, leaf.key, leaf.value, 6, leaf.last_access, leaf.key[:8])
     for slot in RadixNode.__slots__:
         assert hasattr(leaf, slot), f"the inserted leaf has no {slot}"
         if slot not in ("heap_seq", "children"):  # the leaf is an eviction candidate; children: a fresh dict

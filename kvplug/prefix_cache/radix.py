@@ -136,9 +136,10 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         if input_ids.__class__ is not _NDARRAY or input_ids.dtype is not HOST_INT32 or input_ids.ndim != 1:
             if not is_host_int32(input_ids):
                 reject_host_array(input_ids, "input_ids")
-        length = input_ids.shape[0]
-        usable = length - length % self.page_size
-        node = self._match_tokens((input_ids if usable == length else input_ids[:usable]).tobytes())
+        length = len(input_ids)  # 1-D: len() is shape[0] without building the shape tuple
+        if length % self.page_size:
+            input_ids = input_ids[: length - length % self.page_size]
+        node = self._match_tokens(input_ids.tobytes())
         return self.device_head(node) if node.on_host else node
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
@@ -256,9 +257,8 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             if child is None:
                 break  # first_page: the new leaf's
             key = child.key
-            after = matched + len(key)
-            if after <= end and tokens.startswith(key, matched):
-                matched = after
+            if tokens.startswith(key, matched):  # False as well when the tokens end inside the edge
+                matched += len(key)
                 node = child
                 continue
             return self._insert_into_edge(child, tokens, matched, locations, check)  # rare: out of line
@@ -300,6 +300,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         leaf.parent = node
         leaf.children = {}
         leaf.key = key
+        leaf.first_page = first_page
         leaf.value = value
         leaf.lock_ref = 0
         leaf.own_locks = 0
@@ -390,7 +391,6 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         one only unlinks it, and its parent becomes a candidate once it is an unlocked leaf."""
         freed: list[bytes] = []
         freed_bytes = 0
-        page_bytes = self._page_bytes
         root = self._root
         candidates = self._candidates
         pop, add_new = candidates.pop_least_recent, candidates.add_new
@@ -400,7 +400,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             freed.append(value)
             freed_bytes += len(value)
             parent = leaf.parent
-            del parent.children[leaf.key[:page_bytes]]
+            del parent.children[leaf.first_page]  # its own key object: no slice, no hash
             leaf.parent = None
             if not parent.children and not parent.lock_ref and parent is not root:
                 add_new(parent)  # an internal node is never a candidate: this one is new
@@ -448,9 +448,8 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             if child is None:
                 break
             key = child.key
-            after = here + len(key)
-            if after <= stop and tokens.startswith(key, here):
-                here = after
+            if tokens.startswith(key, here):  # False as well when the tokens end inside the edge
+                here += len(key)
                 node = child
                 continue
             node = self._split(child, shared_page_bytes(key, tokens, here, self.page_size))
@@ -501,17 +500,19 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         parent = child.parent
         upper_len = child.cached_len - (len(child.key) - at_bytes) // BYTES_PER_TOKEN
         upper = RadixNode(
-            child.generation, parent, child.key[:at_bytes], child.value[:at_bytes], upper_len, child.last_access
+            child.generation, parent, child.key[:at_bytes], child.value[:at_bytes], upper_len, child.last_access,
+            child.first_page,
         )
         upper.lock_ref = child.lock_ref
         if child.on_host:
             upper.on_host = True
             upper.host_children = 1
-        parent.children[child.key[:page_bytes]] = upper
+        parent.children[upper.first_page] = upper  # in child's place, under the same key object
         child.key = child.key[at_bytes:]
+        child.first_page = first_page = child.key[:page_bytes]
         child.value = child.value[at_bytes:]
         child.parent = upper
-        upper.children[child.key[:page_bytes]] = child
+        upper.children[first_page] = child
         if child.page_hashes is not None:  # a page's hash depends only on its path: split them as is
             upper_pages = at_bytes // page_bytes
             upper.page_hashes, child.page_hashes = child.page_hashes[:upper_pages], child.page_hashes[upper_pages:]
@@ -600,9 +601,10 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         """Hang a new host-resident leaf below ``node`` (no child of ``node`` starts with ``key``'s
         first page) at host locations ``host_value``, and touch its path: pages the host tier got
         from elsewhere (a shared KV store) than an eviction."""
-        leaf = RadixNode(self._generation, node, key, host_value, cached_len)
+        first_page = key[: self._page_bytes]
+        leaf = RadixNode(self._generation, node, key, host_value, cached_len, first_page=first_page)
         leaf.on_host = True
-        node.children[key[: self._page_bytes]] = leaf
+        node.children[first_page] = leaf
         node.host_children += 1
         self._host_evictable += len(host_value) // BYTES_PER_TOKEN
         self.refresh(node)  # a host leaf no more, or a device node with one more host child
@@ -620,7 +622,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         return its parent. A device-resident ``node`` is already off the device tier's books
         (``evict`` took it); host-resident nodes are taken off the host tier's here."""
         parent = node.parent
-        del parent.children[node.key[: self._page_bytes]]
+        del parent.children[node.first_page]
         if node.on_host:
             parent.host_children -= 1
         tier = self._tier
@@ -702,15 +704,15 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
         """Raise ``AssertionError`` naming the first broken invariant; one full walk (slow on purpose).
 
         Checked: root shape; every edge a non-empty page multiple with as many locations as token
-        ids; handle lengths and generations; parent/child links and first-page child keys; lock
-        counts (never negative; a node counts its own locks plus its children's); recency (a
-        parent is never older than a child, nothing newer than the clock); below a host-resident
-        node everything is host-resident, and each node counts its host-resident children; per
-        tier, the sizes and the eviction candidates; no device location held twice; then the
-        tier's own state (``TierPolicy.check_integrity``).
+        ids; handle lengths and generations; parent/child links and first-page child keys (each node's
+        ``first_page`` too); lock counts (never negative; a node counts its own locks plus its
+        children's); recency (a parent is never older than a child, nothing newer than the clock);
+        below a host-resident node everything is host-resident, and each node counts its
+        host-resident children; per tier, the sizes and the eviction candidates; no device location
+        held twice; then the tier's own state (``TierPolicy.check_integrity``).
         """
         root = self._root
-        assert root.parent is None and root.key == b"" and root.value == b"" and not root.on_host, (
+        assert root.parent is None and root.key == root.first_page == root.value == b"" and not root.on_host, (
             "root must be an empty device edge"
         )
         assert root.lock_ref == 0 and root.heap_seq < 0 and root.host_heap_seq < 0, (
@@ -783,6 +785,7 @@ class RadixPrefixCache(BasePrefixCache, HostArrayCalls):
             f"{child!r}: {len(child.key) // BYTES_PER_TOKEN} token ids for {num_tokens} locations"
         )
         assert child.key[: self._page_bytes] == first_page, f"{child!r} is filed under another first page"
+        assert child.first_page == first_page, f"{child!r} keeps another first page than its key's"
         assert child.cached_len == parent.cached_len + num_tokens, f"{child!r} does not end where its path ends"
         assert child.lock_ref >= 0, f"{child!r}: negative lock count"
         assert child.last_access <= self._clock, (

@@ -37,6 +37,8 @@ class RadixNode(BaseCacheHandle):
         parent: the node above, ``None`` for the root and for a node that was evicted.
         children: child nodes keyed by the bytes of their first page.
         key: token ids of this edge, int32 bytes, cpu; a positive whole number of pages.
+        first_page: ``key``'s first page, the very ``bytes`` object that files the node in its parent's
+            ``children`` (``b""`` for the root): unlinking the node takes no slice of ``key`` and no hash.
         value: KV locations of those tokens, int32 bytes, cpu; as long as ``key``.
         lock_ref: number of locked handles whose path runs through this node.
         own_locks: number of those locks taken on this node itself (its own handle); an unlock is
@@ -60,6 +62,7 @@ class RadixNode(BaseCacheHandle):
         "parent",
         "children",
         "key",
+        "first_page",
         "value",
         "lock_ref",
         "own_locks",
@@ -81,11 +84,13 @@ class RadixNode(BaseCacheHandle):
         value: bytes,
         cached_len: int,
         last_access: int = 0,
+        first_page: bytes = b"",
     ) -> None:
         self.cached_len = cached_len
         self.parent = parent
         self.children: dict[bytes, RadixNode] = {}
         self.key = key
+        self.first_page = first_page
         self.value = value
         self.lock_ref = 0
         self.own_locks = 0
