@@ -42,7 +42,7 @@ from kvplug.attention.decode_staging import DecodeStager
 from kvplug.backend_checks import check_new_tokens, reject_append, reject_decode
 from kvplug.backend_factory import BackendParts, build_parts, remote_kv_options
 from kvplug.backend_stats import BackendStats
-from kvplug.memory.request import BatchLease, check_lease
+from kvplug.memory.request import ONE, BatchLease, check_lease
 from kvplug.cache_guard import CacheGuard, hand_over  # issue 32 seam
 from kvplug.call_gate import CallGate, backend_call  # issue 32 seam
 from kvplug.decode_step import DecodeStep
@@ -257,12 +257,13 @@ class KVBackend:
         states = self.requests
         rows, row_starts = states.batch_rows(requests)
         cached = states.cached_len[rows]
-        if np.count_nonzero(states.num_tokens[rows] - cached - 1):
+        device_lens = cached + ONE
+        if np.count_nonzero(states.num_tokens[rows] - device_lens):
             reject_decode(rows, cached, states.num_tokens[rows], self.max_seq_len)
         cells = row_starts + cached  # each new token's cell in the page table and token pool
         # the whole decode allocation rule: a request whose new token starts a page takes one
         pages = self.allocator.take_decode_pages(rows, cached, cells)
-        states.schedule(rows, cached + 1)
+        states.schedule(rows, device_lens)
         batch, graph_size, stamp = self._stage_decode(requests, rows, cells, cached, pages, self.graphs)
         return DecodeStep(self.tables, states, batch, rows, cached, cells, graph_size, stamp)
 

@@ -45,7 +45,7 @@ import torch
 from kvplug.interface import AttentionBatch, InvalidArgumentError
 from kvplug.memory.page_table import PageTable
 from kvplug.memory.pending_tokens import PendingTokens
-from kvplug.memory.request import BatchLease, RequestTable, check_lease
+from kvplug.memory.request import ONE, BatchLease, RequestTable, check_lease
 from kvplug.memory.token_ids import as_token_ids, host_token_ids
 
 _max = np.maximum.reduce  # NOTE: ndarray.max without its Python-level wrapper (a per-step call); 1-D arrays only
@@ -73,7 +73,7 @@ class DecodeStep:
 
     __slots__ = (
         "requests", "batch", "input_ids", "graph_size", "committed", "stamp", "pending_tokens",
-        "_tables", "_states", "_rows", "_generation", "_cached", "_cells",
+        "_tables", "_states", "_rows", "_generation", "_cached_version", "_cached", "_cells",
     )
 
     def __init__(
@@ -98,6 +98,7 @@ class DecodeStep:
         self._states = states
         self._rows = rows
         self._generation = states.generation  # which requests were live
+        self._cached_version = states.cached_version  # which cached lengths were current
         self._cached = cached
         self._cells = cells
 
@@ -144,19 +145,23 @@ class DecodeStep:
                 f"need one token id per request: {rows.size} requests, token ids of shape {tuple(ids.shape)}"
             )
         # the same requests are live while no request started or ended (the usual case); else
-        # each request's key says whether it is still the one staged
+        # each request's key says whether it is still the one staged. Likewise the cached lengths
+        # are compared only when a transition wrote some since staging (another step's commit, a
+        # forward). NOTE: RequestTable.cached_version stands in for a per-step gather and compare,
+        # so every writer of cached_len must bump it (its transitions do)
         finished = states.generation != self._generation and np.count_nonzero(
             states.key[rows] - np.fromiter((request.key for request in self.requests), np.int64, rows.size)
         )
-        if finished or np.count_nonzero(states.cached_len[rows] - cached):
+        if finished or (states.cached_version != self._cached_version
+                        and np.count_nonzero(states.cached_len[rows] - cached)):
             raise InvalidArgumentError(
                 "a request of this decode step was finished or changed since it was staged; commit a step "
                 "before finishing its requests"
             )
         self.committed = True
-        cells = self._cells + 1  # where each sampled id goes
+        cells = self._cells + ONE  # where each sampled id goes
         stored = None
-        if _max(cached) + 2 > tables.max_seq_len:  # some sampled tokens have no cell: finish those
+        if _max(cached) > tables.max_seq_len - 2:  # some sampled tokens have no cell: finish those
             stored = cached + 2 <= tables.max_seq_len
             keep = np.flatnonzero(stored)
             if keep.size:

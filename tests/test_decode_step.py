@@ -186,6 +186,28 @@ def test_what_commit_refuses(manager):
 
 
 @pytest.mark.parametrize("host_views", [True, False])
+def test_commit_compares_cached_lengths_once_some_moved_since_staging(manager, host_views):
+    """A commit reads the cached lengths only when a transition wrote some since its step was
+    staged: a step whose requests moved on since (another step over them committed) is refused
+    with nothing changed; one whose requests did not is committed although another's moved."""
+    backend = _backend_with_tables(manager, 4, host_views=host_views)
+    a, b, c = _ready(backend, [[1, 2], [3, 4, 5], [6]])
+    first = backend.begin_decode([a, b])
+    second = backend.begin_decode([a, b])  # the same requests, staged again before the commit
+    first.commit([7, 8])
+    lengths = [a.lengths(), b.lengths()]
+    with pytest.raises(InvalidArgumentError, match="finished or changed"):
+        second.commit([9, 10])
+    assert [a.lengths(), b.lengths()] == lengths and not second.committed
+    third = backend.begin_decode([a])
+    backend.begin_decode([c]).commit([11])  # c moves on, a does not
+    third.commit([12])
+    assert a.cached_len == lengths[0]["cached_len"] + 1 and a.num_tokens == lengths[0]["num_tokens"] + 1
+    assert backend.token_pool[a.row, a.cached_len].item() == 12
+    backend.check_integrity()
+
+
+@pytest.mark.parametrize("host_views", [True, False])
 def test_a_request_reaching_max_seq_len_stores_no_token_and_is_refused_after(manager, host_views):
     backend = _backend_with_tables(manager, 16, host_views=host_views)  # max_seq_len 96
     full, short = _ready(backend, [list(range(94)), [1, 2]])  # 95 and 3 known tokens

@@ -284,7 +284,7 @@ TestRowMachine.settings = settings(max_examples=30, stateful_step_count=30, dead
 
 
 @settings(max_examples=60, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 5, 16, 24, 32, 48]), max_seq_len=st.integers(1, 100), data=st.data())
+@given(page_size=st.sampled_from([1, 2, 5, 16, 24, 32, 48, 64]), max_seq_len=st.integers(1, 100), data=st.data())
 def test_record_decode_pages_writes_each_page_clipped_to_its_row(page_size, max_seq_len, data):
     """Differential: ``record_decode_pages`` against a cell-by-cell loop, with pages at every
     page-aligned column, the last one of a row included (row widths that are and are not page
@@ -301,4 +301,25 @@ def test_record_decode_pages_writes_each_page_clipped_to_its_row(page_size, max_
             if column + offset < width:
                 expected[row, column + offset] = page + offset
     table.record_decode_pages(cells, pages, page_size)
+    np.testing.assert_array_equal(table.host_table, expected)
+
+
+@pytest.mark.parametrize(("page_size", "max_seq_len"), [(16, 64), (64, 96)])
+def test_record_decode_pages_of_more_pages_than_rows_then_fewer(page_size, max_seq_len):
+    """Every page of every row in one call (more pages than request rows), then one page: a row
+    width that is a page multiple (16 into 64) and one that is not (64 into 96, clipped)."""
+    table = make_table(rows=2, max_seq_len=max_seq_len)
+    width = table.row_width
+    columns = range(0, width, page_size)
+    cells = np.array([row * width + column for row in range(2) for column in columns], dtype=np.int64)
+    pages = (np.arange(cells.size, dtype=np.int32) + 7) * page_size
+    expected = table.host_table.copy()
+    for cell, page in zip(cells.tolist(), pages.tolist()):
+        row, column = divmod(cell, width)
+        end = min(column + page_size, width)
+        expected[row, column:end] = np.arange(page, page + end - column)
+    table.record_decode_pages(cells, pages, page_size)
+    np.testing.assert_array_equal(table.host_table, expected)
+    expected[1, :page_size] = np.arange(page_size) + 3 * page_size
+    table.record_decode_pages(cells[-len(columns):][:1], np.array([3 * page_size], dtype=np.int32), page_size)
     np.testing.assert_array_equal(table.host_table, expected)

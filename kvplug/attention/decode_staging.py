@@ -71,6 +71,11 @@ from kvplug.attention.paged_indices import PagedIndexBuilder, PagedIndices, writ
 from kvplug.interface import AttentionBatch, ForwardPhase, KVPlugError
 from kvplug.memory.allocator import NewPages
 
+# NOTE: 1 as a read-only 0-d int32 array for the per-step device lengths: numpy handles an array
+# operand faster than a Python int, whose dtype it works out on every call
+_ONE32 = np.array(1, dtype=np.int32)
+_ONE32.flags.writeable = False
+
 
 # ---------------------------------------------------------------------- the slot layout
 
@@ -448,7 +453,7 @@ class DecodeStager:
             host.rows[live:] = self._capacity - 1  # the dummy row
             host.cached[:live] = cached_lens
             host.cached[live:] = 0
-        np.add(host.cached, 1, out=host.device)  # int32 to int32: no cast
+        np.add(host.cached, _ONE32, out=host.device)  # int32 to int32: no cast
         if pages is not None:
             host.page_slot[:live] = pages.page_start
             if live != n:

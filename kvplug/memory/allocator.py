@@ -211,6 +211,10 @@ class PagedAllocator:
         self.states = RequestTable(page_table.max_running_reqs, page_table.row_width)
         self.free_list = FreeList(num_pages, page_size)
         self._no_pages: dict[int, np.ndarray] = {}
+        # NOTE: the page size as a read-only 0-d int64 array for per-step sums: numpy handles an
+        # array operand faster than a Python int, whose dtype it works out on every call
+        self._page_step = np.array(page_size, dtype=np.int64)
+        self._page_step.flags.writeable = False
         self._loads: dict[int, PendingLoads] = {}  # row -> its admission's loads, until one call takes them
         self.evicted_tokens = 0
         self.host_hit_tokens = 0
@@ -477,20 +481,20 @@ class PagedAllocator:
 
         Raises ``OutOfMemoryError`` with nothing changed.
         """
-        allocated = self.states.allocated_len[rows]
-        growing = (allocated == cached).nonzero()[0]
-        count = int(growing.size)
+        states = self.states
+        growing = (states.allocated_len[rows] == cached).nonzero()[0]
+        count = growing.size
         if not count:
             return None
         pages = self._take_pages(count, count)  # read-only: the free list never writes it again
         if count == rows.size:  # every request starts a page (page size 1: every step)
             self.page_table.record_decode_pages(cells, pages, self.page_size)
-            self.states.reserve(rows, cached + self.page_size)
+            states.reserve(rows, cached + self._page_step)
             return NewPages(pages)
         page_start = self._no_pages_template(rows.size).copy()
         page_start[growing] = pages
         self.page_table.record_decode_pages(cells[growing], pages, self.page_size)
-        self.states.reserve(rows[growing], cached[growing] + self.page_size)
+        states.reserve(rows[growing], cached[growing] + self._page_step)
         return NewPages(page_start)
 
     def _no_pages_template(self, size: int) -> np.ndarray:
@@ -507,8 +511,11 @@ class PagedAllocator:
 
     # ------------------------------------------------------------------ internals
     def _take_pages(self, count: int, num_requests: int) -> np.ndarray:
-        self._make_room(count, num_requests)
-        return self.free_list.take(count)
+        try:  # the free list checks its length itself
+            return self.free_list.take(count)
+        except OutOfMemoryError:  # short: evict from the prefix cache (or raise, nothing changed)
+            self._make_room(count, num_requests)
+            return self.free_list.take(count)
 
     def _make_room(self, count: int, num_requests: int) -> None:
         """Evict from the prefix cache until ``count`` pages are free, or raise

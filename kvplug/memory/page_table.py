@@ -31,6 +31,8 @@ bad call raises ``InvalidArgumentError`` and changes nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -46,6 +48,29 @@ __all__ = ["ROW_ALIGNMENT", "PageTable", "PendingTokens", "align_up"]
 
 def align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
+
+
+class _PageLayout(NamedTuple):
+    """How ``record_decode_pages`` writes pages of one size (made once per page size).
+
+    Attributes:
+        offsets, offsets32: ``0 .. page_size - 1`` as int64 and int32.
+        size: ``page_size`` as a 0-d int64 array.
+        page_dtype: one page of int32 locations as a single void element.
+        pages: the host table viewed as one ``page_dtype`` element per page, or ``None`` when the
+            row width is no multiple of the page size (a page may then straddle two rows).
+        spread, tiled: shape ``[n]``, int64 and int32; ``i // page_size`` and ``i % page_size``
+            for the ``i``-th location of a call's pages (``n``: a page per request row, or more
+            once a call needed more); ``None`` when ``pages`` is.
+    """
+
+    offsets: np.ndarray
+    offsets32: np.ndarray
+    size: np.ndarray
+    page_dtype: np.dtype
+    pages: np.ndarray | None
+    spread: np.ndarray | None
+    tiled: np.ndarray | None
 
 
 class PageTable:
@@ -94,7 +119,7 @@ class PageTable:
         self.host_table, self.host_tokens = host[TABLE], host[TOKENS]
         self._host_flat = host.reshape(-1)
         self._host_table_flat = self.host_table.reshape(-1)
-        self._page_offsets: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._page_layouts: dict[int, _PageLayout] = {}
         self.mirrored = device.type != "cpu" or host_views is False
         storage = torch.from_numpy(host)
         if self.mirrored:
@@ -237,30 +262,47 @@ class PageTable:
                 each page starts.
             pages: shape ``[g]``, int32, host; their first locations (each page clipped to its row).
         """
-        flat = self._host_table_flat
         if page_size == 1:  # the per-step case of page size 1: one write
-            flat[cells] = pages
+            self._host_table_flat[cells] = pages
             return
-        offsets, offsets32 = self._offsets(page_size)
+        layout = self._page_layouts.get(page_size) or self._page_layout(page_size)
+        offsets, offsets32, size, page_dtype, whole, spread, tiled = layout
+        if whole is not None:
+            # pages start at page-aligned columns (allocated_len is whole pages) of rows of whole pages.
+            # NOTE: each page is one void element of the table's view, and its locations come from a
+            # 1-D gather and add: no [g, page_size] broadcast, no int64 index per location; needs
+            # int32 pages, a row width that is a page multiple and two index arrays per page size
+            n = pages.shape[0] * page_size
+            if n > spread.shape[0]:  # more pages than request rows: not a decode step's
+                layout = self._page_layout(page_size, n)
+                spread, tiled = layout.spread, layout.tiled
+            whole[cells // size] = (pages[spread[:n]] + tiled[:n]).view(page_dtype)
+            return
+        # a row width that is no page multiple: a row's last page may reach past its end
         spans = cells[:, None] + offsets
         values = pages[:, None] + offsets32
-        # pages start at page-aligned columns (allocated_len is whole pages), so one can reach past
-        # its row's end only when the row width is no multiple of the page size
-        if self.row_width % page_size:
-            columns = cells % self.row_width
-            if int(columns.max()) + page_size > self.row_width:
-                inside = columns[:, None] + offsets < self.row_width
-                spans, values = spans[inside], values[inside]
-        flat[spans] = values
+        columns = cells % self.row_width
+        if int(columns.max()) + page_size > self.row_width:
+            inside = columns[:, None] + offsets < self.row_width
+            spans, values = spans[inside], values[inside]
+        self._host_table_flat[spans] = values
 
-    def _offsets(self, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """``0 .. page_size - 1`` as int64 and int32 (made once per page size)."""
-        pair = self._page_offsets.get(page_size)
-        if pair is None:
-            pair = self._page_offsets[page_size] = (
-                np.arange(page_size, dtype=np.int64), np.arange(page_size, dtype=np.int32)
-            )
-        return pair
+    def _page_layout(self, page_size: int, locations: int = 0) -> _PageLayout:
+        """``page_size``'s ``_PageLayout``, made and kept (``spread`` and ``tiled`` cover a page
+        per request row, or ``locations`` when more)."""
+        page_dtype = np.dtype((np.void, page_size * self._host_table_flat.itemsize))
+        size = np.array(page_size, dtype=np.int64)
+        size.flags.writeable = False
+        whole = spread = tiled = None
+        if self.row_width % page_size == 0:
+            whole = self._host_table_flat.view(page_dtype)
+            index = np.arange(max(self.max_running_reqs * page_size, locations), dtype=np.int64)
+            spread, tiled = index // page_size, (index % page_size).astype(np.int32)
+        layout = self._page_layouts[page_size] = _PageLayout(
+            np.arange(page_size, dtype=np.int64), np.arange(page_size, dtype=np.int32), size, page_dtype, whole,
+            spread, tiled,
+        )
+        return layout
 
     # ------------------------------------------------------------------ page table (checked)
     def locations(self, row: int, start: int, end: int) -> torch.Tensor:

@@ -27,7 +27,9 @@ The transitions, in a request's order: ``open`` (admission: a row, the match), `
 The lengths live in numpy arrays indexed by row, so batch transitions over hundreds of requests
 are a handful of vector operations plus one pass to collect row keys. That pass is skipped when a
 call names the same requests, in the same order, as the previous one and no request was opened or
-closed since (``batch_rows``' memo).
+closed since (``batch_rows``' memo). Every transition that writes a cached length bumps
+``cached_version``, so a staged decode step's commit compares its requests' cached lengths only
+when some moved since it was staged.
 
 Leases (``BatchLease``, below): a batch names token locations of its requests' rows. Once one of
 those requests is finished, its pages go back to the free list (or the prefix cache) and may be
@@ -50,6 +52,10 @@ LENGTH_FIELDS = ("cached_len", "device_len", "allocated_len", "num_tokens", "kno
 _KEY_SERIALS = itertools.count(1)
 ROW_BITS = 32
 ROW_MASK = (1 << ROW_BITS) - 1
+# NOTE: 1 as a read-only 0-d int64 array for the per-step length sums of int64 arrays: numpy
+# handles an array operand faster than a Python int (whose dtype it works out on every call)
+ONE = np.array(1, dtype=np.int64)
+ONE.flags.writeable = False
 
 
 class BatchRows(NamedTuple):
@@ -92,6 +98,7 @@ class RequestTable:
         # a stack popped from the end: low rows first keeps the live part of the table compact
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._generation = 0
+        self._cached_version = 0  # bumped by every transition that writes a cached length
         # batch_rows' memo: the last validated request list, its rows, and the generation they were
         # validated at (any open or close bumps it, which invalidates the memo)
         self._memo_requests: list | None = None
@@ -103,6 +110,12 @@ class RequestTable:
     def generation(self) -> int:
         """Bumped by every ``open`` and ``close``: unchanged means the same requests are live."""
         return self._generation
+
+    @property
+    def cached_version(self) -> int:
+        """Bumped by every transition that writes ``cached_len`` (``open``, ``computed``,
+        ``appended``, ``decoded``): unchanged means no cached length changed."""
+        return self._cached_version
 
     @property
     def num_live(self) -> int:
@@ -176,6 +189,7 @@ class RequestTable:
         else:
             self._free_rows.remove(row)
         self._generation += 1
+        self._cached_version += 1
         key = next(_KEY_SERIALS) << ROW_BITS | row
         self.key[row] = key
         for name, value in zip(LENGTH_FIELDS, (matched_len, matched_len, matched_len, prompt_len, prompt_len)):
@@ -194,14 +208,16 @@ class RequestTable:
 
     def computed(self, rows: np.ndarray) -> None:
         """The forward over ``rows`` ran: their K/V up to ``device_len`` is in the pool."""
+        self._cached_version += 1
         self.cached_len[rows] = self.device_len[rows]
 
     def appended(self, rows: np.ndarray, *, known: bool) -> None:
         """A forward over every known token ran and one sampled id per row was appended
         (``known``: given as host values)."""
         num_tokens = self.num_tokens[rows]
+        self._cached_version += 1
         self.cached_len[rows] = self.device_len[rows]
-        self.num_tokens[rows] = num_tokens + 1
+        self.num_tokens[rows] = num_tokens + ONE
         if known:
             self._extend_known(rows, num_tokens)
 
@@ -209,16 +225,21 @@ class RequestTable:
         """A decode step over ``rows`` (cached lengths ``cached``) ran: one more token each is
         cached, and the sampled ids become the next tokens of the rows ``stored`` (a mask;
         ``None``: all) - a row at ``max_seq_len`` keeps its K/V but stores no token."""
-        self.cached_len[rows] = cached + 1
-        target = rows if stored is None else rows[stored]
-        self.num_tokens[target] = (cached + 2) if stored is None else (cached[stored] + 2)
+        following = cached + ONE  # the new cached lengths, where each sampled id goes
+        self._cached_version += 1
+        self.cached_len[rows] = following
+        if stored is None:
+            target = rows
+        else:
+            target, following = rows[stored], following[stored]
+        self.num_tokens[target] = following + ONE
         if known:
-            self._extend_known(target, (cached + 1) if stored is None else (cached[stored] + 1))
+            self._extend_known(target, following)
 
     def _extend_known(self, rows: np.ndarray, before: np.ndarray) -> None:
         """Ids at ``before`` became known where the host knew every id up to there."""
         contiguous = self.known_len[rows] == before
-        self.known_len[rows[contiguous]] = before[contiguous] + 1
+        self.known_len[rows[contiguous]] = before[contiguous] + ONE
 
     def know(self, row: int, known_len: int) -> None:
         """The host knows ``row``'s first ``known_len`` ids (``<= num_tokens``)."""
