@@ -24,6 +24,13 @@ def run_kvplug(*args: str, pythonpath: str | None = None, env_extra: dict | None
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+def script_output(script: str, *args: str, pythonpath: str) -> str:
+    """Run ``python -c script args...`` with ``pythonpath`` first; its stdout (it must exit 0)."""
+    result = run_kvplug("-c", script, *args, pythonpath=pythonpath)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 @pytest.fixture(scope="module")
 def installed_example(tmp_path_factory) -> str:
     """Build and install examples/third_party_plugin (a real wheel build) into a private directory."""
@@ -79,9 +86,7 @@ def test_example_store_is_chosen_by_url_through_its_entry_point_and_passes_the_k
         "kvplug.testing.check_kv_store(lambda: manager.create_kv_store(url))\n"
         "print('conformant')\n"
     )
-    result = run_kvplug("-c", script, str(tmp_path / "pages"), pythonpath=installed_example)
-    assert result.returncode == 0, result.stderr
-    assert "conformant" in result.stdout
+    assert "conformant" in script_output(script, str(tmp_path / "pages"), pythonpath=installed_example)
 
 
 def test_a_backend_loads_what_another_evicted_through_the_example_store(installed_example, tmp_path):
@@ -117,15 +122,12 @@ def test_a_backend_loads_what_another_evicted_through_the_example_store(installe
         "first = backend()\n"
         "assert serve(first) == 0\n"
         "first.evict_prefix_cache(6 * page)\n"
-        "if hasattr(first, 'flush_remote_kv'):\n"
-        "    first.flush_remote_kv()\n"
+        "first.prefix_cache.flush_remote_kv()  # the store writes are done\n"
         "assert serve(backend()) == 6 * page, 'the second backend recomputed what the store holds'\n"
         "assert serve(backend('another-model')) == 0\n"
         "print('shared')\n"
     )
-    result = run_kvplug("-c", script, str(tmp_path / "pages"), pythonpath=installed_example)
-    assert result.returncode == 0, result.stderr
-    assert "shared" in result.stdout
+    assert "shared" in script_output(script, str(tmp_path / "pages"), pythonpath=installed_example)
 
 
 def test_disabling_the_example_hides_it(installed_example):
