@@ -14,6 +14,10 @@
 #   MODE=sweep                 issue 28 items 3-4: multi-turn chats at concurrency $SWEEP (kvplug beside
 #                              native; native only up to NATIVE_MAX_C) for benchmarks/plot_serve.py, then
 #                              the shared-prefix e2e shape through the client: radix, naive, native
+#   PROFILE=1                  MODE=stream: py-spy records every process of the streaming pass's server, from
+#                              its start to its end (--subprocesses, per thread, idle included; the start-up's
+#                              stacks are told apart by their frames): $OUT/profile_stream.txt (collapsed
+#                              stacks; py-spy's wheel comes with scripts/device-serve-wheels.sh)
 #   API_SERVERS="2 4"          MODE=stream: one more streaming pass per N with --api-server-count N
 #                              (N HTTP processes over one engine process): $OUT/serve_stream_api<N>.json
 set -o pipefail
@@ -74,6 +78,11 @@ if [ "${MODE:-ab}" = stream ]; then
   ARGS="$CKPT $COMMON --attention triton --max-running-reqs 256 --cuda-graph-max-bs 256 ${KVPLUG_ARGS:-}"
   for pass in stream nostream; do
     flag=""; [ "$pass" = nostream ] && flag=--no-stream
+    if [ "${PROFILE:-0}" = 1 ] && [ "$pass" = stream ]; then  # sample the server from its start to its end
+      ( for _ in $(seq 1 60); do pid=$(pgrep -of "kvplug serve $CKPT") && break; sleep 1; done
+        [ -n "${pid:-}" ] && timeout 230 /tmp/site-serve/bin/py-spy record --subprocesses --threads --idle -r 100 \
+            -d 220 -f raw -o "$OUT/profile_stream.txt" -p "$pid" > "$OUT/profile_stream.log" 2>&1 ) &
+    fi
     timeout 240 python3 -m kvplug bench serve --serve-args "$ARGS" --dataset random --num-prompts 512 \
         --question-chars 128 --output-tokens 256 --max-concurrency 256 --warmup 16 $flag \
         --client-processes ${CLIENT_PROCS:-1} ${BENCH_ARGS:-} \
